@@ -1,0 +1,7 @@
+"""``python -m redsrv`` is the ``redsrv`` command."""
+
+import sys
+
+from redsrv.cli import main
+
+sys.exit(main())

@@ -1,0 +1,134 @@
+"""The ``redsrv`` command line: ``redsrv reducer``, ``redsrv demo``, ``redsrv bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from redsrv.core import constants as C
+from redsrv.core.config import Config, read_secret_file
+from redsrv.core.daemon import DaemonSettings, ReducerDaemon
+from redsrv.core.errors import ConfigError
+
+__all__ = ["main"]
+
+
+def _add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log verbosity (default: info)")
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _reducer(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    env = Config.from_env()  # validates REDSRV_* (unknown names, bad values) before binding
+    secret = read_secret_file(args.secret_file) if args.secret_file else env.secret
+    if args.require_secret and secret is None:
+        raise ConfigError("--require-secret given but no secret: pass --secret-file or set REDSRV_SECRET_FILE")
+    settings = DaemonSettings(
+        host=args.host, port=args.port, secret=secret,
+        heartbeat_interval=env.heartbeat_interval, heartbeat_misses=env.heartbeat_misses,
+        handshake_timeout=env.handshake_timeout, send_timeout=env.op_timeout, close_timeout=env.close_timeout,
+        stall_warning=env.stall_warning, max_frame_payload=env.max_frame_payload, job_budget_bytes=env.job_budget_bytes,
+    )
+    daemon = ReducerDaemon(settings)
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    host, port = daemon.start()
+    shown = f"[{host}]" if ":" in host else host
+    print(f"redsrv reducer listening on {shown}:{port} incarnation={daemon.incarnation:#x}", flush=True)
+    while not stop.wait(0.5):
+        pass
+    daemon.stop(f"reducer received {received[0] if received else 'stop'}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from redsrv.examples.launcher import run_demo
+
+    return run_demo(workers=args.workers, reducers=args.reducers, steps=args.steps, framework=args.framework,
+                    wire_dtype=args.wire_dtype)
+
+
+def _bench_local(args: argparse.Namespace) -> int:
+    from redsrv.examples.bench_local import run_local_bench
+
+    return run_local_bench(workers=args.workers, reducers=args.reducers, sizes_mib=args.sizes, reps=args.reps,
+                           wire_dtype=args.wire_dtype, json_path=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="redsrv",
+        description="A reduction server for data-parallel training: workers push gradient chunks to stateless CPU "
+        "reducers and pull back the sums.",
+    )
+    from redsrv import __version__
+
+    parser.add_argument("--version", action="version", version=f"redsrv {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("reducer", help="run one reducer until SIGTERM",
+                       description="Run one reducer. Start one per CPU host; give the workers every reducer's "
+                       "host:port (REDSRV_REDUCERS). Aggregate reducer bandwidth should match aggregate worker bandwidth.")
+    p.add_argument("--host", default=C.DEFAULT_BIND_HOST,
+                   help=f"address to bind (default {C.DEFAULT_BIND_HOST}; use 0.0.0.0 on a cluster, with a secret)")
+    p.add_argument("--port", type=int, default=C.DEFAULT_PORT, help=f"port (default {C.DEFAULT_PORT}; 0 picks a free one and prints it)")
+    p.add_argument("--secret-file", help="file holding the shared secret (else REDSRV_SECRET_FILE / REDSRV_SECRET)")
+    p.add_argument("--require-secret", action="store_true", help="refuse to start without a secret")
+    _add_log_level(p)
+    p.set_defaults(func=_reducer)
+
+    p = sub.add_parser("demo", help="train a small model through a local reducer fleet and check the result",
+                       description="Starts reducers and worker processes on this machine, trains a small model for a "
+                       "few seconds through the reduction server, checks the weights against a single-process "
+                       "reference, prints a summary and cleans up.")
+    p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
+    p.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
+    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    p.add_argument("--framework", choices=["auto", "numpy", "torch"], default="auto",
+                   help="model framework: torch DDP with the redsrv hook when installed, else NumPy (default auto)")
+    p.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress gradients on the wire")
+    p.set_defaults(func=_demo)
+
+    p = sub.add_parser("bench", help="benchmarks", description="Benchmarks of the reduction server.")
+    bench = p.add_subparsers(dest="bench_command", required=True, metavar="KIND")
+    b = bench.add_parser("local", help="loopback throughput per size and reducer CPU per GB (quick regression check)",
+                         description="Workers and reducers on 127.0.0.1. Loopback measures CPU efficiency, not network "
+                         "speed-ups: use `redsrv bench emulate` for comparisons with ring all-reduce.")
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--reducers", type=int, default=2)
+    b.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="sizes in MiB (default 1 4 16 64 256)")
+    b.add_argument("--reps", type=int, default=5)
+    b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None)
+    b.add_argument("--json", help="write every rep to this JSON file")
+    b.set_defaults(func=_bench_local)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.func(args)
+        return result
+    except ConfigError as exc:
+        print(f"redsrv: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,657 @@
+"""The worker client: the one API every adapter uses.
+
+``Client.allreduce_async`` splits a flat array across the reducers (:mod:`chunker`), queues each
+chunk on the least-loaded stream to its reducer, and returns at once. Sender threads push while
+receiver threads pull finished chunks straight into the result array, so both directions of the
+link stay busy. Operations are matched by key, never by arrival order; every one has a deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import auth, chunker, wire
+from . import constants as C
+from .config import WIRE_DTYPES, Config
+from .errors import (
+    AuthenticationError,
+    ClientClosedError,
+    ContributionMismatchError,
+    JobMismatchError,
+    LocalProtocolError,
+    PeerError,
+    PeerLostError,
+    PeerTimeoutError,
+    ReducerShutdownError,
+    RedsrvError,
+    RemoteProtocolError,
+    StaleContributionError,
+)
+from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket
+
+__all__ = ["Client", "ReduceFuture", "Contributors", "OPS"]
+
+log = logging.getLogger("redsrv.client")
+
+OPS = ("sum", "mean")
+_COMPRESSED = {"bfloat16": wire.numpy_dtype(wire.DType.BFLOAT16), "float16": wire.numpy_dtype(wire.DType.FLOAT16)}
+_AUTO_KEY_BIT = 1 << 63
+
+
+@dataclass(frozen=True)
+class Contributors:
+    """Who contributed to an operation. In straggler modes chunks may close with different
+    sets of ranks; ``min_count`` is the smallest set, ``ranks`` those present in every chunk."""
+
+    min_count: int
+    max_count: int
+    ranks: tuple[int, ...]
+
+
+class ReduceFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A :class:`concurrent.futures.Future` of the reduced array, plus who contributed."""
+
+    key: Any = None
+    contributors: Contributors | None = None
+
+
+@dataclass
+class _Op:
+    key: int
+    label: Any  # the caller's key, for messages
+    out: np.ndarray  # flat result, caller's dtype
+    wire_dtype: np.dtype
+    mean: bool
+    chunks: dict[tuple[int, int], chunker.Chunk]  # (reducer, index) -> chunk, still outstanding
+    future: ReduceFuture
+    deadline: float
+    started: float
+    min_count: int = 1 << 30
+    max_count: int = 0
+    all_ranks: int = -1  # intersection of contributor bitmaps
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _Stream:
+    def __init__(self, client: Client, reducer: int, index: int, sock: socket.socket, framed: FramedSocket,
+                 incarnation: int, heartbeat: float) -> None:
+        self.client = client
+        self.reducer = reducer
+        self.index = index
+        self.sock = sock
+        self.framed = framed
+        self.peer = framed.peer
+        self.incarnation = incarnation
+        self.scratch = np.empty(0, dtype=np.uint8)  # for widening compressed results
+        self.push_scratch = np.empty(0, dtype=np.uint8)
+        self.sender = Sender(sock, name=f"redsrv-push-{reducer}.{index}", heartbeat_interval=heartbeat,
+                             send_timeout=client.config.op_timeout, on_error=self._on_send_error)
+        self.reader = threading.Thread(target=self._read_loop, name=f"redsrv-pull-{reducer}.{index}", daemon=True)
+        self.reader.start()
+
+    def _on_send_error(self, exc: ConnectionBroken) -> None:
+        self.client._fail_connection(self, exc, "push")
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                header = self.framed.read_header()
+                t = header.type
+                if t is wire.FrameType.RESULT:
+                    self.client._on_result(self, header)
+                elif t is wire.FrameType.HEARTBEAT:
+                    continue
+                elif t is wire.FrameType.ERROR:
+                    frame = wire.parse_payload(header, self.framed.read_bytes(header.payload_len))
+                    assert isinstance(frame, wire.Error)
+                    self.client._on_error_frame(self, frame)
+                    if frame.fatal:
+                        return
+                else:
+                    raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a reducer")
+        except ConnectionBroken as exc:
+            self.client._fail_connection(self, exc, "pull")
+        except Exception as exc:  # never let a bug leave a future unresolved
+            log.exception("receiver for %s failed", self.peer)
+            self.client._fail_connection(self, ConnectionBroken("reset", f"internal error: {exc!r}"), "pull")
+
+    def take_scratch(self, nbytes: int, push: bool = False) -> np.ndarray:
+        name = "push_scratch" if push else "scratch"
+        buf = getattr(self, name)
+        if buf.nbytes < nbytes:
+            buf = np.empty(nbytes, dtype=np.uint8)
+            setattr(self, name, buf)
+        return buf[:nbytes]
+
+
+class Client:
+    """A worker's connection to the reducer fleet.
+
+    >>> with Client(["10.0.0.5:29600", "10.0.0.6:29600"], rank=0, world_size=4, job="run-17") as c:  # doctest: +SKIP
+    ...     total = c.allreduce(grads)
+    ...     mean = c.allreduce(grads, op="mean")
+
+    Settings not given here come from ``REDSRV_*`` variables (see :class:`Config`). The client
+    is thread-safe; many operations may be in flight, each under its own key.
+    """
+
+    def __init__(self, reducers: Sequence[str] | str | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, job: str | None = None, config: Config | None = None,
+                 **options: Any) -> None:
+        if config is None:
+            config = Config.from_env(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
+        elif reducers is not None or rank is not None or world_size is not None or job is not None or options:
+            config = config.replace(**{k: v for k, v in dict(reducers=reducers, rank=rank, world_size=world_size, job=job, **options).items() if v is not None})
+        if not config.reducers:
+            raise LocalProtocolError("no reducers given: pass reducers=[...] or set REDSRV_REDUCERS")
+        self.config = config
+        self.session = int.from_bytes(os.urandom(8), "little")
+        self._lock = threading.Lock()
+        self._ops: dict[int, _Op] = {}
+        self._auto_keys = itertools.count()
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._streams: list[list[_Stream]] = []
+        self._incarnations: list[int] = []
+        self._stop = threading.Event()
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+        try:
+            self._connect_all()
+        except BaseException:
+            self._teardown()
+            raise
+        self._monitor = threading.Thread(target=self._monitor_loop, name="redsrv-deadlines", daemon=True)
+        self._monitor.start()
+
+    # --- public API ---
+
+    @property
+    def rank(self) -> int:
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def num_reducers(self) -> int:
+        return len(self.config.reducers)
+
+    def allreduce(self, x: np.ndarray, *, op: str = "sum", key: Any = None, wire_dtype: str | None = None,
+                  timeout: float | None = None) -> np.ndarray:
+        """Sum (or mean) of ``x`` over the ranks; same shape and dtype as ``x``. Blocks."""
+        future = self.allreduce_async(x, op=op, key=key, wire_dtype=wire_dtype, timeout=timeout)
+        return self._wait(future, timeout)
+
+    def allreduce_async(self, x: np.ndarray, *, op: str = "sum", key: Any = None, wire_dtype: str | None = None,
+                        timeout: float | None = None) -> ReduceFuture:
+        """Start an all-reduce and return a future of the result (a new array).
+
+        ``key`` identifies the operation across ranks and must be the same on every rank and
+        unique within the job (ints, strings, bytes or tuples of them); by default each client
+        numbers its operations, which requires every rank to issue them in the same order.
+        ``op="mean"`` divides by the number of ranks that actually contributed (straggler modes).
+        ``wire_dtype`` ("bf16"/"fp16") sends floating data compressed; sums accumulate in float32.
+        ``x`` must not be modified until the future completes.
+        """
+        if op not in OPS:
+            raise LocalProtocolError(f"op must be one of {OPS}, got {op!r}")
+        arr = _as_flat(x)
+        if op == "mean" and not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
+            raise LocalProtocolError(f"op='mean' needs floating-point data, got {arr.dtype}")
+        wire_dt = self._wire_dtype(arr.dtype, wire_dtype)
+        return self._submit(arr, np.shape(x), key, wire_dt, wire.ReduceOp.SUM, 0, op == "mean", timeout)
+
+    def broadcast(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None) -> np.ndarray:
+        """Rank ``root``'s ``x`` on every rank (exact: never compressed). Every rank passes an
+        array of the same shape and dtype; only the root's contents travel."""
+        return self._wait(self.broadcast_async(x, root=root, key=key, timeout=timeout), timeout)
+
+    def broadcast_async(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None) -> ReduceFuture:
+        if not 0 <= root < self.world_size:
+            raise LocalProtocolError(f"root {root} is not a rank of this {self.world_size}-rank job")
+        arr = _as_flat(x)
+        return self._submit(arr, np.shape(x), key, arr.dtype, wire.ReduceOp.BROADCAST, root, False, timeout)
+
+    def barrier(self, *, key: Any = None, timeout: float | None = None) -> None:
+        """Return once every rank reached the barrier (an all-reduce of one element)."""
+        self.allreduce(np.ones(1, dtype=np.int32), key=key, timeout=timeout)
+
+    def _wait(self, future: ReduceFuture, timeout: float | None) -> np.ndarray:
+        # The deadline thread fails the operation at its timeout; this bound is a backstop that
+        # holds even if that thread were somehow stuck.
+        bound = (self.config.op_timeout if timeout is None else timeout) + self.config.heartbeat_timeout + 1.0
+        try:
+            result: np.ndarray = future.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            raise PeerTimeoutError("all-reduce did not complete", job=self.config.job, rank=self.rank,
+                                   key=_label(future.key), phase="wait for result", timeout=bound) from None
+        return result
+
+    def check(self) -> None:
+        """Raise the error that broke this client, if any."""
+        if self._closed:
+            raise ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} is closed")
+        if self._broken is not None:
+            raise self._broken
+
+    def close(self) -> None:
+        """Idempotent and bounded by ``close_timeout``. Pending operations fail with
+        :class:`ClientClosedError`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ops = list(self._ops.values())
+            self._ops.clear()
+        error = ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} was closed with the operation pending")
+        for op in ops:
+            _set_exception(op.future, error)
+        self._teardown()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    # --- submission ---
+
+    def _wire_dtype(self, dtype: np.dtype, requested: str | None) -> np.dtype:
+        name = requested if requested is not None else self.config.wire_dtype
+        if name is None or name in ("none", "fp32", "float32"):
+            return dtype
+        if name not in WIRE_DTYPES:
+            raise LocalProtocolError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {name!r}")
+        target = _COMPRESSED[WIRE_DTYPES[name]]
+        is_float = np.issubdtype(dtype, np.floating)
+        if not is_float or dtype.itemsize <= target.itemsize:
+            if requested is not None and not is_float:
+                raise LocalProtocolError(f"wire_dtype={requested!r} applies to floating-point data, got {dtype}")
+            return dtype
+        return target
+
+    def _key(self, key: Any) -> int:
+        if key is None:
+            return _AUTO_KEY_BIT | next(self._auto_keys)
+        if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < _AUTO_KEY_BIT:
+            return key
+        digest = hashlib.blake2b(_canonical(key), digest_size=8).digest()
+        return int.from_bytes(digest, "little") & (_AUTO_KEY_BIT - 1)
+
+    def _submit(self, arr: np.ndarray, shape: tuple, key: Any, wire_dt: np.dtype, op_code: wire.ReduceOp,
+                root: int, mean: bool, timeout: float | None) -> ReduceFuture:
+        self.check()
+        wire_code = wire.dtype_code(wire_dt)
+        wire.dtype_code(arr.dtype)  # the caller's dtype must be supported too
+        key_u64 = self._key(key)
+        future = ReduceFuture()
+        future.key = key
+        out = np.empty(arr.size, dtype=arr.dtype)
+        chunk_elements = max(1, self.config.chunk_bytes // wire_dt.itemsize)
+        plan = chunker.plan(arr.size, self.num_reducers, chunk_elements)
+        now = time.monotonic()
+        timeout = self.config.op_timeout if timeout is None else timeout
+        op = _Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now)
+        if not plan:
+            future.contributors = Contributors(self.world_size, self.world_size, tuple(range(self.world_size)))
+            future.set_result(out.reshape(shape))
+            return future
+        op_shape = shape
+
+        def finish(result: np.ndarray) -> np.ndarray:
+            return result.reshape(op_shape)
+
+        op.out = out
+        op.future._redsrv_finish = finish  # type: ignore[attr-defined]
+        with self._lock:
+            if self._closed:
+                raise ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} is closed")
+            if key_u64 in self._ops:
+                raise LocalProtocolError(f"operation key {key!r} is already in flight on this client")
+            self._ops[key_u64] = op
+        sends_payload = op_code is wire.ReduceOp.SUM or self.rank == root
+        src_bytes = arr.view(np.uint8)
+        for c in plan:
+            stream = min(self._streams[c.reducer], key=lambda s: s.sender.unsent_bytes)
+            push = wire.Push(key_u64, stream.incarnation, arr.size, c.start, c.count, c.index, wire_code, op_code, root)
+            nbytes = c.count * wire_dt.itemsize if sends_payload else 0
+            header = wire.push_header(push, nbytes)
+            if not sends_payload:
+                payload: Any = None
+            elif wire_dt == arr.dtype:
+                payload = memoryview(src_bytes[c.start * arr.itemsize : c.stop * arr.itemsize])
+            else:
+                payload = _Converter(arr, c.start, c.stop, wire_dt, stream)
+            stream.sender.send(header, payload, nbytes)
+            self.bytes_pushed += nbytes
+        return future
+
+    # --- receiving ---
+
+    def _on_result(self, stream: _Stream, header: wire.FrameHeader) -> None:
+        key, offset, count, chunk_index, raw_dtype, contributors, bitmap_len = header.fields
+        framed = stream.framed
+        bitmap = framed.read_bytes(bitmap_len, "a result bitmap") if bitmap_len else b""
+        data_len = header.payload_len - bitmap_len
+        with self._lock:
+            op = self._ops.get(key)
+        chunk = op.chunks.get((stream.reducer, chunk_index)) if op is not None else None
+        if op is None or chunk is None:
+            framed.discard(data_len)  # an operation that already failed or timed out
+            return
+        if chunk.start != offset or chunk.count != count or wire.numpy_dtype(wire.DType(raw_dtype)) != op.wire_dtype:
+            framed.discard(data_len)
+            self._fail_op(op, RemoteProtocolError(
+                f"reducer {stream.peer} answered key {op.label!r} chunk {chunk_index} with {count} elements at "
+                f"offset {offset}, expected {chunk.count} at {chunk.start}"))
+            return
+        target = op.out[chunk.start : chunk.stop]
+        if op.wire_dtype == op.out.dtype:
+            framed.read_into(memoryview(target.view(np.uint8)), f"result (key {op.label!r} chunk {chunk_index})")
+        else:
+            scratch = stream.take_scratch(data_len)
+            framed.read_into(memoryview(scratch), f"result (key {op.label!r} chunk {chunk_index})")
+            np.copyto(target, scratch.view(op.wire_dtype), casting="unsafe")
+        if op.mean and contributors > 1:
+            np.divide(target, contributors, out=target, casting="unsafe")
+        self.bytes_pulled += data_len
+        ranks = int.from_bytes(bitmap, "little")
+        with op.lock:
+            if op.chunks.pop((stream.reducer, chunk_index), None) is None:
+                return
+            op.min_count = min(op.min_count, contributors)
+            op.max_count = max(op.max_count, contributors)
+            op.all_ranks &= ranks
+            done = not op.chunks
+        if done:
+            with self._lock:
+                owned = self._ops.get(op.key) is op
+                if owned:
+                    del self._ops[op.key]
+            if not owned:
+                return  # failed or timed out meanwhile; the future already holds that error
+            op.future.contributors = Contributors(
+                op.min_count, op.max_count, tuple(r for r in range(self.world_size) if op.all_ranks >> r & 1))
+            if op.future.set_running_or_notify_cancel():
+                op.future.set_result(op.future._redsrv_finish(op.out))  # type: ignore[attr-defined]
+
+    def _on_error_frame(self, stream: _Stream, frame: wire.Error) -> None:
+        exc = self._error_from_frame(stream, frame)
+        if frame.fatal:
+            self._break(exc)
+            return
+        with self._lock:
+            op = self._ops.get(frame.key)
+        if op is not None:
+            self._fail_op(op, exc)
+        else:
+            log.warning("reducer %s reported an error for no pending operation: %s", stream.peer, frame.message)
+
+    def _error_from_frame(self, stream: _Stream, frame: wire.Error) -> RedsrvError:
+        with self._lock:
+            op = self._ops.get(frame.key)
+        ctx = dict(peer=stream.peer, job=self.config.job, rank=self.rank,
+                   key=None if op is None else _label(op.label),
+                   chunk=None if frame.chunk == 0xFFFFFFFF else frame.chunk)
+        elapsed = None if op is None else time.monotonic() - op.started
+        code = frame.code
+        text = f"reducer {stream.peer}: {frame.message}"
+        if code is wire.ErrorCode.TIMEOUT:
+            return PeerTimeoutError(text, phase="wait for contributions", elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+        if code is wire.ErrorCode.PEER_LOST:
+            return PeerLostError(text, phase="wait for contributions", elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+        if code is wire.ErrorCode.SHUTDOWN:
+            return ReducerShutdownError(text, elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+        if code in (wire.ErrorCode.CONTRIBUTION_MISMATCH, wire.ErrorCode.DUPLICATE):
+            return ContributionMismatchError(f"{text} (job {self.config.job!r}, this is rank {self.rank})")
+        if code is wire.ErrorCode.STALE:
+            return StaleContributionError(f"{text} (job {self.config.job!r}, this is rank {self.rank})")
+        if code is wire.ErrorCode.JOB_MISMATCH:
+            return JobMismatchError(text)
+        if code is wire.ErrorCode.AUTHENTICATION:
+            return AuthenticationError(f"authentication with reducer {stream.peer} failed")
+        if code is wire.ErrorCode.PROTOCOL:
+            return RemoteProtocolError(f"{text} (the reducer rejected our frame: version mismatch?)")
+        return PeerError(text, elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+
+    def _fail_connection(self, stream: _Stream, exc: ConnectionBroken, direction: str) -> None:
+        if self._closed or self._stop.is_set():
+            return
+        ctx = dict(peer=stream.peer, job=self.config.job, rank=self.rank, phase=direction)
+        error: RedsrvError
+        if exc.kind == "timeout":
+            bound = self.config.heartbeat_timeout if direction == "pull" else self.config.op_timeout
+            error = PeerTimeoutError(f"reducer {stream.peer} is unresponsive: {exc.detail}", timeout=bound, **ctx)  # type: ignore[arg-type]
+        elif exc.kind == "protocol":
+            error = RemoteProtocolError(f"reducer {stream.peer} sent an invalid frame: {exc.detail}")
+        else:
+            error = PeerLostError(f"lost reducer {stream.peer}: {exc.detail}", **ctx)  # type: ignore[arg-type]
+        self._break(error)
+
+    def _break(self, error: BaseException) -> None:
+        """A connection failed: the client is broken. Fail everything, close every stream."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = error
+            ops = list(self._ops.values())
+            self._ops.clear()
+        for op in ops:
+            _set_exception(op.future, error)
+        for streams in self._streams:
+            for s in streams:
+                _shutdown(s.sock)
+
+    def _fail_op(self, op: _Op, error: BaseException) -> None:
+        with self._lock:
+            if self._ops.get(op.key) is not op:
+                return
+            del self._ops[op.key]
+        _set_exception(op.future, error)
+
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(C.TICK_INTERVAL_S):
+            now = time.monotonic()
+            with self._lock:
+                expired = [op for op in self._ops.values() if now > op.deadline]
+            for op in expired:
+                with op.lock:
+                    missing = sorted(op.chunks)
+                reducers = sorted({r for r, _ in missing})
+                where = ", ".join(f"{self.config.reducers[r]} ({sum(1 for x, _ in missing if x == r)} chunk(s))" for r in reducers)
+                self._fail_op(op, PeerTimeoutError(
+                    f"all-reduce did not complete: still waiting for {where}",
+                    peer=self.config.reducers[reducers[0]] if reducers else None, job=self.config.job, rank=self.rank,
+                    key=_label(op.label), chunk=missing[0][1] if missing else None, phase="wait for result",
+                    elapsed=now - op.started, timeout=op.deadline - op.started))
+
+    # --- connections ---
+
+    def _connect_all(self) -> None:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.connect_timeout
+        for r, (host, port) in enumerate(cfg.addresses()):
+            streams = []
+            self._streams.append(streams)
+            for s in range(cfg.streams_per_reducer):
+                streams.append(self._connect_one(r, s, host, port, deadline))
+            incarnations = {st.incarnation for st in streams}
+            if len(incarnations) != 1:
+                raise PeerLostError(f"reducer {cfg.reducers[r]} restarted while connecting", peer=cfg.reducers[r],
+                                    job=cfg.job, rank=cfg.rank, phase="connect")
+            self._incarnations.append(streams[0].incarnation)
+
+    def _connect_one(self, reducer: int, index: int, host: str, port: int, deadline: float) -> _Stream:
+        cfg = self.config
+        address = cfg.reducers[reducer]
+        backoff = C.CONNECT_BACKOFF_INITIAL_S
+        started = time.monotonic()
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                sock = socket.create_connection((host, port), timeout=max(0.05, remaining))
+                break
+            except OSError as exc:
+                if time.monotonic() + backoff > deadline:
+                    raise PeerTimeoutError(f"cannot connect to reducer {address}: {exc.strerror or exc}", peer=address,
+                                           job=cfg.job, rank=cfg.rank, phase="connect",
+                                           elapsed=time.monotonic() - started, timeout=cfg.connect_timeout) from None
+                time.sleep(backoff)
+                backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
+        try:
+            configure_socket(sock)
+            framed = FramedSocket(sock, read_timeout=cfg.handshake_timeout, max_payload=cfg.max_frame_payload)
+            incarnation, heartbeat = self._handshake(sock, framed, address)
+            framed.set_read_timeout(cfg.heartbeat_timeout)
+            return _Stream(self, reducer, index, sock, framed, incarnation, heartbeat)
+        except BaseException:
+            _shutdown(sock)
+            sock.close()
+            raise
+
+    def _handshake(self, sock: socket.socket, framed: FramedSocket, address: str) -> tuple[int, float]:
+        cfg = self.config
+        hello = wire.Hello(cfg.job, cfg.rank, cfg.world_size, self.session, auth.new_nonce(), cfg.mode,
+                           cfg.min_contributors, int(cfg.deadline * 1000), int(cfg.op_timeout * 1000))
+        ctx = dict(peer=address, job=cfg.job, rank=cfg.rank, phase="handshake", timeout=cfg.handshake_timeout)
+        try:
+            sock.sendall(wire.encode(hello))
+            challenge = framed.read_frame()
+            if isinstance(challenge, wire.Error):
+                raise self._handshake_error(challenge, address)
+            if not isinstance(challenge, wire.Challenge):
+                raise RemoteProtocolError(f"reducer {address} answered HELLO with {type(challenge).__name__.upper()}")
+            if cfg.secret is not None:
+                expected = auth.server_proof(cfg.secret, hello, challenge.nonce, challenge.incarnation)
+                if not challenge.auth_required or not auth.proofs_equal(challenge.proof, expected):
+                    sock.sendall(wire.encode(wire.Error(wire.ErrorCode.AUTHENTICATION, True, "authentication failed")))
+                    raise AuthenticationError(f"authentication with reducer {address} failed")
+                proof = auth.client_proof(cfg.secret, hello, challenge.nonce, challenge.incarnation)
+            else:
+                proof = auth.NO_PROOF
+            sock.sendall(wire.encode(wire.Proof(proof)))
+            welcome = framed.read_frame()
+            if isinstance(welcome, wire.Error):
+                raise self._handshake_error(welcome, address)
+            if not isinstance(welcome, wire.Welcome):
+                raise RemoteProtocolError(f"reducer {address} sent {type(welcome).__name__.upper()} instead of WELCOME")
+        except ConnectionBroken as exc:
+            if exc.kind == "timeout":
+                raise PeerTimeoutError(f"handshake with reducer {address} timed out", **ctx) from None  # type: ignore[arg-type]
+            if exc.kind == "protocol":
+                raise RemoteProtocolError(f"reducer {address}: {exc.detail}") from None
+            if cfg.secret is None:
+                raise PeerLostError(f"reducer {address} closed the connection during the handshake "
+                                    "(does it require a secret?)", **ctx) from None  # type: ignore[arg-type]
+            raise PeerLostError(f"reducer {address} closed the connection during the handshake", **ctx) from None  # type: ignore[arg-type]
+        except OSError as exc:
+            raise PeerLostError(f"handshake with reducer {address} failed: {exc}", **ctx) from None  # type: ignore[arg-type]
+        heartbeat = min(cfg.heartbeat_interval, welcome.heartbeat_ms / 1000 or cfg.heartbeat_interval)
+        return challenge.incarnation, heartbeat
+
+    def _handshake_error(self, frame: wire.Error, address: str) -> RedsrvError:
+        if frame.code is wire.ErrorCode.AUTHENTICATION:
+            return AuthenticationError(f"authentication with reducer {address} failed")
+        if frame.code is wire.ErrorCode.JOB_MISMATCH:
+            return JobMismatchError(f"reducer {address}: {frame.message}")
+        return PeerError(f"reducer {address} refused the connection: {frame.message}", peer=address,
+                         job=self.config.job, rank=self.rank, phase="handshake")
+
+    def _teardown(self) -> None:
+        self._stop.set()
+        for streams in self._streams:
+            for s in streams:
+                s.sender.stop()
+                _shutdown(s.sock)
+        deadline = time.monotonic() + self.config.close_timeout
+        for streams in self._streams:
+            for s in streams:
+                s.sender.join(max(0.0, deadline - time.monotonic()))
+                if s.reader is not threading.current_thread():
+                    s.reader.join(max(0.0, deadline - time.monotonic()))
+                try:
+                    s.sock.close()
+                except OSError:
+                    pass
+        monitor = getattr(self, "_monitor", None)
+        if monitor is not None and monitor is not threading.current_thread():
+            monitor.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Converter:
+    """Converts one chunk to its wire dtype on the sender thread, into that stream's scratch."""
+
+    __slots__ = ("arr", "start", "stop", "dtype", "stream")
+
+    def __init__(self, arr: np.ndarray, start: int, stop: int, dtype: np.dtype, stream: _Stream) -> None:
+        self.arr, self.start, self.stop, self.dtype, self.stream = arr, start, stop, dtype, stream
+
+    def __call__(self) -> memoryview:
+        count = self.stop - self.start
+        buf = self.stream.take_scratch(count * self.dtype.itemsize, push=True).view(self.dtype)
+        np.copyto(buf, self.arr[self.start : self.stop], casting="unsafe")
+        return memoryview(buf.view(np.uint8))
+
+
+
+def _as_flat(x: Any) -> np.ndarray:
+    arr = np.asarray(x)
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr.reshape(-1)
+
+
+def _canonical(key: Any) -> bytes:
+    """Stable bytes for a structured key (no pickle, no hash randomisation)."""
+    if isinstance(key, bool):
+        return b"b1" if key else b"b0"
+    if isinstance(key, int):
+        return b"i" + str(key).encode()
+    if isinstance(key, str):
+        return b"s" + str(len(key)).encode() + b":" + key.encode("utf-8")
+    if isinstance(key, bytes):
+        return b"y" + str(len(key)).encode() + b":" + key
+    if isinstance(key, tuple):
+        return b"t(" + b",".join(_canonical(k) for k in key) + b")"
+    raise LocalProtocolError(f"operation keys must be ints, strings, bytes or tuples of them, got {type(key).__name__}")
+
+
+def _label(key: Any) -> Any:
+    return key if key is not None else "auto"
+
+
+def _set_exception(future: concurrent.futures.Future, error: BaseException) -> None:  # type: ignore[type-arg]
+    try:
+        if future.set_running_or_notify_cancel():
+            future.set_exception(error)
+    except (concurrent.futures.InvalidStateError, RuntimeError):
+        pass
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

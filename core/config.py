@@ -1,0 +1,209 @@
+"""The one place redsrv reads its configuration from the environment.
+
+:class:`Config` is frozen and validated eagerly: an unknown ``REDSRV_*`` variable, a
+non-positive timeout or a malformed address is a :class:`~redsrv.ConfigError` when the client or
+daemon starts, not a surprise at step 10,000. Explicit arguments win over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import constants as C
+from .errors import ConfigError
+from .wire import StragglerMode
+
+__all__ = ["Config", "parse_address", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
+
+ENV_PREFIX = "REDSRV_"
+
+#: Accepted names for compressed wire formats.
+WIRE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+STRAGGLER_MODES = {"all": StragglerMode.ALL, "first_m": StragglerMode.FIRST_M, "deadline": StragglerMode.DEADLINE}
+
+
+def parse_address(text: str, default_port: int = C.DEFAULT_PORT) -> tuple[str, int]:
+    """``"host:port"``, ``"host"`` or ``"[v6]:port"`` -> (host, port).
+
+    >>> parse_address("10.0.0.5:7000")
+    ('10.0.0.5', 7000)
+    >>> parse_address("[::1]:7000")
+    ('::1', 7000)
+    """
+    text = text.strip()
+    if not text:
+        raise ConfigError("empty reducer address")
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep:
+            raise ConfigError(f"reducer address {text!r}: missing ']'")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, ""
+    try:
+        port = int(port_text) if port_text else default_port
+    except ValueError:
+        raise ConfigError(f"reducer address {text!r}: port {port_text!r} is not a number") from None
+    if not 0 < port < 65536 or not host:
+        raise ConfigError(f"reducer address {text!r}: need host:port with port in 1..65535")
+    return host, port
+
+
+def _env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a worker client needs; the reducer daemon reads the same class.
+
+    Build it with ``Config(...)`` for explicit settings or :meth:`from_env` to fill the rest
+    from ``REDSRV_*`` variables (each field ``x`` is ``REDSRV_X``) and torchrun's ``RANK`` /
+    ``WORLD_SIZE``.
+    """
+
+    reducers: tuple[str, ...] = ()
+    job: str = "default"
+    rank: int = 0
+    world_size: int = 1
+    secret: bytes | None = field(default=None, repr=False)
+    straggler_mode: str = "all"
+    min_contributors: int = 0
+    deadline: float = 0.0
+    wire_dtype: str | None = None
+    chunk_bytes: int = C.DEFAULT_CHUNK_BYTES
+    streams_per_reducer: int = C.DEFAULT_STREAMS_PER_REDUCER
+    connect_timeout: float = C.DEFAULT_CONNECT_TIMEOUT_S
+    handshake_timeout: float = C.DEFAULT_HANDSHAKE_TIMEOUT_S
+    op_timeout: float = C.DEFAULT_OP_TIMEOUT_S
+    heartbeat_interval: float = C.DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_misses: int = C.DEFAULT_HEARTBEAT_MISSES
+    close_timeout: float = C.DEFAULT_CLOSE_TIMEOUT_S
+    stall_warning: float = C.DEFAULT_STALL_WARNING_S
+    max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
+    job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reducers, str):
+            object.__setattr__(self, "reducers", tuple(a for a in self.reducers.split(",") if a.strip()))
+        else:
+            object.__setattr__(self, "reducers", tuple(self.reducers))
+        for address in self.reducers:
+            parse_address(address)
+        if isinstance(self.secret, str):
+            object.__setattr__(self, "secret", self.secret.encode("utf-8"))
+        if self.secret is not None and len(self.secret) < 16:
+            raise ConfigError("secret must be at least 16 bytes (use e.g. `openssl rand -hex 32`)")
+        job_bytes = self.job.encode("utf-8")
+        if not 0 < len(job_bytes) <= C.MAX_JOB_ID_BYTES:
+            raise ConfigError(f"job id must be 1..{C.MAX_JOB_ID_BYTES} UTF-8 bytes, got {self.job!r}")
+        if not 0 < self.world_size <= C.MAX_WORLD_SIZE:
+            raise ConfigError(f"world_size must be in 1..{C.MAX_WORLD_SIZE}, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank must be in 0..{self.world_size - 1} for world_size {self.world_size}, got {self.rank}")
+        if self.straggler_mode not in STRAGGLER_MODES:
+            raise ConfigError(f"straggler_mode must be one of {sorted(STRAGGLER_MODES)}, got {self.straggler_mode!r}")
+        if not 0 <= self.min_contributors <= self.world_size:
+            raise ConfigError(f"min_contributors must be in 0..world_size ({self.world_size}), got {self.min_contributors}")
+        if self.straggler_mode == "first_m" and self.min_contributors == 0:
+            raise ConfigError("straggler_mode 'first_m' needs min_contributors (the m in first m of n)")
+        if self.straggler_mode == "deadline" and self.deadline <= 0:
+            raise ConfigError("straggler_mode 'deadline' needs a positive deadline (seconds)")
+        if self.wire_dtype is not None:
+            if self.wire_dtype not in WIRE_DTYPES:
+                raise ConfigError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)} or None, got {self.wire_dtype!r}")
+            object.__setattr__(self, "wire_dtype", WIRE_DTYPES[self.wire_dtype])
+        for name in ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout", "stall_warning"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("chunk_bytes", "streams_per_reducer", "heartbeat_misses", "max_frame_payload", "job_budget_bytes"):
+            if not getattr(self, name) >= 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.chunk_bytes > self.max_frame_payload:
+            raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) exceeds max_frame_payload ({self.max_frame_payload})")
+        if self.streams_per_reducer > 64:
+            raise ConfigError(f"streams_per_reducer must be <= 64, got {self.streams_per_reducer}")
+
+    @property
+    def mode(self) -> StragglerMode:
+        return STRAGGLER_MODES[self.straggler_mode]
+
+    @property
+    def heartbeat_timeout(self) -> float:
+        """Silence after which a peer is declared frozen."""
+        return self.heartbeat_interval * self.heartbeat_misses
+
+    def addresses(self) -> list[tuple[str, int]]:
+        return [parse_address(a) for a in self.reducers]
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        """Explicit ``overrides`` (those not ``None``) win; then ``REDSRV_*``; then torchrun's
+        ``RANK``/``WORLD_SIZE``; then defaults. ``REDSRV_SECRET_FILE`` names a file holding the
+        secret (preferred over ``REDSRV_SECRET``, which other local users may see)."""
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        known = {_env_name(n) for n in fields if n != "secret"} | {_env_name("secret"), _env_name("secret_file")}
+        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+        if unknown:
+            raise ConfigError(f"unknown variable(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values: dict[str, Any] = {}
+        for name, spec in fields.items():
+            if name == "secret":
+                continue
+            raw = env.get(_env_name(name))
+            if raw is None:
+                continue
+            values[name] = _convert(name, raw, spec.type)
+        for name, var in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
+            if name not in values and var in env:
+                values[name] = _convert(name, env[var], "int", var)
+        secret_file = env.get(_env_name("secret_file"))
+        if secret_file:
+            values["secret"] = read_secret_file(secret_file)
+        elif env.get(_env_name("secret")):
+            values["secret"] = env[_env_name("secret")].encode("utf-8")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown_args = sorted(set(values) - set(fields))
+        if unknown_args:
+            raise ConfigError(f"unknown config field(s) {', '.join(unknown_args)}")
+        return cls(**values)
+
+
+def read_secret_file(path: str) -> bytes:
+    """The secret in ``path``, surrounding whitespace removed. Never logged."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read secret file {path!r}: {exc.strerror}") from None
+    if not secret:
+        raise ConfigError(f"secret file {path!r} is empty")
+    return secret
+
+
+def _convert(name: str, raw: str, type_name: Any, variable: str | None = None) -> Any:
+    variable = variable or _env_name(name)
+    type_text = str(type_name)
+    try:
+        if name == "reducers":
+            return tuple(a.strip() for a in raw.split(",") if a.strip())
+        if name == "wire_dtype":
+            return None if raw.lower() in ("", "none", "fp32", "float32") else raw.lower()
+        if type_text.startswith("int"):
+            return int(raw)
+        if type_text.startswith("float"):
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{variable}={raw!r} is not a valid {type_text.split()[0]}") from None

@@ -1,0 +1,84 @@
+"""Default numbers, each with the reason it has the value it has.
+
+Every default here can be overridden through :class:`redsrv.Config` (argument or ``REDSRV_*``
+variable); tests shrink the timeouts 10-100x.
+"""
+
+from __future__ import annotations
+
+#: Protocol magic; the first four bytes of every frame. A peer that speaks anything else
+#: (an HTTP probe, a port scanner, an old build) is rejected at its first frame.
+MAGIC = b"RDSV"
+
+#: Bumped on any incompatible change to a header layout; checked in every frame.
+PROTOCOL_VERSION = 1
+
+#: Default reducer port. Unassigned by IANA and above the ephemeral-port floor on most Linux
+#: configurations would be a trap, so it sits below 32768.
+DEFAULT_PORT = 29600
+
+#: The daemon binds loopback unless told otherwise, so a forgotten flag never exposes an
+#: unauthenticated reducer to the network (RELIABILITY R11).
+DEFAULT_BIND_HOST = "127.0.0.1"
+
+#: Pipeline chunk size on the wire. 512 KiB is ~4 ms at 1 Gbit/s: small enough that the pipeline
+#: fills quickly (push of chunk k+1 overlaps the pull of chunk k), large enough that the per-chunk
+#: Python overhead (~30 us) stays below 1% of the transfer time up to ~10 Gbit/s.
+DEFAULT_CHUNK_BYTES = 512 * 1024
+
+#: TCP connections per reducer. Two streams let one drain while the other's sender blocks in
+#: the kernel; more streams added nothing measurable on an emulated 1 Gbit/s link.
+DEFAULT_STREAMS_PER_REDUCER = 2
+
+#: Connect (with retries while reducers are still starting) and handshake deadlines.
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_HANDSHAKE_TIMEOUT_S = 5.0
+
+#: Deadline for one collective operation, from submission to the last result. Generous because
+#: a step of a large model on a slow network legitimately takes minutes; a hang is what it
+#: guards against, not slowness.
+DEFAULT_OP_TIMEOUT_S = 300.0
+
+#: Heartbeats: sent when a direction has been idle this long; a peer silent for
+#: interval x misses is declared frozen (SIGSTOP, partition) and the connection fails.
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_MISSES = 5
+
+#: A reducer warns (naming the missing ranks) when a chunk has been open this long.
+DEFAULT_STALL_WARNING_S = 30.0
+
+#: ``close()`` and daemon shutdown finish within this bound, even with peers misbehaving.
+DEFAULT_CLOSE_TIMEOUT_S = 10.0
+
+#: Largest payload a decoder accepts in one frame. Bounds what a malicious or corrupt length
+#: field can make us allocate (RELIABILITY R12/R13). Chunks are far smaller.
+DEFAULT_MAX_FRAME_PAYLOAD = 64 * 1024 * 1024
+
+#: Bytes of contributions a reducer holds for one job before it stops reading that job's new
+#: chunks (TCP backpressure). 128 MiB covers four workers each a few MiB ahead of the slowest
+#: one at 10 Gbit/s, and bounds a reducer serving many jobs.
+DEFAULT_JOB_BUDGET_BYTES = 128 * 1024 * 1024
+
+#: Longest job id on the wire (UTF-8 bytes); long enough for a UUID plus a readable prefix.
+MAX_JOB_ID_BYTES = 128
+
+#: Largest job: the result frame carries a contributor bitmap of world_size bits.
+MAX_WORLD_SIZE = 65535
+
+#: Error frames carry a human-readable message; cap it so a peer cannot make us buffer much.
+MAX_ERROR_MESSAGE_BYTES = 4096
+
+#: Reconnect backoff while reducers start: first wait, cap.
+CONNECT_BACKOFF_INITIAL_S = 0.1
+CONNECT_BACKOFF_MAX_S = 5.0
+
+#: How often the reducer and client re-check deadlines. A tenth of a second is well under any
+#: deadline a user would configure and costs nothing when idle.
+TICK_INTERVAL_S = 0.1
+
+#: Results of a chunk closed early (first_m / deadline modes) are kept this many op-timeouts
+#: so that a late rank still receives the same sum the others got.
+LATE_RESULT_RETENTION_FACTOR = 1.0
+
+#: Closed-chunk keys remembered per job to reject late or duplicate contributions as stale.
+STALE_KEYS_PER_JOB = 65536

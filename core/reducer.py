@@ -1,0 +1,612 @@
+"""The reducer's aggregation logic as a state machine: no sockets, no threads, no clock.
+
+The daemon feeds it events (a worker joined, a push header arrived, its payload is in, a
+connection died, time passed) and executes the :class:`Action` objects it returns. Everything is
+keyed by job, so one reducer serves many jobs; a job's trouble (a mismatch, a lost rank, an
+exhausted budget) produces errors for that job only.
+
+Determinism: the contributions to a chunk are summed in ascending rank order, whatever order
+they arrive in. Rank ``r``'s data is added as soon as ranks ``0..r-1`` are in; earlier arrivals
+wait in their receive buffers. 16-bit floats accumulate in float32 and are rounded once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import constants as C
+from .wire import (
+    DType,
+    Error,
+    ErrorCode,
+    Hello,
+    Push,
+    ReduceOp,
+    Result,
+    StragglerMode,
+    bitmap_from_ranks,
+    numpy_dtype,
+    result_header,
+)
+
+__all__ = [
+    "ReducerCore",
+    "Action",
+    "SendError",
+    "SendResult",
+    "CloseConnection",
+    "Log",
+    "PushTicket",
+    "JobParams",
+    "BufferPool",
+    "ACCUMULATION_DTYPES",
+]
+
+#: Accumulation dtype per wire dtype: 16-bit floats are summed in float32 (RELIABILITY R14).
+ACCUMULATION_DTYPES = {DType.FLOAT16: np.dtype("<f4"), DType.BFLOAT16: np.dtype("<f4")}
+
+NO_CHUNK = 0xFFFFFFFF
+
+
+# --- actions --------------------------------------------------------------------------------
+
+
+@dataclass
+class SendError:
+    conn: int
+    frame: Error
+    close_after: bool = False
+
+
+@dataclass
+class SendResult:
+    """Send ``header`` then ``data`` to every connection in ``conns``; each connection's sender
+    calls ``release()`` once when it is done with ``data`` (sent or dropped)."""
+
+    conns: list[int]
+    header: bytes
+    data: memoryview
+    release: Callable[[], None]
+
+
+@dataclass
+class CloseConnection:
+    conn: int
+
+
+@dataclass
+class Log:
+    level: str  # "info", "warning", "error"
+    message: str
+
+
+Action = SendError | SendResult | CloseConnection | Log
+
+
+# --- buffers --------------------------------------------------------------------------------
+
+
+class BufferPool:
+    """Reusable byte buffers, so steady-state pushes allocate nothing. Thread-safe."""
+
+    def __init__(self, keep_per_size: int = 64) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._keep = keep_per_size
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                return free.pop()
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            free = self._free.setdefault(buffer.nbytes, [])
+            if len(free) < self._keep:
+                free.append(buffer)
+
+
+class _SharedBuffer:
+    """A pool buffer with a reference count; returns to the pool when the count reaches 0."""
+
+    __slots__ = ("buffer", "refs", "pool", "lock", "on_free")
+
+    def __init__(self, buffer: np.ndarray, pool: BufferPool, refs: int, on_free: Callable[[int], None]) -> None:
+        self.buffer, self.pool, self.refs, self.on_free = buffer, pool, refs, on_free
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        with self.lock:
+            self.refs -= 1
+            done = self.refs == 0
+        if done:
+            self.on_free(self.buffer.nbytes)
+            self.pool.give(self.buffer)
+
+
+# --- state ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobParams:
+    world_size: int
+    mode: StragglerMode
+    min_contributors: int
+    deadline_ms: int
+    op_timeout_ms: int
+
+    @classmethod
+    def from_hello(cls, hello: Hello) -> JobParams:
+        return cls(hello.world_size, hello.mode, hello.min_contributors, hello.deadline_ms, hello.op_timeout_ms)
+
+    @property
+    def quorum(self) -> int:
+        """Contributions needed to close a chunk early (first_m / deadline)."""
+        return self.min_contributors or self.world_size
+
+
+@dataclass
+class _Member:
+    session: int
+    conns: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    total: int
+    offset: int
+    count: int
+    dtype: DType
+    op: ReduceOp
+    root: int
+
+    def describe(self) -> str:
+        what = f"{numpy_dtype(self.dtype)}[{self.count}] at offset {self.offset} of {self.total}"
+        return what if self.op is ReduceOp.SUM else f"broadcast from rank {self.root} of {what}"
+
+
+@dataclass
+class _OpenChunk:
+    key: int
+    chunk: int
+    shape: _Shape
+    first_rank: int
+    opened_at: float
+    acc: np.ndarray | None = None  # accumulation buffer (pool memory, accumulation dtype)
+    acc_raw: np.ndarray | None = None  # the pool buffer behind acc
+    next_rank: int = 0  # ranks below this are summed into acc
+    pending: dict[int, np.ndarray] = field(default_factory=dict)  # rank -> raw payload, not yet summed
+    contributors: int = 0  # bitmap
+    conns: dict[int, int] = field(default_factory=dict)  # rank -> connection to answer on
+    stall_warned: bool = False
+    broadcast_data: np.ndarray | None = None
+
+
+@dataclass
+class _Closed:
+    """A closed chunk remembered so that late or repeated pushes are answered, not summed."""
+
+    error: Error | None = None
+    result: _SharedBuffer | None = None  # retained for late ranks (first_m / deadline modes)
+    header: bytes = b""
+    data: memoryview | None = None
+    answered: int = 0  # bitmap of ranks that have their answer
+    expires_at: float = 0.0
+
+
+@dataclass
+class _Job:
+    name: str
+    params: JobParams
+    members: dict[int, _Member] = field(default_factory=dict)
+    lost: dict[int, str] = field(default_factory=dict)  # rank -> why
+    open: dict[tuple[int, int], _OpenChunk] = field(default_factory=dict)
+    closed: OrderedDict[tuple[int, int], _Closed] = field(default_factory=OrderedDict)
+    bytes_held: int = 0
+
+
+@dataclass
+class PushTicket:
+    """Where the daemon receives a push's payload, and what to do with it afterwards."""
+
+    conn: int
+    job: str
+    rank: int
+    push: Push
+    buffer: np.ndarray | None  # receive payload_len bytes here (None: no payload)
+    late: bool = False  # the chunk already closed; payload is read and dropped
+
+
+@dataclass
+class _Conn:
+    job: str
+    rank: int
+    session: int
+
+
+class ReducerCore:
+    """Aggregation state for every job on one reducer. Not thread-safe: the daemon serialises
+    calls. ``now`` arguments are seconds from a monotonic clock the caller owns."""
+
+    def __init__(
+        self,
+        incarnation: int,
+        *,
+        job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES,
+        stall_warning: float = C.DEFAULT_STALL_WARNING_S,
+        pool: BufferPool | None = None,
+    ) -> None:
+        self.incarnation = incarnation
+        self.job_budget_bytes = job_budget_bytes
+        self.stall_warning = stall_warning
+        self.pool = pool or BufferPool()
+        self._jobs: dict[str, _Job] = {}
+        self._conns: dict[int, _Conn] = {}
+        self.stats = {"chunks_closed": 0, "bytes_in": 0, "contributions_rejected": 0}
+
+    # --- membership ---
+
+    def join(self, conn: int, hello: Hello) -> list[Action]:
+        """A worker connection completed its handshake. Returns errors if it cannot join."""
+        params = JobParams.from_hello(hello)
+        job = self._jobs.get(hello.job)
+        if job is None:
+            job = self._jobs[hello.job] = _Job(hello.job, params)
+        elif job.params != params:
+            diffs = [
+                f"{name}: job has {getattr(job.params, name)}, rank {hello.rank} sent {getattr(params, name)}"
+                for name in ("world_size", "mode", "min_contributors", "deadline_ms", "op_timeout_ms")
+                if getattr(job.params, name) != getattr(params, name)
+            ]
+            message = f"job {hello.job!r} parameters differ: " + "; ".join(diffs)
+            if not any(m.conns for m in job.members.values()):
+                job.params = params  # nobody left to disagree with: the newcomer defines the job
+            else:
+                return [SendError(conn, Error(ErrorCode.JOB_MISMATCH, True, message), close_after=True)]
+        actions: list[Action] = []
+        member = job.members.get(hello.rank)
+        if member is not None and member.session != hello.session:
+            # The rank restarted: its old connections are dead weight; drop them.
+            for old in sorted(member.conns):
+                actions.append(SendError(old, Error(ErrorCode.PEER_LOST, True, f"rank {hello.rank} of job {hello.job!r} reconnected with a new session"), close_after=True))
+                self._conns.pop(old, None)
+            member = None
+        if member is None:
+            member = job.members[hello.rank] = _Member(hello.session)
+        member.conns.add(conn)
+        job.lost.pop(hello.rank, None)
+        self._conns[conn] = _Conn(hello.job, hello.rank, hello.session)
+        return actions
+
+    def leave(self, conn: int, reason: str, now: float) -> list[Action]:
+        """A connection closed or failed. When a rank loses its last connection the job's open
+        chunks that still need it fail, naming the rank (modes that tolerate stragglers carry on
+        as long as a quorum can still form)."""
+        info = self._conns.pop(conn, None)
+        if info is None:
+            return []
+        job = self._jobs.get(info.job)
+        if job is None:
+            return []
+        member = job.members.get(info.rank)
+        actions: list[Action] = []
+        if member is None or member.session != info.session:
+            return actions
+        member.conns.discard(conn)
+        # One broken stream means the client is broken: drop its siblings too.
+        for sibling in sorted(member.conns):
+            self._conns.pop(sibling, None)
+            actions.append(CloseConnection(sibling))
+        member.conns.clear()
+        del job.members[info.rank]
+        why = f"rank {info.rank} of job {info.job!r} disconnected ({reason})"
+        job.lost[info.rank] = why
+        failed: list[Action] = []
+        for chunk_key, chunk in list(job.open.items()):
+            if self._can_still_close(job, chunk):
+                continue
+            failed += self._fail(job, chunk_key, ErrorCode.PEER_LOST, f"{why}; chunk cannot complete", now)
+        actions.append(Log("warning" if failed else "info", why))
+        actions += failed
+        if not job.members:
+            self._drop_job(job)
+        return actions
+
+    def _can_still_close(self, job: _Job, chunk: _OpenChunk) -> bool:
+        if job.params.mode is StragglerMode.ALL:
+            return not job.lost
+        alive = chunk.contributors
+        for rank in job.members:
+            alive |= 1 << rank
+        return bin(alive).count("1") >= job.params.quorum
+
+    def _drop_job(self, job: _Job) -> None:
+        for chunk in job.open.values():
+            self._free_chunk(job, chunk)
+        for closed in job.closed.values():
+            if closed.result is not None:
+                closed.result.release()
+        del self._jobs[job.name]
+
+    # --- data path ---
+
+    def begin_push(self, conn: int, push: Push, payload_len: int, now: float) -> PushTicket | list[Action] | None:
+        """A push header arrived. Returns a ticket saying where to receive its payload, a list of
+        actions when it is rejected (its payload must then be read and discarded), or ``None``
+        when the job is over its budget and the caller should wait (TCP backpressure) and retry."""
+        info = self._conns.get(conn)
+        if info is None:
+            return [SendError(conn, Error(ErrorCode.PROTOCOL, True, "push before a completed handshake"), close_after=True)]
+        job = self._jobs[info.job]
+        chunk_key = (push.key, push.chunk)
+        reject = self._check_push(job, info.rank, push, now)
+        if reject is not None:
+            self.stats["contributions_rejected"] += 1
+            return [SendError(conn, reject)]
+        closed = job.closed.get(chunk_key)
+        if closed is not None:
+            return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), late=True)
+        chunk = job.open.get(chunk_key)
+        if chunk is None and job.bytes_held + payload_len > self.job_budget_bytes and job.open:
+            return None
+        return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
+
+    def _take(self, job: _Job, nbytes: int) -> np.ndarray | None:
+        if nbytes == 0:
+            return None
+        job.bytes_held += nbytes
+        return self.pool.take(nbytes)
+
+    def _give(self, job: _Job | None, buffer: np.ndarray | None) -> None:
+        if buffer is None:
+            return
+        if job is not None:
+            job.bytes_held -= buffer.nbytes
+        self.pool.give(buffer)
+
+    def _check_push(self, job: _Job, rank: int, push: Push, now: float) -> Error | None:
+        if push.incarnation != self.incarnation:
+            return Error(ErrorCode.STALE, False, f"push for incarnation {push.incarnation:#x} reached incarnation {self.incarnation:#x} (the reducer restarted)", push.key, push.chunk)
+        if push.count == 0:
+            return Error(ErrorCode.CONTRIBUTION_MISMATCH, False, "push of zero elements (empty chunks are never sent)", push.key, push.chunk)
+        if push.op is ReduceOp.BROADCAST and push.root >= job.params.world_size:
+            return Error(ErrorCode.CONTRIBUTION_MISMATCH, False, f"broadcast root {push.root} is not a rank of a {job.params.world_size}-rank job", push.key, push.chunk)
+        if job.lost and job.params.mode is StragglerMode.ALL and (push.key, push.chunk) not in job.closed:
+            return Error(ErrorCode.PEER_LOST, False, "; ".join(job.lost[r] for r in sorted(job.lost)), push.key, push.chunk)
+        return None
+
+    def abort_push(self, ticket: PushTicket) -> None:
+        """The connection failed while the payload was being received."""
+        self._give(self._jobs.get(ticket.job), ticket.buffer)
+
+    def finish_push(self, ticket: PushTicket, now: float) -> list[Action]:
+        """The payload is in ``ticket.buffer``: sum it (in rank order) and close the chunk if it
+        is complete."""
+        job = self._jobs.get(ticket.job)
+        if job is None or ticket.conn not in self._conns:
+            self._give(job, ticket.buffer)
+            return []
+        push, rank = ticket.push, ticket.rank
+        chunk_key = (push.key, push.chunk)
+        self.stats["bytes_in"] += 0 if ticket.buffer is None else ticket.buffer.nbytes
+        if ticket.late or chunk_key in job.closed:
+            self._give(job, ticket.buffer)
+            return self._answer_late(job, chunk_key, rank, ticket.conn, now)
+        shape = _Shape(push.total, push.offset, push.count, push.dtype, push.op, push.root)
+        chunk = job.open.get(chunk_key)
+        if chunk is None:
+            chunk = job.open[chunk_key] = _OpenChunk(push.key, push.chunk, shape, rank, now)
+        elif chunk.shape != shape:
+            self._give(job, ticket.buffer)
+            chunk.conns.setdefault(rank, ticket.conn)
+            return self._fail(job, chunk_key, ErrorCode.CONTRIBUTION_MISMATCH,
+                              f"ranks disagree: rank {chunk.first_rank} sent {chunk.shape.describe()}, rank {rank} sent {shape.describe()}", now)
+        if chunk.contributors >> rank & 1:
+            self._give(job, ticket.buffer)
+            return self._fail(job, chunk_key, ErrorCode.DUPLICATE, f"rank {rank} contributed twice", now)
+        expected = 0 if (push.op is ReduceOp.BROADCAST and rank != push.root) else push.count * numpy_dtype(push.dtype).itemsize
+        got = 0 if ticket.buffer is None else ticket.buffer.nbytes
+        if got != expected:
+            self._give(job, ticket.buffer)
+            chunk.conns.setdefault(rank, ticket.conn)
+            return self._fail(job, chunk_key, ErrorCode.CONTRIBUTION_MISMATCH,
+                              f"rank {rank} sent {got} payload bytes for {shape.describe()}, expected {expected}", now)
+        chunk.contributors |= 1 << rank
+        chunk.conns[rank] = ticket.conn
+        if ticket.buffer is not None:
+            if push.op is ReduceOp.BROADCAST:
+                chunk.broadcast_data = ticket.buffer
+            else:
+                chunk.pending[rank] = ticket.buffer
+                self._fold_prefix(job, chunk)
+        return self._maybe_close(job, chunk, now)
+
+    def _fold_prefix(self, job: _Job, chunk: _OpenChunk) -> None:
+        """Sum pending contributions whose lower-ranked predecessors are all in."""
+        while chunk.next_rank in chunk.pending:
+            self._accumulate(job, chunk, chunk.pending.pop(chunk.next_rank))
+            chunk.next_rank += 1
+
+    def _accumulate(self, job: _Job, chunk: _OpenChunk, raw: np.ndarray) -> None:
+        wire = numpy_dtype(chunk.shape.dtype)
+        acc_dtype = ACCUMULATION_DTYPES.get(chunk.shape.dtype, wire)
+        data = raw.view(wire)
+        if chunk.acc is None:
+            if acc_dtype == wire:
+                chunk.acc_raw, chunk.acc = raw, data  # take ownership: no copy for the first one
+                return
+            chunk.acc_raw = self._take(job, chunk.shape.count * acc_dtype.itemsize)
+            assert chunk.acc_raw is not None
+            chunk.acc = chunk.acc_raw.view(acc_dtype)
+            np.copyto(chunk.acc, data, casting="unsafe")
+        else:
+            np.add(chunk.acc, data, out=chunk.acc, casting="unsafe")
+        self._give(job, raw)
+
+    def _maybe_close(self, job: _Job, chunk: _OpenChunk, now: float) -> list[Action]:
+        count = bin(chunk.contributors).count("1")
+        params = job.params
+        if count == params.world_size:
+            return self._close(job, chunk, now)
+        if params.mode is StragglerMode.FIRST_M and count >= params.quorum:
+            return self._close(job, chunk, now)
+        return []
+
+    def _close(self, job: _Job, chunk: _OpenChunk, now: float) -> list[Action]:
+        chunk_key = (chunk.key, chunk.chunk)
+        del job.open[chunk_key]
+        shape = chunk.shape
+        wire = numpy_dtype(shape.dtype)
+        if shape.op is ReduceOp.BROADCAST:
+            if chunk.broadcast_data is None:
+                return self._fail_detached(job, chunk, ErrorCode.CONTRIBUTION_MISMATCH,
+                                           f"broadcast root {shape.root} did not contribute", now)
+            out_raw = chunk.broadcast_data
+        else:
+            for rank in sorted(chunk.pending):  # ranks that are in, above a gap left by stragglers
+                self._accumulate(job, chunk, chunk.pending.pop(rank))
+            assert chunk.acc is not None and chunk.acc_raw is not None
+            if chunk.acc.dtype == wire:
+                out_raw = chunk.acc_raw
+            else:
+                rounded = self._take(job, shape.count * wire.itemsize)
+                assert rounded is not None
+                np.copyto(rounded.view(wire), chunk.acc, casting="unsafe")
+                self._give(job, chunk.acc_raw)
+                out_raw = rounded
+        self.stats["chunks_closed"] += 1
+        result = Result(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype,
+                        bin(chunk.contributors).count("1"), bitmap_from_ranks(chunk.contributors, job.params.world_size))
+        header = result_header(result, shape.count * wire.itemsize)
+        targets = [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
+        retain = bin(chunk.contributors).count("1") < job.params.world_size
+        job_ref = job
+
+        def freed(nbytes: int) -> None:
+            job_ref.bytes_held -= nbytes
+
+        shared = _SharedBuffer(out_raw, self.pool, len(targets) + (1 if retain else 0), freed)
+        data = memoryview(out_raw)
+        closed = _Closed(answered=chunk.contributors)
+        if retain:
+            closed.result, closed.header, closed.data = shared, header, data
+            closed.expires_at = now + job.params.op_timeout_ms / 1000 * C.LATE_RESULT_RETENTION_FACTOR
+        self._remember(job, chunk_key, closed)
+        if not targets:
+            shared.refs += 1
+            shared.release()
+            return []
+        return [SendResult(targets, header, data, shared.release)]
+
+    def _answer_late(self, job: _Job, chunk_key: tuple[int, int], rank: int, conn: int, now: float) -> list[Action]:
+        closed = job.closed[chunk_key]
+        key, chunk = chunk_key
+        if closed.error is not None:
+            return [SendError(conn, closed.error)]
+        if closed.answered >> rank & 1:
+            return [SendError(conn, Error(ErrorCode.STALE, False, f"rank {rank} pushed again to a closed chunk (key reused?)", key, chunk))]
+        if closed.result is None or closed.data is None:
+            return [SendError(conn, Error(ErrorCode.STALE, False, f"chunk closed without rank {rank}; its result is no longer kept", key, chunk))]
+        closed.answered |= 1 << rank
+        shared = closed.result
+        with shared.lock:
+            shared.refs += 1
+        actions: list[Action] = [SendResult([conn], closed.header, closed.data, shared.release)]
+        if bin(closed.answered).count("1") >= job.params.world_size:
+            self._drop_retained(closed)
+        return actions
+
+    def _drop_retained(self, closed: _Closed) -> None:
+        if closed.result is not None:
+            result, closed.result, closed.data = closed.result, None, None
+            result.release()
+
+    def _remember(self, job: _Job, chunk_key: tuple[int, int], closed: _Closed) -> None:
+        job.closed[chunk_key] = closed
+        job.closed.move_to_end(chunk_key)
+        while len(job.closed) > C.STALE_KEYS_PER_JOB:
+            _, oldest = job.closed.popitem(last=False)
+            self._drop_retained(oldest)
+
+    def _free_chunk(self, job: _Job, chunk: _OpenChunk) -> None:
+        for raw in chunk.pending.values():
+            self._give(job, raw)
+        chunk.pending.clear()
+        if chunk.acc_raw is not None:
+            self._give(job, chunk.acc_raw)
+            chunk.acc_raw = chunk.acc = None
+        if chunk.broadcast_data is not None:
+            self._give(job, chunk.broadcast_data)
+            chunk.broadcast_data = None
+
+    def _fail(self, job: _Job, chunk_key: tuple[int, int], code: ErrorCode, why: str, now: float) -> list[Action]:
+        chunk = job.open.pop(chunk_key, None)
+        if chunk is None:
+            return []
+        return self._fail_detached(job, chunk, code, why, now)
+
+    def _fail_detached(self, job: _Job, chunk: _OpenChunk, code: ErrorCode, why: str, now: float) -> list[Action]:
+        self._free_chunk(job, chunk)
+        message = f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk}: {why}"
+        error = Error(code, False, message, chunk.key, chunk.chunk)
+        self._remember(job, (chunk.key, chunk.chunk), _Closed(error=error))
+        actions: list[Action] = [Log("warning", message)]
+        for rank in sorted(chunk.conns):
+            if chunk.conns[rank] in self._conns:
+                actions.append(SendError(chunk.conns[rank], error))
+        return actions
+
+    # --- time ---
+
+    def tick(self, now: float) -> list[Action]:
+        """Deadlines: straggler deadlines, operation timeouts, stall warnings, retention."""
+        actions: list[Action] = []
+        for job in list(self._jobs.values()):
+            params = job.params
+            for chunk_key, chunk in list(job.open.items()):
+                age = now - chunk.opened_at
+                count = bin(chunk.contributors).count("1")
+                if params.mode is StragglerMode.DEADLINE and age * 1000 >= params.deadline_ms and count >= params.quorum:
+                    actions += self._close(job, chunk, now)
+                elif age * 1000 >= params.op_timeout_ms:
+                    actions += self._fail(job, chunk_key, ErrorCode.TIMEOUT,
+                                          f"timed out after {age:.3f}s (op timeout {params.op_timeout_ms / 1000:.3f}s) waiting for rank(s) {self._missing(job, chunk)}", now)
+                elif age >= self.stall_warning and not chunk.stall_warned:
+                    chunk.stall_warned = True
+                    actions.append(Log("warning", f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk} open for {age:.1f}s; waiting for rank(s) {self._missing(job, chunk)}"))
+            for closed in job.closed.values():
+                if closed.result is not None and now >= closed.expires_at:
+                    self._drop_retained(closed)
+        return actions
+
+    @staticmethod
+    def _missing(job: _Job, chunk: _OpenChunk) -> str:
+        return ", ".join(str(r) for r in range(job.params.world_size) if not chunk.contributors >> r & 1) or "none"
+
+    def shutdown(self, why: str) -> list[Action]:
+        """Fail every open chunk of every job (the daemon is stopping)."""
+        actions: list[Action] = []
+        for job in list(self._jobs.values()):
+            for chunk_key in list(job.open):
+                actions += self._fail(job, chunk_key, ErrorCode.SHUTDOWN, why, 0.0)
+        return actions
+
+    # --- introspection ---
+
+    def job_names(self) -> list[str]:
+        return sorted(self._jobs)
+
+    def open_chunks(self, job: str) -> int:
+        j = self._jobs.get(job)
+        return 0 if j is None else len(j.open)
+
+    def bytes_held(self, job: str) -> int:
+        j = self._jobs.get(job)
+        return 0 if j is None else j.bytes_held

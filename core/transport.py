@@ -1,0 +1,262 @@
+"""Sockets: framed reads straight into caller buffers, and a sender thread per connection.
+
+The only module besides the daemon and client entry points that touches the network. Every
+blocking call has a deadline: reads time out after the heartbeat bound (a silent peer is
+frozen), sends after the send timeout (a peer that stopped reading).
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import wire
+from .constants import DEFAULT_MAX_FRAME_PAYLOAD
+
+__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket"]
+
+
+class ConnectionBroken(Exception):
+    """Internal: the connection ended. ``kind`` is 'eof', 'timeout', 'reset' or 'protocol'."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+def configure_socket(sock: socket.socket) -> None:
+    """TCP_NODELAY: small frames (heartbeats, headers, latency-bound reductions) must not wait
+    for Nagle's timer."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def peer_name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+    except OSError:
+        return "?"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class FramedSocket:
+    """Reads frames from a socket with the sans-IO functions in :mod:`wire`.
+
+    Headers go into a preallocated buffer; payloads go wherever the caller says (``recv_into``
+    straight into the result array), so steady-state receiving allocates nothing.
+    """
+
+    def __init__(self, sock: socket.socket, *, read_timeout: float, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD) -> None:
+        self.sock = sock
+        self.peer = peer_name(sock)
+        self.max_payload = max_payload
+        self._header_buf = bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE)
+        self._header_view = memoryview(self._header_buf)
+        self._discard = bytearray(256 * 1024)
+        sock.settimeout(read_timeout)
+
+    def set_read_timeout(self, timeout: float) -> None:
+        self.sock.settimeout(timeout)
+
+    def _recv_into(self, view: memoryview, what: str) -> None:
+        got = 0
+        n = len(view)
+        while got < n:
+            try:
+                r = self.sock.recv_into(view[got:], n - got)
+            except socket.timeout:
+                raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}") from None
+            except OSError as exc:
+                raise ConnectionBroken("reset", f"connection to {self.peer} failed while reading {what}: {exc}") from None
+            if r == 0:
+                raise ConnectionBroken("eof", f"{self.peer} closed the connection" + (f" in the middle of {what}" if got or what != "a frame" else ""))
+            got += r
+
+    def read_header(self) -> wire.FrameHeader:
+        prefix = self._header_view[: wire.PREFIX.size]
+        self._recv_into(prefix, "a frame")
+        try:
+            frame_type, header_len, payload_len = wire.parse_prefix(prefix, self.max_payload)
+        except wire.RemoteProtocolError as exc:
+            raise ConnectionBroken("protocol", str(exc)) from None
+        header = self._header_view[wire.PREFIX.size : wire.PREFIX.size + header_len]
+        self._recv_into(header, f"a {frame_type.name} header")
+        try:
+            return wire.parse_header(frame_type, header, payload_len)
+        except wire.RemoteProtocolError as exc:
+            raise ConnectionBroken("protocol", str(exc)) from None
+
+    def read_into(self, view: memoryview, what: str = "a payload") -> None:
+        self._recv_into(view, what)
+
+    def read_bytes(self, n: int, what: str = "a payload") -> bytes:
+        buf = bytearray(n)
+        self._recv_into(memoryview(buf), what)
+        return bytes(buf)
+
+    def discard(self, n: int) -> None:
+        view = memoryview(self._discard)
+        while n > 0:
+            step = min(n, len(view))
+            self._recv_into(view[:step], "a discarded payload")
+            n -= step
+
+    def read_frame(self) -> wire.Frame:
+        """A whole frame, payload copied (control path only)."""
+        header = self.read_header()
+        payload = self.read_bytes(header.payload_len) if header.payload_len else b""
+        try:
+            return wire.parse_payload(header, payload)
+        except wire.RemoteProtocolError as exc:
+            raise ConnectionBroken("protocol", str(exc)) from None
+
+
+@dataclass
+class _Item:
+    header: bytes
+    payload: memoryview | Callable[[], memoryview] | None
+    nbytes: int
+    done: Callable[[bool], None] | None
+
+
+class Sender:
+    """One thread that writes queued frames to a socket, in order.
+
+    Sends a heartbeat whenever nothing was written for ``heartbeat_interval``. Payloads are
+    memoryviews written with ``sendmsg`` next to their header (no concatenation copy), or
+    callables that produce the view on this thread (e.g. a float32 -> bfloat16 conversion, which
+    then overlaps with sending the previous chunk). ``unsent_bytes`` drives least-loaded dispatch.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        name: str,
+        heartbeat_interval: float,
+        send_timeout: float,
+        on_error: Callable[[ConnectionBroken], None],
+    ) -> None:
+        # A duplicate descriptor carries its own timeout: long for sends (a peer applying
+        # backpressure is legitimate for a while), short for the reader's heartbeat bound.
+        self._sock = sock.dup()
+        self._sock.settimeout(send_timeout)
+        self.peer = peer_name(sock)
+        self._heartbeat_interval = heartbeat_interval
+        self._heartbeat = wire.encode(wire.Heartbeat())
+        self._queue: collections.deque[_Item] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._close_after_drain = False
+        self._on_error = on_error
+        self.unsent_bytes = 0
+        self.failed: ConnectionBroken | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, header: bytes, payload: memoryview | Callable[[], memoryview] | None = None, nbytes: int = 0,
+             done: Callable[[bool], None] | None = None) -> None:
+        """Queue a frame. ``done(ok)`` runs on the sender thread once the payload is no longer
+        needed (``ok`` False when the connection failed first)."""
+        item = _Item(header, payload, nbytes, done)
+        with self._cond:
+            if self._closing or self.failed is not None:
+                failed = True
+            else:
+                failed = False
+                self._queue.append(item)
+                self.unsent_bytes += len(header) + nbytes
+                self._cond.notify()
+        if failed and done is not None:
+            done(False)
+
+    def close_after_drain(self) -> None:
+        """Send what is queued, then stop (used for a final error frame)."""
+        with self._cond:
+            self._close_after_drain = True
+            self._cond.notify()
+
+    def stop(self) -> None:
+        """Stop now; queued items complete with ``done(False)``."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        last_send = time.monotonic()
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closing and not self._close_after_drain:
+                        remaining = last_send + self._heartbeat_interval - time.monotonic()
+                        if remaining <= 0:
+                            break
+                        self._cond.wait(remaining)
+                    if self._closing:
+                        return
+                    if not self._queue and self._close_after_drain:
+                        self._shutdown_write()
+                        return
+                    item = self._queue.popleft() if self._queue else None
+                if item is None:
+                    self._sendall([self._heartbeat])
+                else:
+                    ok = False
+                    try:
+                        payload = item.payload() if callable(item.payload) else item.payload
+                        self._sendall([item.header] if payload is None else [item.header, payload])
+                        ok = True
+                    finally:
+                        with self._cond:
+                            self.unsent_bytes -= len(item.header) + item.nbytes
+                        if item.done is not None:
+                            item.done(ok)
+                last_send = time.monotonic()
+        except ConnectionBroken as exc:
+            self.failed = exc
+            self._on_error(exc)
+        finally:
+            with self._cond:
+                self._closing = True
+                leftovers = list(self._queue)
+                self._queue.clear()
+                self.unsent_bytes = 0
+            for item in leftovers:
+                if item.done is not None:
+                    item.done(False)
+
+    def _shutdown_write(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def _sendall(self, parts: list) -> None:  # type: ignore[type-arg]
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            try:
+                sent = self._sock.sendmsg(views)
+            except socket.timeout:
+                raise ConnectionBroken("timeout", f"{self.peer} stopped reading: send timed out") from None
+            except OSError as exc:
+                raise ConnectionBroken("reset", f"sending to {self.peer} failed: {exc}") from None
+            while sent:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+            if views and len(views[0]) == 0:
+                views.pop(0)

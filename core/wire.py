@@ -1,0 +1,514 @@
+"""The redsrv wire protocol, sans-IO: bytes in, frames out; frames in, bytes out.
+
+No sockets, threads or clocks live here (the h11 design): the transport feeds bytes and asks
+where a payload should land, so payloads can be received straight into preallocated buffers.
+
+Every frame is a fixed 12-byte prefix, a fixed-size header for its type, then a payload::
+
+    prefix  = magic "RDSV" | version u8 | type u8 | header_len u16 | payload_len u32
+    header  = per type, little-endian, sizes declared once in ``_HEADER_STRUCTS``
+    payload = raw bytes (array data, UTF-8 text, a contributor bitmap)
+
+There is no pickle, marshal or eval anywhere: array data is raw little-endian bytes with the
+dtype sent as a small integer code.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Union
+
+import ml_dtypes
+import numpy as np
+
+from .constants import (
+    DEFAULT_MAX_FRAME_PAYLOAD,
+    MAGIC,
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_JOB_ID_BYTES,
+    MAX_WORLD_SIZE,
+    PROTOCOL_VERSION,
+)
+from .errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "DType",
+    "FrameType",
+    "StragglerMode",
+    "ReduceOp",
+    "ErrorCode",
+    "NONCE_BYTES",
+    "PROOF_BYTES",
+    "PREFIX",
+    "MAX_HEADER_SIZE",
+    "Hello",
+    "Challenge",
+    "Proof",
+    "Welcome",
+    "Push",
+    "Result",
+    "Error",
+    "Heartbeat",
+    "Frame",
+    "FrameHeader",
+    "encode",
+    "encode_header",
+    "push_header",
+    "result_header",
+    "parse_prefix",
+    "parse_header",
+    "parse_payload",
+    "FrameDecoder",
+    "dtype_code",
+    "numpy_dtype",
+    "bitmap_from_ranks",
+    "ranks_from_bitmap",
+]
+
+NONCE_BYTES = 32
+PROOF_BYTES = 32  # HMAC-SHA256 digest
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1  # worker -> reducer: who I am, the job's parameters, my nonce
+    CHALLENGE = 2  # reducer -> worker: incarnation, its nonce, its proof
+    PROOF = 3  # worker -> reducer: my proof
+    WELCOME = 4  # reducer -> worker: accepted
+    PUSH = 5  # worker -> reducer: one chunk of one operation
+    RESULT = 6  # reducer -> worker: the reduced chunk and who contributed
+    ERROR = 7  # either way: what went wrong; fatal errors close the connection
+    HEARTBEAT = 8  # either way: I am alive (sent when a direction is idle)
+
+
+class DType(enum.IntEnum):
+    FLOAT32 = 1
+    FLOAT64 = 2
+    FLOAT16 = 3
+    BFLOAT16 = 4
+    INT32 = 5
+    INT64 = 6
+
+
+_NUMPY_DTYPES: dict[DType, np.dtype] = {
+    DType.FLOAT32: np.dtype("<f4"),
+    DType.FLOAT64: np.dtype("<f8"),
+    DType.FLOAT16: np.dtype("<f2"),
+    DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
+    DType.INT32: np.dtype("<i4"),
+    DType.INT64: np.dtype("<i8"),
+}
+_CODES = {dt: code for code, dt in _NUMPY_DTYPES.items()}
+
+
+def numpy_dtype(code: DType) -> np.dtype:
+    """The NumPy dtype for a wire dtype code."""
+    return _NUMPY_DTYPES[code]
+
+
+def dtype_code(dtype: np.dtype | type) -> DType:
+    """The wire code of a NumPy dtype; ``LocalProtocolError`` for unsupported ones."""
+    dt = np.dtype(dtype)
+    try:
+        return _CODES[dt.newbyteorder("<") if dt.byteorder == ">" else dt]
+    except KeyError:
+        supported = ", ".join(str(d) for d in _NUMPY_DTYPES.values())
+        raise LocalProtocolError(f"dtype {dt} is not supported on the wire (supported: {supported})") from None
+
+
+class StragglerMode(enum.IntEnum):
+    ALL = 0  # a chunk closes when every rank contributed
+    FIRST_M = 1  # closes when min_contributors ranks contributed
+    DEADLINE = 2  # closes deadline_ms after its first contribution if min_contributors arrived
+
+
+class ReduceOp(enum.IntEnum):
+    SUM = 0
+    BROADCAST = 1  # the root's data, sent to everyone; other ranks push no payload
+
+
+class ErrorCode(enum.IntEnum):
+    PROTOCOL = 1  # malformed frame
+    AUTHENTICATION = 2
+    JOB_MISMATCH = 3  # handshake parameters differ from the job's
+    CONTRIBUTION_MISMATCH = 4  # ranks disagree on dtype / length / op for one key
+    STALE = 5  # contribution for a closed chunk or an old incarnation
+    TIMEOUT = 6  # the chunk did not close within the job's operation timeout
+    PEER_LOST = 7  # a worker of the job disconnected; names the rank
+    SHUTDOWN = 8  # the reducer is stopping
+    OVERLOADED = 9  # job budget or connection limit exceeded
+    DUPLICATE = 10  # a rank contributed twice to one chunk
+
+
+# --- frames ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    job: str
+    rank: int
+    world_size: int
+    session: int  # random per client instance; a new session for a rank replaces the old one
+    nonce: bytes
+    mode: StragglerMode = StragglerMode.ALL
+    min_contributors: int = 0  # first_m: m; deadline: the minimum; 0 = world_size
+    deadline_ms: int = 0
+    op_timeout_ms: int = 300_000
+
+
+@dataclass(frozen=True)
+class Challenge:
+    incarnation: int
+    nonce: bytes
+    proof: bytes  # HMAC over both nonces; all zeros when the reducer has no secret
+    auth_required: bool
+
+
+@dataclass(frozen=True)
+class Proof:
+    proof: bytes
+
+
+@dataclass(frozen=True)
+class Welcome:
+    incarnation: int
+    max_payload: int
+    heartbeat_ms: int
+
+
+@dataclass(frozen=True)
+class Push:
+    key: int
+    incarnation: int
+    total: int  # elements in the whole operation (all reducers)
+    offset: int  # first element of this chunk within the operation
+    count: int  # elements in this chunk
+    chunk: int  # index of this chunk on this reducer
+    dtype: DType
+    op: ReduceOp = ReduceOp.SUM
+    root: int = 0
+    payload: bytes | memoryview = b""  # count * itemsize bytes; empty for a broadcast non-root
+
+
+@dataclass(frozen=True)
+class Result:
+    key: int
+    offset: int
+    count: int
+    chunk: int
+    dtype: DType
+    contributors: int  # how many ranks are in the bitmap
+    bitmap: bytes  # bit r set when rank r contributed
+    payload: bytes | memoryview = b""
+
+
+@dataclass(frozen=True)
+class Error:
+    code: ErrorCode
+    fatal: bool  # the connection closes after this frame
+    message: str
+    key: int = 0
+    chunk: int = 0xFFFFFFFF  # no chunk
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    pass
+
+
+Frame = Union[Hello, Challenge, Proof, Welcome, Push, Result, Error, Heartbeat]
+
+PREFIX = struct.Struct("<4sBBHI")
+
+# Declared once; the decoder checks header_len against these sizes.
+_HEADER_STRUCTS: dict[FrameType, struct.Struct] = {
+    # rank, world_size, mode, pad, min_contributors, deadline_ms, op_timeout_ms, session, nonce
+    FrameType.HELLO: struct.Struct(f"<IIBxxxIIIQ{NONCE_BYTES}s"),
+    # incarnation, auth_required, pad, nonce, proof
+    FrameType.CHALLENGE: struct.Struct(f"<QBxxx{NONCE_BYTES}s{PROOF_BYTES}s"),
+    FrameType.PROOF: struct.Struct(f"<{PROOF_BYTES}s"),
+    # incarnation, max_payload, heartbeat_ms
+    FrameType.WELCOME: struct.Struct("<QII"),
+    # key, incarnation, total, offset, count, chunk, dtype, op, root
+    FrameType.PUSH: struct.Struct("<QQQQIIBBH"),
+    # key, offset, count, chunk, dtype, pad, contributors, bitmap_len
+    FrameType.RESULT: struct.Struct("<QQIIBxHI"),
+    # code, fatal, pad, key, chunk
+    FrameType.ERROR: struct.Struct("<HBxQI"),
+    FrameType.HEARTBEAT: struct.Struct("<"),
+}
+
+#: Largest type header, for preallocated receive buffers.
+MAX_HEADER_SIZE = max(st.size for st in _HEADER_STRUCTS.values())
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A decoded prefix plus type header: everything but the payload.
+
+    ``fields`` holds the unpacked header tuple; :func:`parse_payload` turns header and payload
+    into a :data:`Frame`. The transport reads ``payload_len`` bytes after it, wherever it wants.
+    """
+
+    type: FrameType
+    payload_len: int
+    fields: tuple = field(default=())
+
+
+def _u(value: int, bits: int, name: str) -> int:
+    if not 0 <= value < (1 << bits):
+        raise LocalProtocolError(f"{name}={value} does not fit in an unsigned {bits}-bit field")
+    return value
+
+
+def _bytes(value: bytes, size: int, name: str) -> bytes:
+    if len(value) != size:
+        raise LocalProtocolError(f"{name} must be {size} bytes, got {len(value)}")
+    return value
+
+
+def encode_header(frame_type: FrameType, header: bytes, payload_len: int) -> bytes:
+    """Prefix plus an already packed type header."""
+    return PREFIX.pack(MAGIC, PROTOCOL_VERSION, frame_type, len(header), _u(payload_len, 32, "payload_len")) + header
+
+
+def _encode_parts(frame: Frame) -> tuple[FrameType, bytes, bytes | memoryview]:
+    if isinstance(frame, Hello):
+        job = frame.job.encode("utf-8")
+        if not 0 < len(job) <= MAX_JOB_ID_BYTES:
+            raise LocalProtocolError(f"job id must be 1..{MAX_JOB_ID_BYTES} UTF-8 bytes, got {len(job)}")
+        if not 0 < frame.world_size <= MAX_WORLD_SIZE or not 0 <= frame.rank < frame.world_size:
+            raise LocalProtocolError(f"rank {frame.rank} / world_size {frame.world_size} out of range")
+        header = _HEADER_STRUCTS[FrameType.HELLO].pack(
+            frame.rank, frame.world_size, frame.mode, _u(frame.min_contributors, 32, "min_contributors"),
+            _u(frame.deadline_ms, 32, "deadline_ms"), _u(frame.op_timeout_ms, 32, "op_timeout_ms"),
+            _u(frame.session, 64, "session"), _bytes(frame.nonce, NONCE_BYTES, "nonce"),
+        )
+        return FrameType.HELLO, header, job
+    if isinstance(frame, Challenge):
+        header = _HEADER_STRUCTS[FrameType.CHALLENGE].pack(
+            _u(frame.incarnation, 64, "incarnation"), int(frame.auth_required),
+            _bytes(frame.nonce, NONCE_BYTES, "nonce"), _bytes(frame.proof, PROOF_BYTES, "proof"),
+        )
+        return FrameType.CHALLENGE, header, b""
+    if isinstance(frame, Proof):
+        return FrameType.PROOF, _HEADER_STRUCTS[FrameType.PROOF].pack(_bytes(frame.proof, PROOF_BYTES, "proof")), b""
+    if isinstance(frame, Welcome):
+        header = _HEADER_STRUCTS[FrameType.WELCOME].pack(
+            _u(frame.incarnation, 64, "incarnation"), _u(frame.max_payload, 32, "max_payload"),
+            _u(frame.heartbeat_ms, 32, "heartbeat_ms"),
+        )
+        return FrameType.WELCOME, header, b""
+    if isinstance(frame, Error):
+        message = frame.message.encode("utf-8")[:MAX_ERROR_MESSAGE_BYTES]
+        header = _HEADER_STRUCTS[FrameType.ERROR].pack(
+            frame.code, int(frame.fatal), _u(frame.key, 64, "key"), _u(frame.chunk, 32, "chunk")
+        )
+        return FrameType.ERROR, header, message
+    if isinstance(frame, Heartbeat):
+        return FrameType.HEARTBEAT, b"", b""
+    raise LocalProtocolError(f"cannot encode {type(frame).__name__}")
+
+
+def encode(frame: Frame) -> bytes:
+    """The complete bytes of one frame. Copies the payload: the transport sends array data
+    separately after :func:`push_header` / :func:`result_header` instead."""
+    if isinstance(frame, Push):
+        return push_header(frame, len(frame.payload)) + bytes(frame.payload)
+    if isinstance(frame, Result):
+        return result_header(frame, len(frame.payload)) + bytes(frame.payload)
+    frame_type, header, payload = _encode_parts(frame)
+    return encode_header(frame_type, header, len(payload)) + bytes(payload)
+
+
+def push_header(push: Push, payload_len: int) -> bytes:
+    """Prefix and header of a push whose ``payload_len`` payload bytes are sent separately
+    (zero-copy from the caller's array). ``push.payload`` is ignored."""
+    itemsize = numpy_dtype(push.dtype).itemsize
+    if payload_len != push.count * itemsize and not (push.op is ReduceOp.BROADCAST and payload_len == 0):
+        raise LocalProtocolError(f"push payload is {payload_len} bytes, expected {push.count * itemsize}")
+    header = _HEADER_STRUCTS[FrameType.PUSH].pack(
+        _u(push.key, 64, "key"), _u(push.incarnation, 64, "incarnation"), _u(push.total, 64, "total"),
+        _u(push.offset, 64, "offset"), _u(push.count, 32, "count"), _u(push.chunk, 32, "chunk"),
+        push.dtype, push.op, _u(push.root, 16, "root"),
+    )
+    return encode_header(FrameType.PUSH, header, payload_len)
+
+
+def result_header(result: Result, data_len: int) -> bytes:
+    """Prefix, header and bitmap of a result whose ``data_len`` data bytes are sent separately."""
+    if data_len != result.count * numpy_dtype(result.dtype).itemsize:
+        raise LocalProtocolError(f"result data is {data_len} bytes, expected {result.count} elements")
+    header = _HEADER_STRUCTS[FrameType.RESULT].pack(
+        _u(result.key, 64, "key"), _u(result.offset, 64, "offset"), _u(result.count, 32, "count"),
+        _u(result.chunk, 32, "chunk"), result.dtype, _u(result.contributors, 16, "contributors"),
+        _u(len(result.bitmap), 32, "bitmap_len"),
+    )
+    return encode_header(FrameType.RESULT, header, len(result.bitmap) + data_len) + result.bitmap
+
+
+# --- decoding -------------------------------------------------------------------------------
+
+
+def parse_prefix(data: bytes | memoryview, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD) -> tuple[FrameType, int, int]:
+    """Validate a 12-byte prefix; returns (type, header_len, payload_len)."""
+    magic, version, raw_type, header_len, payload_len = PREFIX.unpack(data)
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a redsrv peer")
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(f"unsupported protocol version {version} (this build speaks {PROTOCOL_VERSION})")
+    try:
+        frame_type = FrameType(raw_type)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown frame type {raw_type}") from None
+    expected = _HEADER_STRUCTS[frame_type].size
+    if header_len != expected:
+        raise RemoteProtocolError(f"{frame_type.name} header is {header_len} bytes, expected {expected}")
+    if payload_len > max_payload:
+        raise RemoteProtocolError(f"{frame_type.name} payload of {payload_len} bytes exceeds the cap of {max_payload}")
+    return frame_type, header_len, payload_len
+
+
+def parse_header(frame_type: FrameType, header: bytes | memoryview, payload_len: int) -> FrameHeader:
+    """Validate a type header against its payload length before any payload is read."""
+    fields = _HEADER_STRUCTS[frame_type].unpack(header)
+    if frame_type is FrameType.PUSH:
+        _key, _inc, total, offset, count, _chunk, raw_dtype, raw_op, _root = fields
+        dtype = _enum(DType, raw_dtype, "dtype")
+        op = _enum(ReduceOp, raw_op, "op")
+        if offset + count > total:
+            raise RemoteProtocolError(f"push covers [{offset}, {offset + count}) beyond the total of {total} elements")
+        expected = count * numpy_dtype(dtype).itemsize
+        if payload_len != expected and not (op is ReduceOp.BROADCAST and payload_len == 0):
+            raise RemoteProtocolError(
+                f"push payload is {payload_len} bytes but {count} x {numpy_dtype(dtype)} needs {expected}"
+            )
+    elif frame_type is FrameType.RESULT:
+        _key, _offset, count, _chunk, raw_dtype, contributors, bitmap_len = fields
+        dtype = _enum(DType, raw_dtype, "dtype")
+        if bitmap_len > (MAX_WORLD_SIZE + 7) // 8:
+            raise RemoteProtocolError(f"result bitmap of {bitmap_len} bytes is larger than any job")
+        expected = bitmap_len + count * numpy_dtype(dtype).itemsize
+        if payload_len != expected:
+            raise RemoteProtocolError(f"result payload is {payload_len} bytes, expected {expected}")
+    elif frame_type is FrameType.HELLO:
+        rank, world_size, raw_mode = fields[0], fields[1], fields[2]
+        _enum(StragglerMode, raw_mode, "straggler mode")
+        if not 0 < world_size <= MAX_WORLD_SIZE or rank >= world_size:
+            raise RemoteProtocolError(f"rank {rank} / world_size {world_size} out of range")
+        if not 0 < payload_len <= MAX_JOB_ID_BYTES:
+            raise RemoteProtocolError(f"job id of {payload_len} bytes (allowed 1..{MAX_JOB_ID_BYTES})")
+    elif frame_type is FrameType.ERROR:
+        _enum(ErrorCode, fields[0], "error code")
+        if payload_len > MAX_ERROR_MESSAGE_BYTES:
+            raise RemoteProtocolError(f"error message of {payload_len} bytes exceeds {MAX_ERROR_MESSAGE_BYTES}")
+    elif payload_len != 0:
+        raise RemoteProtocolError(f"{frame_type.name} frames carry no payload, got {payload_len} bytes")
+    return FrameHeader(frame_type, payload_len, fields)
+
+
+def _enum(kind: type[enum.IntEnum], raw: int, what: str):  # type: ignore[no-untyped-def]
+    try:
+        return kind(raw)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown {what} {raw}") from None
+
+
+def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
+    """Build the frame from a validated header and its payload (kept as given, not copied)."""
+    f = header.fields
+    t = header.type
+    if t is FrameType.PUSH:
+        return Push(f[0], f[1], f[2], f[3], f[4], f[5], DType(f[6]), ReduceOp(f[7]), f[8], payload)
+    if t is FrameType.RESULT:
+        bitmap_len = f[6]
+        return Result(f[0], f[1], f[2], f[3], DType(f[4]), f[5], bytes(payload[:bitmap_len]), payload[bitmap_len:])
+    if t is FrameType.HELLO:
+        try:
+            job = bytes(payload).decode("utf-8")
+        except UnicodeDecodeError:
+            raise RemoteProtocolError("job id is not valid UTF-8") from None
+        return Hello(job, f[0], f[1], f[6], f[7], StragglerMode(f[2]), f[3], f[4], f[5])
+    if t is FrameType.CHALLENGE:
+        return Challenge(f[0], f[2], f[3], bool(f[1]))
+    if t is FrameType.PROOF:
+        return Proof(f[0])
+    if t is FrameType.WELCOME:
+        return Welcome(f[0], f[1], f[2])
+    if t is FrameType.ERROR:
+        message = bytes(payload).decode("utf-8", errors="replace")
+        return Error(ErrorCode(f[0]), bool(f[1]), message, f[2], f[3])
+    return Heartbeat()
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes with :meth:`receive_data`, take frames with
+    :meth:`next_frame` until it returns ``None`` (needs more data).
+
+    Bounded: it never buffers more than one frame's prefix, header and capped payload. After a
+    :class:`RemoteProtocolError` the decoder is dead and raises the same error again.
+    """
+
+    def __init__(self, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD) -> None:
+        self._max_payload = max_payload
+        self._buffer = bytearray()
+        self._header: FrameHeader | None = None
+        self._error: RemoteProtocolError | None = None
+        self._eof = False
+
+    def receive_data(self, data: bytes) -> None:
+        """Append received bytes; ``b""`` means the peer closed its side."""
+        if self._error is not None:
+            raise self._error
+        if not data:
+            self._eof = True
+        self._buffer += data
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    def next_frame(self) -> Frame | None:
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._next()
+        except RemoteProtocolError as exc:
+            self._error = exc
+            self._buffer.clear()
+            raise
+
+    def _next(self) -> Frame | None:
+        if self._header is None:
+            if len(self._buffer) < PREFIX.size:
+                return self._need_more()
+            frame_type, header_len, payload_len = parse_prefix(bytes(self._buffer[: PREFIX.size]), self._max_payload)
+            if len(self._buffer) < PREFIX.size + header_len:
+                return self._need_more()
+            header_bytes = bytes(self._buffer[PREFIX.size : PREFIX.size + header_len])
+            self._header = parse_header(frame_type, header_bytes, payload_len)
+            del self._buffer[: PREFIX.size + header_len]
+        if len(self._buffer) < self._header.payload_len:
+            return self._need_more()
+        n = self._header.payload_len
+        payload = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        header, self._header = self._header, None
+        return parse_payload(header, payload)
+
+    def _need_more(self) -> None:
+        if self._eof and (self._buffer or self._header is not None):
+            raise RemoteProtocolError(f"connection closed in the middle of a frame ({len(self._buffer)} bytes pending)")
+        return None
+
+
+def bitmap_from_ranks(ranks: int, world_size: int) -> bytes:
+    """Pack an int whose bit r is rank r into a little-endian bitmap of world_size bits."""
+    return ranks.to_bytes((world_size + 7) // 8, "little")
+
+
+def ranks_from_bitmap(bitmap: bytes) -> list[int]:
+    """The ranks whose bits are set, ascending."""
+    value = int.from_bytes(bitmap, "little")
+    return [r for r in range(len(bitmap) * 8) if value >> r & 1]

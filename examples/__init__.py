@@ -1,0 +1,1 @@
+"""Runnable examples, and the local launcher behind ``redsrv demo``."""
