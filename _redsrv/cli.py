@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import signal
 import sys
@@ -65,11 +66,9 @@ def _demo(args: argparse.Namespace) -> int:
                     wire_dtype=args.wire_dtype)
 
 
-def _bench_local(args: argparse.Namespace) -> int:
-    from redsrv.examples.bench_local import run_local_bench
-
-    return run_local_bench(workers=args.workers, reducers=args.reducers, sizes_mib=args.sizes, reps=args.reps,
-                           wire_dtype=args.wire_dtype, json_path=args.json)
+#: Each module under redsrv.bench adds its own ``redsrv bench NAME`` subcommand with
+#: ``add_parser(subparsers)``; importing them is cheap (frameworks are imported when run).
+BENCH_MODULES = ("local",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,16 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks", description="Benchmarks of the reduction server.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="KIND")
-    b = bench.add_parser("local", help="loopback throughput per size and reducer CPU per GB (quick regression check)",
-                         description="Workers and reducers on 127.0.0.1. Loopback measures CPU efficiency, not network "
-                         "speed-ups: use `redsrv bench emulate` for comparisons with ring all-reduce.")
-    b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--reducers", type=int, default=2)
-    b.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="sizes in MiB (default 1 4 16 64 256)")
-    b.add_argument("--reps", type=int, default=5)
-    b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None)
-    b.add_argument("--json", help="write every rep to this JSON file")
-    b.set_defaults(func=_bench_local)
+    for name in BENCH_MODULES:
+        importlib.import_module(f"redsrv.bench.{name}").add_parser(bench)
     return parser
 
 

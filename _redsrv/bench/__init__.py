@@ -1,0 +1,1 @@
+"""Benchmarks behind ``redsrv bench``: ``local`` (loopback CPU efficiency)."""

@@ -1,0 +1,130 @@
+"""``redsrv bench local``: loopback all-reduce throughput per size and reducer CPU per GB.
+
+Workers and reducers are processes on 127.0.0.1, so this measures the implementation's CPU
+efficiency (memory copies on shared cores), not a network speed-up: use it as a quick
+regression check. Comparisons with ring all-reduce belong on an emulated network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from redsrv.examples.launcher import start_reducers, stop_processes
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    b = subparsers.add_parser(
+        "local", help="loopback throughput per size and reducer CPU per GB (quick regression check)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    b.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
+    b.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="sizes in MiB (default 1 4 16 64 256)")
+    b.add_argument("--reps", type=int, default=5, help="timed repetitions per size (default 5, after 2 warm-ups)")
+    b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress float32 on the wire")
+    b.add_argument("--json", help="write every rep to this JSON file")
+    b.set_defaults(func=lambda a: run_local_bench(workers=a.workers, reducers=a.reducers, sizes_mib=a.sizes, reps=a.reps,
+                                                  wire_dtype=a.wire_dtype, json_path=a.json))
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc; 0 where unavailable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps: int, wire_dtype: str | None,
+                    json_path: str | None, warmup: int = 2) -> int:
+    print(f"redsrv bench local: {workers} workers, {reducers} reducers on 127.0.0.1, float32"
+          + (f" ({wire_dtype} on the wire)" if wire_dtype else "") + f", {reps} reps after {warmup} warm-ups", flush=True)
+    print("  loopback measures CPU efficiency, not network speed-ups (see `redsrv bench emulate`)", flush=True)
+    fleet = start_reducers(reducers)
+    procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="redsrv-bench-") as tmp:
+            outs = [os.path.join(tmp, f"rank{r}.json") for r in range(workers)]
+            spec = {"sizes": sizes_mib, "reps": reps, "warmup": warmup, "wire_dtype": wire_dtype}
+            for r in range(workers):
+                procs.append(subprocess.Popen([
+                    sys.executable, "-m", "redsrv.bench.local", "worker", json.dumps(spec), str(r), str(workers),
+                    ",".join(fleet.addresses), outs[r], ",".join(str(p.pid) for p in fleet.procs)]))
+            print(f"  {'size':>9} {'median':>10} {'min':>9} {'max':>9} {'algbw GB/s':>11} {'reducer CPU s/GB':>17}")
+            for p in procs:
+                p.wait(timeout=600)
+            if any(p.returncode for p in procs):
+                print("redsrv bench local: a worker failed", file=sys.stderr)
+                return 1
+            reports = []
+            for path in outs:
+                with open(path) as f:
+                    reports.append(json.load(f))
+            for i, size in enumerate(sizes_mib):
+                times = [max(rep["sizes"][i]["times"][k] for rep in reports) for k in range(reps)]
+                cpu = sum(rep["sizes"][i]["reducer_cpu"] for rep in reports[:1])
+                nbytes = int(size * 2**20) // 4 * 4
+                reduced_gb = nbytes * workers * reps / 1e9
+                median = statistics.median(times)
+                row = {"size_bytes": nbytes, "times": times, "median_s": median, "algbw_gbps": nbytes / median / 1e9,
+                       "reducer_cpu_s_per_gb": cpu / reduced_gb if reduced_gb else 0.0}
+                rows.append(row)
+                print(f"  {size:>7.1f}Mi {median * 1000:>8.2f}ms {min(times) * 1000:>7.2f}ms {max(times) * 1000:>7.2f}ms "
+                      f"{row['algbw_gbps']:>11.3f} {row['reducer_cpu_s_per_gb']:>17.3f}")
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"workers": workers, "reducers": reducers, "wire_dtype": wire_dtype, "rows": rows}, f, indent=1)
+            print(f"  wrote {json_path}")
+        return 0
+    finally:
+        stop_processes(procs, timeout=5)
+        stop_processes(fleet.procs)
+
+
+def _worker(spec_json: str, rank: str, world: str, reducers: str, out: str, reducer_pids_csv: str) -> int:
+    import redsrv
+
+    spec = json.loads(spec_json)
+    r, n = int(rank), int(world)
+    result: dict = {"sizes": []}  # type: ignore[type-arg]
+    with redsrv.Client(reducers.split(","), rank=r, world_size=n, job="bench-local", wire_dtype=spec["wire_dtype"]) as client:
+        # Rank 0 reads the reducers' CPU time around the timed loop (all ranks are in lockstep).
+        reducer_pids = [int(p) for p in reducer_pids_csv.split(",")] if r == 0 else []
+        for size in spec["sizes"]:
+            elements = int(size * 2**20) // 4
+            x = np.random.default_rng(r).standard_normal(elements).astype(np.float32)
+            times = []
+            for _ in range(spec["warmup"]):
+                client.barrier()
+                client.allreduce(x)
+            cpu_before = sum(cpu_seconds(p) for p in reducer_pids)
+            for _ in range(spec["reps"]):
+                client.barrier()
+                start = time.perf_counter()
+                client.allreduce(x)
+                times.append(time.perf_counter() - start)
+            client.barrier()
+            cpu = sum(cpu_seconds(p) for p in reducer_pids) - cpu_before
+            result["sizes"].append({"size": size, "times": times, "reducer_cpu": cpu})
+    with open(out, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        sys.exit(_worker(*sys.argv[2:]))
+    sys.exit("usage: redsrv bench local")

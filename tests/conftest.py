@@ -1,0 +1,221 @@
+"""Shared fixtures: real reducer processes on free ports, worker processes, leak checks.
+
+Every process a test starts is tracked by pid and terminated, then killed, at teardown; a test
+that leaves a process or a thread behind fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+LISTEN_RE = re.compile(r"listening on (\S+):(\d+) incarnation=(0x[0-9a-f]+)")
+
+#: Timeouts shrunk for tests (RELIABILITY: tests shrink defaults 10-100x).
+FAST_ENV = {
+    "REDSRV_HEARTBEAT_INTERVAL": "0.2",
+    "REDSRV_HEARTBEAT_MISSES": "5",
+    "REDSRV_OP_TIMEOUT": "20",
+    "REDSRV_CLOSE_TIMEOUT": "3",
+    "REDSRV_CONNECT_TIMEOUT": "10",
+}
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSRV_")}
+    env.update(FAST_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+@dataclass
+class Reducer:
+    proc: subprocess.Popen  # type: ignore[type-arg]
+    host: str
+    port: int
+    incarnation: int
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+
+class ProcessTracker:
+    """Starts processes, remembers their pids, and ends every one of them at teardown."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+
+    def popen(self, args: list[str], **kwargs) -> subprocess.Popen:  # type: ignore[no-untyped-def,type-arg]
+        proc = subprocess.Popen(args, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def start_reducer(self, *extra: str, port: int = 0, env: dict[str, str] | None = None, timeout: float = 20.0) -> Reducer:
+        args = [sys.executable, "-m", "redsrv", "reducer", "--host", "127.0.0.1", "--port", str(port), *extra]
+        full_env = child_env(env)
+        proc = self.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
+        line_box: list[str] = []
+
+        def read_first_line() -> None:
+            assert proc.stdout is not None
+            line_box.append(proc.stdout.readline())
+
+        reader = threading.Thread(target=read_first_line, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        line = line_box[0] if line_box else ""
+        match = LISTEN_RE.search(line)
+        if not match:
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            raise RuntimeError(f"reducer did not start: {line!r}\n{err}")
+        reducer = Reducer(proc, match.group(1), int(match.group(2)), int(match.group(3), 16), args, full_env)
+        _drain(proc, reducer.log)
+        return reducer
+
+    def restart_reducer(self, old: Reducer, timeout: float = 20.0) -> Reducer:
+        """Start a new reducer process on the same address (after the old one died)."""
+        extra = old.args[old.args.index("--port") + 2 :]
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.start_reducer(*extra, port=old.port, timeout=timeout)
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def cleanup(self) -> list[int]:
+        leaked = []
+        for proc in self.procs:
+            if proc.poll() is None:
+                leaked.append(proc.pid)
+                try:
+                    os.kill(proc.pid, signal.SIGCONT)  # a frozen child cannot act on SIGTERM
+                    proc.terminate()
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=5)
+                except ProcessLookupError:
+                    pass
+        return leaked
+
+
+def _drain(proc: subprocess.Popen, sink: list[str]) -> None:  # type: ignore[type-arg]
+    """Keep reading the child's pipes so it never blocks on a full pipe."""
+
+    def pump(stream) -> None:  # type: ignore[no-untyped-def]
+        for line in stream:
+            sink.append(line)
+
+    for stream in (proc.stdout, proc.stderr):
+        if stream is not None:
+            threading.Thread(target=pump, args=(stream,), daemon=True).start()
+
+
+@pytest.fixture
+def procs() -> Iterator[ProcessTracker]:
+    tracker = ProcessTracker()
+    yield tracker
+    tracker.cleanup()
+
+
+@pytest.fixture
+def fleet(procs: ProcessTracker):  # type: ignore[no-untyped-def]
+    """``fleet(m)`` -> list of m running reducer processes."""
+
+    def start(m: int = 2, *extra: str, env: dict[str, str] | None = None) -> list[Reducer]:
+        return [procs.start_reducer(*extra, env=env) for _ in range(m)]
+
+    return start
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads() -> Iterator[None]:
+    """Fail a test that leaves redsrv threads running (clients or daemons not closed)."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("redsrv-") and t.is_alive()]
+        if not leaked or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not leaked, f"threads left running: {leaked}"
+
+
+WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "worker_main.py")
+
+
+@dataclass
+class WorkerRun:
+    procs: list[subprocess.Popen]  # type: ignore[type-arg]
+    prefixes: list[str]
+    started: float
+
+    def wait(self, timeout: float = 90.0) -> tuple[list[dict], list[dict]]:  # type: ignore[type-arg]
+        import json
+
+        import numpy as np
+
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                proc.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"worker pid {proc.pid} still running after {timeout}s: a hang") from None
+        reports, results = [], []
+        for proc, prefix in zip(self.procs, self.prefixes):
+            assert proc.returncode == 0, f"worker exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+            with open(prefix + ".json") as f:
+                reports.append(json.load(f))
+            with np.load(prefix + ".npz") as data:
+                results.append({k: data[k] for k in data.files})
+        return results, reports
+
+
+@pytest.fixture
+def workers(procs: ProcessTracker, tmp_path):  # type: ignore[no-untyped-def]
+    """``workers(reducers, world_size, spec, ranks=None)`` starts worker processes running
+    ``tests/worker_main.py`` and returns a :class:`WorkerRun`."""
+    import json
+
+    counter = iter(range(10_000))
+
+    def start(reducers: list[Reducer] | list[str], world_size: int, spec: dict, ranks: list[int] | None = None,  # type: ignore[type-arg]
+              env: dict[str, str] | None = None) -> WorkerRun:
+        addresses = [r.address if isinstance(r, Reducer) else r for r in reducers]
+        run_id = next(counter)
+        ps, prefixes = [], []
+        for rank in ranks if ranks is not None else range(world_size):
+            full = {"reducers": addresses, "rank": rank, "world_size": world_size, "job": spec.get("job", "test"), **spec}
+            prefix = str(tmp_path / f"w{run_id}-{rank}")
+            ps.append(procs.popen([sys.executable, WORKER_SCRIPT, json.dumps(full), prefix], env=child_env(env),
+                                  stderr=subprocess.PIPE, text=True))
+            prefixes.append(prefix)
+        return WorkerRun(ps, prefixes, time.monotonic())
+
+    return start

@@ -1,0 +1,96 @@
+"""A worker process for integration and fault tests.
+
+    python worker_main.py SPEC_JSON OUT_PREFIX
+
+SPEC: {"reducers": [...], "rank": r, "world_size": n, "job": "...", "config": {...},
+       "ops": [{"kind": "allreduce"|"broadcast", "size": int, "dtype": str, "seed": int,
+                "op": "sum"|"mean", "wire_dtype": null|"bf16"|"fp16", "key": ..., "root": 0}],
+       "concurrent": bool, "loop_until_error": bool, "loop_size": int, "step_pause": float}
+
+Writes OUT_PREFIX.npz with result i as "r{i}" and OUT_PREFIX.json with timings, contributor
+counts and, if one was raised, the error's type, message and attributes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import redsrv
+
+
+def make_input(seed: int, rank: int, size: int, dtype: str) -> np.ndarray:
+    """The deterministic input of ``rank``; tests rebuild it to compute references."""
+    rng = np.random.default_rng([seed, rank])
+    if dtype.startswith("int"):
+        return rng.integers(-1000, 1000, size=size).astype(dtype)
+    data = rng.standard_normal(size).astype(np.float32)
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return data.astype(ml_dtypes.bfloat16)
+    return data.astype(dtype)
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    out_prefix = sys.argv[2]
+    report: dict = {"rank": spec["rank"], "results": [], "error": None}
+    results: dict[str, np.ndarray] = {}
+    client = None
+    try:
+        client = redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"],
+                               **spec.get("config", {}))
+        report["connected_at"] = time.time()
+        if spec.get("loop_until_error"):
+            x = make_input(1, spec["rank"], spec.get("loop_size", 1000), "float32")
+            step = 0
+            deadline = time.monotonic() + spec.get("loop_seconds", 60)
+            while time.monotonic() < deadline:
+                client.allreduce(x, key=("step", step))
+                step += 1
+                report["steps"] = step
+                report["last_step_at"] = time.time()
+                time.sleep(spec.get("step_pause", 0.0))
+        else:
+            futures = []
+            for i, op in enumerate(spec["ops"]):
+                x = make_input(op.get("seed", i), spec["rank"], op["size"], op.get("dtype", "float32"))
+                key = tuple(op["key"]) if isinstance(op.get("key"), list) else op.get("key")
+                start = time.perf_counter()
+                if op.get("kind", "allreduce") == "broadcast":
+                    fut = client.broadcast_async(x, root=op.get("root", 0), key=key)
+                else:
+                    fut = client.allreduce_async(x, op=op.get("op", "sum"), key=key, wire_dtype=op.get("wire_dtype"))
+                if spec.get("concurrent"):
+                    futures.append((i, fut, start))
+                else:
+                    results[f"r{i}"] = fut.result(timeout=120)
+                    report["results"].append({"i": i, "seconds": time.perf_counter() - start,
+                                              "contributors": fut.contributors.min_count if fut.contributors else None})
+            for i, fut, start in futures:
+                results[f"r{i}"] = fut.result(timeout=120)
+                report["results"].append({"i": i, "seconds": time.perf_counter() - start,
+                                          "contributors": fut.contributors.min_count if fut.contributors else None})
+    except redsrv.RedsrvError as exc:
+        report["error"] = {"type": type(exc).__name__, "message": str(exc), "at": time.time(),
+                           "mro": [c.__name__ for c in type(exc).__mro__],
+                           **{k: getattr(exc, k, None) for k in ("peer", "job", "rank", "phase")}}
+    except Exception as exc:  # an untyped error is a test failure: report it as such
+        report["error"] = {"type": type(exc).__name__, "message": str(exc), "at": time.time(), "mro": [],
+                           "traceback": traceback.format_exc()}
+    finally:
+        if client is not None:
+            client.close()
+    np.savez(out_prefix + ".npz", **results)
+    with open(out_prefix + ".json", "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
