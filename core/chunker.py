@@ -5,7 +5,7 @@ one (span ``i`` belongs to reducer ``i``, so reducers carry equal load by constr
 each span into pipeline chunks of at most ``chunk_elements`` elements, again near-equal so the
 last chunk is never a sliver.
 
->>> [(c.reducer, c.index, c.start, c.stop) for c in plan(10, 3, 2)]
+>>> [(c.reducer, c.index, c.start, c.stop) for c in plan(10, 3, 3)]
 [(0, 0, 0, 2), (0, 1, 2, 4), (1, 0, 4, 7), (2, 0, 7, 10)]
 """
 

@@ -1,0 +1,308 @@
+"""The reducer state machine, driven without sockets."""
+
+from __future__ import annotations
+
+import itertools
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from redsrv.core import wire
+from redsrv.core.reducer import Log, PushTicket, ReducerCore, SendError, SendResult
+
+INC = 0xABC
+NONCE = bytes(32)
+
+
+def hello(rank: int, world: int, job: str = "j", session: int | None = None, **kw) -> wire.Hello:  # type: ignore[no-untyped-def]
+    return wire.Hello(job, rank, world, session if session is not None else 100 + rank, NONCE, **kw)
+
+
+def make_core(world: int, job: str = "j", budget: int = 1 << 30, **kw) -> ReducerCore:  # type: ignore[no-untyped-def]
+    core = ReducerCore(INC, job_budget_bytes=budget, stall_warning=kw.pop("stall_warning", 30.0))
+    for r in range(world):
+        assert core.join(conn_id(job, r), hello(r, world, job, **kw)) == []
+    return core
+
+
+def conn_id(job: str, rank: int) -> int:
+    return hash((job, rank)) & 0xFFFF
+
+
+def push(core: ReducerCore, rank: int, data: np.ndarray, *, key: int = 1, chunk: int = 0, offset: int = 0,
+         total: int | None = None, job: str = "j", now: float = 0.0, op: wire.ReduceOp = wire.ReduceOp.SUM,
+         root: int = 0, incarnation: int = INC, conn: int | None = None) -> list:  # type: ignore[type-arg]
+    conn = conn if conn is not None else conn_id(job, rank)
+    payload = data.view(np.uint8).reshape(-1)
+    count = data.size
+    p = wire.Push(key, incarnation, total if total is not None else offset + count, offset, count, chunk,
+                  wire.dtype_code(data.dtype), op, root)
+    nbytes = 0 if (op is wire.ReduceOp.BROADCAST and rank != root) else payload.nbytes
+    outcome = core.begin_push(conn, p, nbytes, now)
+    if outcome is None or isinstance(outcome, list):
+        return outcome  # type: ignore[return-value]
+    assert isinstance(outcome, PushTicket)
+    if outcome.buffer is not None:
+        outcome.buffer[:] = payload
+    return core.finish_push(outcome, now)
+
+
+def result_of(actions: list, dtype: np.dtype) -> tuple[np.ndarray, list[int], int]:  # type: ignore[type-arg]
+    results = [a for a in actions if isinstance(a, SendResult)]
+    assert len(results) == 1, actions
+    res = results[0]
+    decoder = wire.FrameDecoder()
+    decoder.receive_data(res.header + bytes(res.data))
+    frame = decoder.next_frame()
+    assert isinstance(frame, wire.Result)
+    data = np.frombuffer(bytes(frame.payload), dtype=dtype).copy()
+    for _ in res.conns:
+        res.release()
+    return data, wire.ranks_from_bitmap(frame.bitmap), frame.contributors
+
+
+def errors(actions: list) -> list[SendError]:  # type: ignore[type-arg]
+    return [a for a in actions if isinstance(a, SendError)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.permutations(range(4)), st.integers(1, 300))
+def test_sum_is_in_rank_order_whatever_the_arrival_order(order: list[int], size: int) -> None:
+    core = make_core(4)
+    rng = np.random.default_rng(size)
+    data = [rng.standard_normal(size).astype(np.float32) * np.float32(10.0) ** rng.integers(-3, 4) for _ in range(4)]
+    actions: list = []  # type: ignore[type-arg]
+    for rank in order:
+        actions = push(core, rank, data[rank])
+    out, ranks, count = result_of(actions, np.dtype(np.float32))
+    expected = ((data[0] + data[1]) + data[2]) + data[3]
+    assert out.tobytes() == expected.tobytes()
+    assert ranks == [0, 1, 2, 3] and count == 4
+    assert core.bytes_held("j") == 0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_16bit_floats_accumulate_in_float32_and_round_once(dtype: type) -> None:
+    core = make_core(3)
+    small = 0.2 if dtype is np.float16 else 1.5  # below half the type's spacing at 1000
+    values = [np.full(8, v, dtype=dtype) for v in (1000.0, small, small)]
+    for rank in (2, 0, 1):
+        actions = push(core, rank, values[rank])
+    out, _, _ = result_of(actions, np.dtype(dtype))
+    exact = (values[0].astype(np.float32) + values[1].astype(np.float32)) + values[2].astype(np.float32)
+    assert out.tobytes() == exact.astype(dtype).tobytes()
+    # Summing in the 16-bit type would lose the small terms twice over.
+    naive = (values[0] + values[1]) + values[2]
+    assert not np.array_equal(out, naive)
+
+
+def test_integers_sum_exactly() -> None:
+    core = make_core(2)
+    push(core, 0, np.array([2**40, -5], dtype=np.int64))
+    out, _, _ = result_of(push(core, 1, np.array([1, 5], dtype=np.int64)), np.dtype(np.int64))
+    assert out.tolist() == [2**40 + 1, 0]
+
+
+def test_dtype_mismatch_fails_the_chunk_on_every_rank_naming_both() -> None:
+    core = make_core(3)
+    assert push(core, 0, np.zeros(4, np.float32)) == []
+    actions = push(core, 1, np.zeros(4, np.float16))
+    errs = errors(actions)
+    assert {e.conn for e in errs} == {conn_id("j", 0), conn_id("j", 1)}
+    message = errs[0].frame.message
+    assert "rank 0 sent float32[4]" in message and "rank 1 sent float16[4]" in message
+    assert errs[0].frame.code is wire.ErrorCode.CONTRIBUTION_MISMATCH and not errs[0].frame.fatal
+    # The rank that comes later gets the same error instead of waiting forever.
+    late = errors(push(core, 2, np.zeros(4, np.float32)))
+    assert late[0].frame.message == message
+    assert core.bytes_held("j") == 0
+
+
+def test_length_mismatch_names_both_lengths() -> None:
+    core = make_core(2)
+    push(core, 0, np.zeros(4, np.float32), total=10)
+    message = errors(push(core, 1, np.zeros(4, np.float32), total=12))[0].frame.message
+    assert "of 10" in message and "of 12" in message
+
+
+def test_duplicate_contribution_is_an_error_for_that_job_only() -> None:
+    core = make_core(2)
+    core.join(conn_id("other", 0), hello(0, 1, "other"))
+    push(core, 0, np.ones(2, np.float32))
+    errs = errors(push(core, 0, np.ones(2, np.float32)))
+    assert errs and errs[0].frame.code is wire.ErrorCode.DUPLICATE
+    out, _, _ = result_of(push(core, 0, np.ones(2, np.float32) * 7, job="other"), np.dtype(np.float32))
+    assert out.tolist() == [7, 7]
+
+
+def test_first_m_closes_at_m_and_late_rank_gets_the_same_result() -> None:
+    core = make_core(4, mode=wire.StragglerMode.FIRST_M, min_contributors=3)
+    data = [np.full(3, r + 1, np.float32) for r in range(4)]
+    push(core, 3, data[3])
+    push(core, 0, data[0])
+    actions = push(core, 2, data[2])
+    results = [a for a in actions if isinstance(a, SendResult)]
+    assert len(results) == 1 and len(results[0].conns) == 3
+    first, ranks, count = result_of(actions, np.dtype(np.float32))
+    assert ranks == [0, 2, 3] and count == 3 and first.tolist() == [8, 8, 8]
+    late, late_ranks, _ = result_of(push(core, 1, data[1]), np.dtype(np.float32))
+    assert late.tobytes() == first.tobytes() and late_ranks == [0, 2, 3]
+    # Every rank has its answer: the retained result is freed.
+    assert core.bytes_held("j") == 0
+    # A second late push of the same key is stale, never summed.
+    assert errors(push(core, 1, data[1]))[0].frame.code is wire.ErrorCode.STALE
+
+
+def test_deadline_mode_closes_after_t_with_the_minimum() -> None:
+    core = make_core(3, mode=wire.StragglerMode.DEADLINE, min_contributors=2, deadline_ms=500)
+    push(core, 0, np.ones(2, np.float32), now=10.0)
+    assert core.tick(10.6) == []  # one contribution is below the minimum
+    push(core, 2, np.ones(2, np.float32) * 2, now=10.7)
+    assert core.tick(10.8)  # past the deadline with two
+    # all three would have closed it immediately; here the chunk closed with ranks 0 and 2
+
+
+def test_deadline_mode_result() -> None:
+    core = make_core(3, mode=wire.StragglerMode.DEADLINE, min_contributors=2, deadline_ms=500)
+    push(core, 0, np.ones(2, np.float32), now=0.0)
+    push(core, 2, np.ones(2, np.float32) * 2, now=0.1)
+    out, ranks, count = result_of(core.tick(0.6), np.dtype(np.float32))
+    assert out.tolist() == [3, 3] and ranks == [0, 2] and count == 2
+
+
+def test_operation_timeout_names_missing_ranks() -> None:
+    core = make_core(3, op_timeout_ms=2000)
+    push(core, 1, np.ones(2, np.float32), now=0.0)
+    assert errors(core.tick(1.0)) == []
+    errs = errors(core.tick(2.5))
+    assert errs and errs[0].frame.code is wire.ErrorCode.TIMEOUT
+    assert "rank(s) 0, 2" in errs[0].frame.message and "job 'j'" in errs[0].frame.message
+
+
+def test_stall_warning_names_missing_ranks_once() -> None:
+    core = make_core(3, stall_warning=1.0)
+    push(core, 0, np.ones(2, np.float32), now=0.0)
+    logs = [a for a in core.tick(1.5) if isinstance(a, Log)]
+    assert len(logs) == 1 and "rank(s) 1, 2" in logs[0].message
+    assert not [a for a in core.tick(2.0) if isinstance(a, Log)]
+
+
+def test_lost_worker_fails_open_chunks_naming_the_rank_then_rejoin_recovers() -> None:
+    core = make_core(3)
+    push(core, 0, np.ones(2, np.float32))
+    actions = core.leave(conn_id("j", 2), "connection reset", 1.0)
+    errs = errors(actions)
+    assert [e.conn for e in errs] == [conn_id("j", 0)]
+    assert "rank 2" in errs[0].frame.message and errs[0].frame.code is wire.ErrorCode.PEER_LOST
+    # While rank 2 is gone, new pushes fail at once instead of waiting for the timeout.
+    again = errors(push(core, 1, np.ones(2, np.float32), key=2))
+    assert again and again[0].frame.code is wire.ErrorCode.PEER_LOST
+    # Rank 2 comes back (a new session): the next step works.
+    core.join(conn_id("j", 2), hello(2, 3, session=999))
+    for r in range(2):
+        push(core, r, np.ones(2, np.float32), key=3)
+    out, _, _ = result_of(push(core, 2, np.ones(2, np.float32), key=3), np.dtype(np.float32))
+    assert out.tolist() == [3, 3]
+
+
+def test_straggler_modes_tolerate_a_lost_worker() -> None:
+    core = make_core(3, mode=wire.StragglerMode.FIRST_M, min_contributors=2)
+    push(core, 0, np.ones(2, np.float32))
+    assert errors(core.leave(conn_id("j", 2), "gone", 0.0)) == []
+    out, ranks, _ = result_of(push(core, 1, np.ones(2, np.float32)), np.dtype(np.float32))
+    assert out.tolist() == [2, 2] and ranks == [0, 1]
+
+
+def test_job_parameters_must_agree() -> None:
+    core = make_core(2)
+    actions = core.join(99, hello(1, 3, session=5))
+    errs = errors(actions)
+    assert errs and errs[0].frame.code is wire.ErrorCode.JOB_MISMATCH and errs[0].close_after
+    assert "world_size: job has 2, rank 1 sent 3" in errs[0].frame.message
+
+
+def test_rank_reconnecting_with_a_new_session_replaces_the_old_connections() -> None:
+    core = make_core(2)
+    actions = core.join(77, hello(1, 2, session=12345))
+    errs = errors(actions)
+    assert [e.conn for e in errs] == [conn_id("j", 1)] and errs[0].close_after
+
+
+def test_old_incarnation_is_rejected_as_stale() -> None:
+    core = make_core(2)
+    errs = errors(push(core, 0, np.ones(2, np.float32), incarnation=INC + 1))
+    assert errs[0].frame.code is wire.ErrorCode.STALE and "restarted" in errs[0].frame.message
+
+
+def test_push_before_handshake_is_a_protocol_error() -> None:
+    core = make_core(1)
+    errs = errors(push(core, 0, np.ones(2, np.float32), conn=4242))
+    assert errs[0].frame.code is wire.ErrorCode.PROTOCOL and errs[0].close_after
+
+
+def test_jobs_are_isolated() -> None:
+    core = make_core(2, job="a")
+    for r in range(2):
+        core.join(conn_id("b", r), hello(r, 2, "b"))
+    push(core, 0, np.ones(4, np.float32), job="b")
+    errors(push(core, 1, np.ones(4, np.int32), job="b"))  # job b breaks
+    core.leave(conn_id("b", 0), "gone", 0.0)
+    push(core, 0, np.full(4, 2, np.float32), job="a")
+    out, _, _ = result_of(push(core, 1, np.full(4, 3, np.float32), job="a"), np.dtype(np.float32))
+    assert out.tolist() == [5, 5, 5, 5]
+
+
+def test_budget_applies_backpressure_to_new_chunks_only() -> None:
+    core = make_core(2, budget=64)
+    assert push(core, 0, np.ones(8, np.float32), key=1) == []  # 32 bytes held
+    assert push(core, 0, np.ones(8, np.float32), key=2) == []  # 64 bytes held
+    assert push(core, 0, np.ones(8, np.float32), key=3) is None  # a new chunk must wait
+    # The other rank completes an open chunk: that is always allowed and frees memory.
+    result_of(push(core, 1, np.ones(8, np.float32), key=1), np.dtype(np.float32))
+    assert push(core, 0, np.ones(8, np.float32), key=3) == []
+
+
+def test_broadcast_sends_the_roots_data_exactly() -> None:
+    core = make_core(3)
+    root_data = np.array([-0.0, 1.5, np.inf], np.float32)
+    push(core, 0, np.zeros(3, np.float32), op=wire.ReduceOp.BROADCAST, root=1)
+    push(core, 1, root_data, op=wire.ReduceOp.BROADCAST, root=1)
+    out, _, _ = result_of(push(core, 2, np.zeros(3, np.float32), op=wire.ReduceOp.BROADCAST, root=1), np.dtype(np.float32))
+    assert out.tobytes() == root_data.tobytes()
+
+
+def test_shutdown_fails_every_open_chunk() -> None:
+    core = make_core(2)
+    push(core, 0, np.ones(2, np.float32), key=1)
+    push(core, 1, np.ones(2, np.float32), key=2)
+    errs = errors(core.shutdown("SIGTERM"))
+    assert len(errs) == 2 and all(e.frame.code is wire.ErrorCode.SHUTDOWN for e in errs)
+    assert core.bytes_held("j") == 0
+
+
+def test_many_keys_in_flight_complete_independently() -> None:
+    core = make_core(2)
+    keys = list(range(20))
+    for k in keys:
+        push(core, 0, np.full(3, k, np.float32), key=k)
+    for k in reversed(keys):
+        out, _, _ = result_of(push(core, 1, np.full(3, 1, np.float32), key=k), np.dtype(np.float32))
+        assert out.tolist() == [k + 1] * 3
+    assert core.open_chunks("j") == 0 and core.bytes_held("j") == 0
+
+
+def test_memory_is_released_for_every_outcome() -> None:
+    core = make_core(3, mode=wire.StragglerMode.FIRST_M, min_contributors=2, op_timeout_ms=1000)
+    for key in itertools.count():
+        if key == 5:
+            break
+        push(core, 0, np.ones(100, np.float32), key=key)
+        actions = push(core, 1, np.ones(100, np.float32), key=key)
+        result_of(actions, np.dtype(np.float32))
+    # Results retained for rank 2 are dropped at expiry.
+    assert core.bytes_held("j") > 0
+    core.tick(5.0)
+    assert core.bytes_held("j") == 0

@@ -1,0 +1,191 @@
+"""The sans-IO wire protocol, fed whole, byte by byte, and with trailing bytes (h11 style)."""
+
+from __future__ import annotations
+
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from redsrv.core import wire
+from redsrv.core.constants import MAGIC, PROTOCOL_VERSION
+from redsrv.core.errors import LocalProtocolError, RemoteProtocolError
+
+NONCE = bytes(range(32))
+
+FRAMES = [
+    wire.Hello("run-17", 2, 4, 0xDEADBEEF, NONCE, wire.StragglerMode.FIRST_M, 3, 0, 300_000),
+    wire.Hello("j\u00f6b", 0, 1, 1, NONCE),
+    wire.Challenge(0x1234, NONCE, bytes(32), True),
+    wire.Proof(bytes(range(32, 64))),
+    wire.Welcome(0x1234, 1 << 26, 1000),
+    wire.Push(7, 0x1234, 100, 10, 3, 1, wire.DType.FLOAT32, wire.ReduceOp.SUM, 0, np.arange(3, dtype="<f4").tobytes()),
+    wire.Push(7, 1, 100, 10, 3, 1, wire.DType.FLOAT32, wire.ReduceOp.BROADCAST, 2, b""),
+    wire.Push(2**64 - 1, 1, 5, 0, 5, 0, wire.DType.BFLOAT16, payload=np.ones(5, ml_dtypes.bfloat16).tobytes()),
+    wire.Result(7, 10, 3, 1, wire.DType.FLOAT32, 2, b"\x05", np.arange(3, dtype="<f4").tobytes()),
+    wire.Result(9, 0, 0, 0, wire.DType.INT64, 0, b"", b""),
+    wire.Error(wire.ErrorCode.CONTRIBUTION_MISMATCH, False, "rank 0 sent float32[4], rank 1 sent float16[4]", 7, 2),
+    wire.Error(wire.ErrorCode.PROTOCOL, True, ""),
+    wire.Heartbeat(),
+]
+
+
+def _normalise(frame: wire.Frame) -> wire.Frame:
+    """Payloads come back as bytes or memoryviews; compare as bytes."""
+    if isinstance(frame, (wire.Push, wire.Result)):
+        return type(frame)(**{**frame.__dict__, "payload": bytes(frame.payload)})
+    return frame
+
+
+def _decode_all(data: bytes, step: int | None = None) -> list[wire.Frame]:
+    decoder = wire.FrameDecoder()
+    frames = []
+    pieces = [data] if step is None else [data[i : i + step] for i in range(0, len(data), step)]
+    for piece in pieces:
+        decoder.receive_data(piece)
+        while (frame := decoder.next_frame()) is not None:
+            frames.append(_normalise(frame))
+    return frames
+
+
+@pytest.mark.parametrize("frame", FRAMES, ids=lambda f: type(f).__name__)
+def test_round_trip_whole(frame: wire.Frame) -> None:
+    assert _decode_all(wire.encode(frame)) == [_normalise(frame)]
+
+
+def test_all_frames_byte_by_byte() -> None:
+    data = b"".join(wire.encode(f) for f in FRAMES)
+    assert _decode_all(data, step=1) == [_normalise(f) for f in FRAMES]
+
+
+def test_trailing_bytes_wait_for_the_rest() -> None:
+    data = wire.encode(FRAMES[5]) + wire.encode(FRAMES[8])
+    decoder = wire.FrameDecoder()
+    decoder.receive_data(data[:-3])
+    assert _normalise(decoder.next_frame()) == _normalise(FRAMES[5])  # type: ignore[arg-type]
+    assert decoder.next_frame() is None
+    decoder.receive_data(data[-3:])
+    assert _normalise(decoder.next_frame()) == _normalise(FRAMES[8])  # type: ignore[arg-type]
+    assert decoder.next_frame() is None
+
+
+def test_header_helpers_match_full_encoding() -> None:
+    push = FRAMES[5]
+    assert isinstance(push, wire.Push)
+    assert wire.push_header(push, len(push.payload)) + push.payload == wire.encode(push)
+    result = FRAMES[8]
+    assert isinstance(result, wire.Result)
+    assert wire.result_header(result, len(result.payload)) + bytes(result.payload) == wire.encode(result)
+
+
+def _prefix(frame_type: int, header_len: int, payload_len: int, magic: bytes = MAGIC, version: int = PROTOCOL_VERSION) -> bytes:
+    return wire.PREFIX.pack(magic, version, frame_type, header_len, payload_len)
+
+
+def _push_header(**over: int) -> bytes:
+    fields = dict(key=1, inc=1, total=10, offset=0, count=2, chunk=0, dtype=1, op=0, root=0)
+    fields.update(over)
+    return struct.pack("<QQQQIIBBH", *fields.values())
+
+
+MALFORMED = {
+    "bad magic": b"HTTP" + wire.encode(wire.Heartbeat())[4:],
+    "unsupported version": _prefix(wire.FrameType.HEARTBEAT, 0, 0, version=99),
+    "unknown frame type": _prefix(200, 0, 0),
+    "header length mismatch": _prefix(wire.FrameType.PUSH, 3, 0) + b"abc",
+    "oversized payload": _prefix(wire.FrameType.PUSH, 44, 2**31) + _push_header(),
+    "unknown dtype": _prefix(wire.FrameType.PUSH, 44, 8) + _push_header(dtype=77) + bytes(8),
+    "unknown op": _prefix(wire.FrameType.PUSH, 44, 8) + _push_header(op=9) + bytes(8),
+    "payload does not match count": _prefix(wire.FrameType.PUSH, 44, 12) + _push_header() + bytes(12),
+    "chunk beyond total": _prefix(wire.FrameType.PUSH, 44, 8) + _push_header(offset=9) + bytes(8),
+    "payload on a heartbeat": _prefix(wire.FrameType.HEARTBEAT, 0, 4) + b"abcd",
+    "unknown error code": _prefix(wire.FrameType.ERROR, 16, 0) + struct.pack("<HBxQI", 999, 0, 0, 0),
+    "rank beyond world size": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack("<IIBxxxIIIQ32s", 5, 4, 0, 0, 0, 1, 1, NONCE) + b"j",
+    "empty job id": _prefix(wire.FrameType.HELLO, 60, 0) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 0, 0, 0, 1, 1, NONCE),
+    "unknown straggler mode": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 9, 0, 0, 1, 1, NONCE) + b"j",
+    "job id not utf-8": _prefix(wire.FrameType.HELLO, 60, 2) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 0, 0, 0, 1, 1, NONCE) + b"\xff\xfe",
+    "result bitmap larger than payload": _prefix(wire.FrameType.RESULT, 32, 4) + struct.pack("<QQIIBxHI", 1, 0, 1, 0, 1, 1, 8) + bytes(4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_frames_are_rejected(name: str) -> None:
+    decoder = wire.FrameDecoder(max_payload=1 << 20)
+    decoder.receive_data(MALFORMED[name])
+    with pytest.raises(RemoteProtocolError):
+        decoder.next_frame()
+    # After an error the decoder is dead and says so again.
+    with pytest.raises(RemoteProtocolError):
+        decoder.next_frame()
+    with pytest.raises(RemoteProtocolError):
+        decoder.receive_data(wire.encode(wire.Heartbeat()))
+
+
+def test_truncation_at_eof_is_an_error() -> None:
+    data = wire.encode(FRAMES[5])
+    decoder = wire.FrameDecoder()
+    decoder.receive_data(data[:-1])
+    assert decoder.next_frame() is None
+    decoder.receive_data(b"")
+    with pytest.raises(RemoteProtocolError, match="closed in the middle"):
+        decoder.next_frame()
+
+
+def test_clean_eof_between_frames_is_not_an_error() -> None:
+    decoder = wire.FrameDecoder()
+    decoder.receive_data(wire.encode(wire.Heartbeat()))
+    decoder.receive_data(b"")
+    assert decoder.next_frame() == wire.Heartbeat()
+    assert decoder.next_frame() is None
+
+
+def test_decoder_never_buffers_beyond_the_cap() -> None:
+    """A length field promising a huge payload is refused before the payload is buffered."""
+    decoder = wire.FrameDecoder(max_payload=1024)
+    decoder.receive_data(_prefix(wire.FrameType.PUSH, 44, 4096) + _push_header(count=1024, total=1024))
+    with pytest.raises(RemoteProtocolError, match="exceeds the cap"):
+        decoder.next_frame()
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        wire.Push(1, 1, 10, 0, 3, 0, wire.DType.FLOAT32, payload=b"short"),
+        wire.Push(-1, 1, 10, 0, 0, 0, wire.DType.FLOAT32),
+        wire.Hello("", 0, 1, 1, NONCE),
+        wire.Hello("j", 3, 2, 1, NONCE),
+        wire.Hello("j", 0, 1, 1, b"short nonce"),
+        wire.Result(1, 0, 2, 0, wire.DType.FLOAT32, 1, b"\x01", b"\x00" * 4),
+    ],
+)
+def test_encoding_invalid_frames_is_a_local_error(frame: wire.Frame) -> None:
+    with pytest.raises(LocalProtocolError):
+        wire.encode(frame)
+
+
+def test_dtype_codes_round_trip() -> None:
+    for code in wire.DType:
+        assert wire.dtype_code(wire.numpy_dtype(code)) is code
+    assert wire.dtype_code(np.dtype(">f4")) is wire.DType.FLOAT32
+    with pytest.raises(LocalProtocolError, match="not supported"):
+        wire.dtype_code(np.complex64)
+
+
+def test_bitmaps() -> None:
+    assert wire.ranks_from_bitmap(wire.bitmap_from_ranks(0b1011, 12)) == [0, 1, 3]
+    assert len(wire.bitmap_from_ranks(1, 9)) == 2
+
+
+def test_no_code_bearing_serialisation_in_core() -> None:
+    """RELIABILITY R9: no pickle, marshal or eval anywhere in core/."""
+    import pathlib
+    import re
+
+    import redsrv.core
+
+    core_dir = pathlib.Path(redsrv.core.__file__).parent
+    pattern = re.compile(r"\b(import pickle|import marshal|from pickle|from marshal|eval\(|exec\(|pickle\.|marshal\.)")
+    offenders = [f"{p.name}:{i}" for p in core_dir.glob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
+                 if pattern.search(line)]
+    assert not offenders, offenders

@@ -1,0 +1,114 @@
+"""Property tests of the decoder: arbitrary bytes give frames or RemoteProtocolError, nothing
+else; decoding whole equals decoding in arbitrary pieces. ``tox -e fuzz`` runs a long budget."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from redsrv.core import wire
+from redsrv.core.errors import RemoteProtocolError
+
+EXAMPLES = int(os.environ.get("REDSRV_TEST_FUZZ_EXAMPLES", "300"))
+CAP = 1 << 16
+fuzz = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+dtypes = st.sampled_from(list(wire.DType))
+
+
+@st.composite
+def pushes(draw: st.DrawFn) -> wire.Push:
+    dtype = draw(dtypes)
+    count = draw(st.integers(1, 64))
+    offset = draw(st.integers(0, 1000))
+    itemsize = wire.numpy_dtype(dtype).itemsize
+    return wire.Push(draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**64 - 1)), offset + count + draw(st.integers(0, 9)),
+                     offset, count, draw(st.integers(0, 2**32 - 1)), dtype, wire.ReduceOp.SUM, 0,
+                     draw(st.binary(min_size=count * itemsize, max_size=count * itemsize)))
+
+
+@st.composite
+def results(draw: st.DrawFn) -> wire.Result:
+    dtype = draw(dtypes)
+    count = draw(st.integers(0, 64))
+    itemsize = wire.numpy_dtype(dtype).itemsize
+    bitmap = draw(st.binary(max_size=8))
+    return wire.Result(draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**40)), count, draw(st.integers(0, 2**32 - 1)),
+                       dtype, draw(st.integers(0, 65535)), bitmap, draw(st.binary(min_size=count * itemsize, max_size=count * itemsize)))
+
+
+frames = st.one_of(
+    pushes(), results(), st.just(wire.Heartbeat()),
+    st.builds(wire.Error, st.sampled_from(list(wire.ErrorCode)), st.booleans(), st.text(max_size=50),
+              st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1)),
+    st.builds(wire.Hello, st.text(min_size=1, max_size=30).filter(lambda s: len(s.encode()) <= 128), st.just(0),
+              st.integers(1, 65535), st.integers(0, 2**64 - 1), st.binary(min_size=32, max_size=32)),
+)
+
+
+def _norm(frame: wire.Frame) -> wire.Frame:
+    if isinstance(frame, (wire.Push, wire.Result)):
+        return type(frame)(**{**frame.__dict__, "payload": bytes(frame.payload)})
+    return frame
+
+
+@fuzz
+@given(st.lists(frames, max_size=6), st.data())
+def test_round_trip_in_arbitrary_pieces(batch: list[wire.Frame], data: st.DataObject) -> None:
+    encoded = b"".join(wire.encode(f) for f in batch)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(encoded)), max_size=8)))
+    decoder = wire.FrameDecoder(max_payload=CAP)
+    out = []
+    for a, b in zip([0, *cuts], [*cuts, len(encoded)]):
+        if a == b:
+            continue  # an empty read means EOF to the decoder
+        decoder.receive_data(encoded[a:b])
+        while (f := decoder.next_frame()) is not None:
+            out.append(_norm(f))
+    assert out == [_norm(f) for f in batch]
+    assert decoder.buffered == 0
+
+
+@fuzz
+@given(st.binary(max_size=512), st.booleans())
+def test_arbitrary_bytes_give_frames_or_remote_protocol_error(blob: bytes, with_valid_prefix: bool) -> None:
+    data = (wire.encode(wire.Heartbeat())[:4] + blob) if with_valid_prefix else blob
+    decoder = wire.FrameDecoder(max_payload=CAP)
+    try:
+        decoder.receive_data(data)
+        decoder.receive_data(b"")
+        while decoder.next_frame() is not None:
+            pass
+    except RemoteProtocolError:
+        pass
+    # Nothing beyond the cap is ever buffered: the decoder holds at most one frame's worth.
+    assert decoder.buffered <= len(data)
+
+
+@fuzz
+@given(frames, st.integers(0, 200), st.binary(min_size=1, max_size=4))
+def test_corrupting_one_byte_never_escapes_as_another_exception(frame: wire.Frame, position: int, junk: bytes) -> None:
+    encoded = bytearray(wire.encode(frame))
+    position %= len(encoded)
+    encoded[position : position + len(junk)] = junk
+    decoder = wire.FrameDecoder(max_payload=CAP)
+    try:
+        decoder.receive_data(bytes(encoded))
+        decoder.receive_data(b"")
+        while decoder.next_frame() is not None:
+            pass
+    except RemoteProtocolError:
+        pass
+
+
+def test_payload_views_are_raw_little_endian() -> None:
+    values = np.array([1.5, -2.25], dtype="<f4")
+    push = wire.Push(1, 1, 2, 0, 2, 0, wire.DType.FLOAT32, payload=values.tobytes())
+    decoder = wire.FrameDecoder()
+    decoder.receive_data(wire.encode(push))
+    frame = decoder.next_frame()
+    assert isinstance(frame, wire.Push)
+    assert np.array_equal(np.frombuffer(frame.payload, "<f4"), values)
