@@ -65,6 +65,8 @@ class ProcessTracker:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+        self.pumps: list[threading.Thread] = []
+        self.files: list = []  # type: ignore[type-arg]
 
     def popen(self, args: list[str], **kwargs) -> subprocess.Popen:  # type: ignore[no-untyped-def,type-arg]
         proc = subprocess.Popen(args, **kwargs)
@@ -91,7 +93,7 @@ class ProcessTracker:
             _, err = proc.communicate(timeout=10)
             raise RuntimeError(f"reducer did not start: {line!r}\n{err}")
         reducer = Reducer(proc, match.group(1), int(match.group(2)), int(match.group(3), 16), args, full_env)
-        _drain(proc, reducer.log)
+        self.pumps += _drain(proc, reducer.log)
         return reducer
 
     def restart_reducer(self, old: Reducer, timeout: float = 20.0) -> Reducer:
@@ -120,19 +122,31 @@ class ProcessTracker:
                     proc.wait(timeout=5)
                 except ProcessLookupError:
                     pass
+        for pump in self.pumps:
+            pump.join(5)
+        for proc in self.procs:
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        for f in self.files:
+            f.close()
         return leaked
 
 
-def _drain(proc: subprocess.Popen, sink: list[str]) -> None:  # type: ignore[type-arg]
+def _drain(proc: subprocess.Popen, sink: list[str]) -> list[threading.Thread]:  # type: ignore[type-arg]
     """Keep reading the child's pipes so it never blocks on a full pipe."""
 
     def pump(stream) -> None:  # type: ignore[no-untyped-def]
         for line in stream:
             sink.append(line)
 
+    threads = []
     for stream in (proc.stdout, proc.stderr):
         if stream is not None:
-            threading.Thread(target=pump, args=(stream,), daemon=True).start()
+            t = threading.Thread(target=pump, args=(stream,), daemon=True)
+            t.start()
+            threads.append(t)
+    return threads
 
 
 @pytest.fixture
@@ -189,11 +203,16 @@ class WorkerRun:
                 raise AssertionError(f"worker pid {proc.pid} still running after {timeout}s: a hang") from None
         reports, results = [], []
         for proc, prefix in zip(self.procs, self.prefixes):
-            assert proc.returncode == 0, f"worker exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}"
+            if proc.returncode != 0:
+                with open(prefix + ".err") as f:
+                    raise AssertionError(f"worker exited with {proc.returncode}: {f.read()}")
             with open(prefix + ".json") as f:
                 reports.append(json.load(f))
             with np.load(prefix + ".npz") as data:
-                results.append({k: data[k] for k in data.files})
+                import ml_dtypes
+
+                results.append({k.removesuffix("__bf16"): data[k].view(ml_dtypes.bfloat16) if k.endswith("__bf16") else data[k]
+                                for k in data.files})
         return results, reports
 
 
@@ -213,9 +232,14 @@ def workers(procs: ProcessTracker, tmp_path):  # type: ignore[no-untyped-def]
         for rank in ranks if ranks is not None else range(world_size):
             full = {"reducers": addresses, "rank": rank, "world_size": world_size, "job": spec.get("job", "test"), **spec}
             prefix = str(tmp_path / f"w{run_id}-{rank}")
-            ps.append(procs.popen([sys.executable, WORKER_SCRIPT, json.dumps(full), prefix], env=child_env(env),
-                                  stderr=subprocess.PIPE, text=True))
+            err = open(prefix + ".err", "w")  # a file, not a pipe: a chatty child can never block
+            procs.files.append(err)
+            ps.append(procs.popen([sys.executable, WORKER_SCRIPT, json.dumps(full), prefix], env=child_env(env), stderr=err))
             prefixes.append(prefix)
         return WorkerRun(ps, prefixes, time.monotonic())
 
     return start
+
+
+# Test modules import shared helpers (tests_support, worker_main) by name.
+sys.path.insert(0, os.path.dirname(__file__))

@@ -5,7 +5,8 @@
 SPEC: {"reducers": [...], "rank": r, "world_size": n, "job": "...", "config": {...},
        "ops": [{"kind": "allreduce"|"broadcast", "size": int, "dtype": str, "seed": int,
                 "op": "sum"|"mean", "wire_dtype": null|"bf16"|"fp16", "key": ..., "root": 0}],
-       "concurrent": bool, "loop_until_error": bool, "loop_size": int, "step_pause": float}
+       "concurrent": bool, "reverse_on_odd_ranks": bool, "start_delay": {"rank": seconds},
+       "loop_until_error": bool, "loop_size": int, "loop_seconds": float, "step_pause": float}
 
 Writes OUT_PREFIX.npz with result i as "r{i}" and OUT_PREFIX.json with timings, contributor
 counts and, if one was raised, the error's type, message and attributes.
@@ -58,7 +59,12 @@ def main() -> int:
                 time.sleep(spec.get("step_pause", 0.0))
         else:
             futures = []
-            for i, op in enumerate(spec["ops"]):
+            order = list(enumerate(spec["ops"]))
+            if spec.get("reverse_on_odd_ranks") and spec["rank"] % 2:
+                order.reverse()  # keys, not submission order, must match results across ranks
+            if spec.get("start_delay"):
+                time.sleep(spec["start_delay"].get(str(spec["rank"]), 0.0))
+            for i, op in order:
                 x = make_input(op.get("seed", i), spec["rank"], op["size"], op.get("dtype", "float32"))
                 key = tuple(op["key"]) if isinstance(op.get("key"), list) else op.get("key")
                 start = time.perf_counter()
@@ -86,7 +92,9 @@ def main() -> int:
     finally:
         if client is not None:
             client.close()
-    np.savez(out_prefix + ".npz", **results)
+    # npz cannot store bfloat16: save its bits and let the loader view them back.
+    np.savez(out_prefix + ".npz", **{(k + "__bf16" if v.dtype.name == "bfloat16" else k): (v.view(np.uint16) if v.dtype.name == "bfloat16" else v)
+                                      for k, v in results.items()})
     with open(out_prefix + ".json", "w") as f:
         json.dump(report, f)
     return 0
