@@ -1,0 +1,720 @@
+"""``redsrv bench emulate``: redsrv against ring all-reduce (torch.distributed gloo) on an
+emulated cluster, in the same run.
+
+Every worker and every reducer runs in its own network namespace ("host"), cabled into a bridge
+with a kernel ``tbf`` rate limit on both ends of every link (:mod:`redsrv.bench.netns`). The
+gloo baseline runs on the same worker hosts, interleaved with redsrv (gloo, redsrv, gloo,
+redsrv, ... for ``--rounds`` rounds), in the same worker processes. Per rep: barrier, time the
+all-reduce on every rank, keep the slowest rank; the input is reset every rep and every result
+is checked against the exact sum.
+
+Reported per size: median and min-max time, algbw (size / time) in GB/s and as a fraction of
+its bound (ring: G·n/(2(n-1)); redsrv: G·min(1, m/n)), the speedup gloo time / redsrv time
+beside its theory 2(n-1)/n·min(1, m/n), and whole-machine CPU busy during the timed reps
+(above 85% the result measures the CPU, not the network). G is the best TCP goodput at the
+configured rate: rate·(MTU-52)/(MTU+14) unless ``--measure-goodput``.
+
+Needs root and iproute2; removes every namespace and process it created on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import queue
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from redsrv.bench import report
+from redsrv.bench.netns import (
+    DEFAULT_PREFIX,
+    Cluster,
+    EmulationError,
+    format_rate,
+    our_namespaces,
+    parse_rate,
+    remove_namespaces,
+    tcp_goodput_bps,
+)
+
+__all__ = ["add_parser", "Options", "run_emulate"]
+
+_MARK = "@@redsrv-bench "
+_DTYPES = ("float32", "float64", "float16", "bfloat16")
+#: Port of gloo's rendezvous store on worker host 0. Fixed on purpose: the namespace was created
+#: for this run, so nothing else can hold it, and reducers use ephemeral ports.
+_GLOO_PORT = 29500
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    b = subparsers.add_parser(
+        "emulate", help="redsrv vs gloo ring all-reduce on an emulated rate-limited cluster (root)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--workers", type=int, nargs="+", default=[4], metavar="N",
+                   help="worker count(s) n; several values also plot the speedup vs n (default 4)")
+    b.add_argument("--reducers", type=int, default=None, metavar="M",
+                   help="reducer count m (default: m = n, on their own hosts)")
+    b.add_argument("--rate", default="1gbit", help="per-host line rate, both directions, e.g. 1gbit, 500mbit, none (default 1gbit)")
+    b.add_argument("--sizes", type=float, nargs="+", default=[16, 64], metavar="MIB",
+                   help="message sizes in MiB, e.g. 0.00390625 for 4 KiB (default 16 64)")
+    b.add_argument("--reps", type=int, default=None,
+                   help="timed reps per size per round (default: 5 from 64 MiB, 20 for 1-64 MiB, 50 below)")
+    b.add_argument("--warmup", type=int, default=2, help="untimed reps before each block (default 2)")
+    b.add_argument("--rounds", type=int, default=3, help="gloo/redsrv alternations (default 3)")
+    b.add_argument("--dtype", choices=_DTYPES, default="float32", help="data type of the buffer (default float32)")
+    b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None,
+                   help="redsrv compresses float32 to this on the wire (gloo keeps --dtype)")
+    b.add_argument("--chunk-kib", type=int, default=None, help="redsrv pipeline chunk size in KiB (default: the client's)")
+    b.add_argument("--streams", type=int, default=None, help="redsrv TCP streams per reducer (default: the client's)")
+    b.add_argument("--delay-us", type=int, default=0,
+                   help="one-way delay per hop in microseconds, added by a userspace Python forwarder between TAP "
+                        "devices (this kernel has no netem); for small-message latency runs")
+    b.add_argument("--colocate", action="store_true",
+                   help="run reducer j inside worker host j mod n (shares its link: the advantage should disappear)")
+    b.add_argument("--no-baseline", action="store_true", help="run redsrv alone (no gloo)")
+    b.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
+    b.add_argument("--measure-goodput", action="store_true",
+                   help="measure G with one TCP stream between two hosts instead of rate·(MTU-52)/(MTU+14)")
+    b.add_argument("--out", default="bench-results", help="folder for the JSON and PNG files (default ./bench-results)")
+    b.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"namespace name prefix (default {DEFAULT_PREFIX})")
+    b.add_argument("--cleanup", action="store_true",
+                   help="only remove namespaces left with this prefix (after a run was killed with SIGKILL)")
+    b.set_defaults(func=_main)
+
+
+@dataclass(frozen=True)
+class Options:
+    workers: tuple[int, ...] = (4,)
+    reducers: int | None = None
+    rate_bps: int = 10**9
+    sizes_bytes: tuple[int, ...] = (16 * 2**20, 64 * 2**20)
+    reps: int | None = None
+    warmup: int = 2
+    rounds: int = 3
+    dtype: str = "float32"
+    wire_dtype: str | None = None
+    chunk_bytes: int | None = None
+    streams: int | None = None
+    delay_us: int = 0
+    colocate: bool = False
+    baseline: bool = True
+    mtu: int = 1500
+    measure_goodput: bool = False
+    out: str = "bench-results"
+    prefix: str = DEFAULT_PREFIX
+    quiet: bool = False
+
+    def m_for(self, n: int) -> int:
+        return self.reducers if self.reducers is not None else n
+
+    def reps_for(self, size: int) -> int:
+        if self.reps is not None:
+            return self.reps
+        return 5 if size >= 64 * 2**20 else 20 if size >= 2**20 else 50
+
+    @property
+    def hosts(self) -> int:
+        nmax = max(self.workers)
+        return nmax if self.colocate else nmax + max(self.m_for(n) for n in self.workers)
+
+    def validate(self) -> None:
+        if not self.workers or min(self.workers) < 2:
+            raise EmulationError("--workers: need at least 2 workers per run")
+        if self.reducers is not None and self.reducers < 1:
+            raise EmulationError("--reducers must be >= 1")
+        if not self.sizes_bytes or min(self.sizes_bytes) < 8:
+            raise EmulationError("--sizes: each size must be at least 8 bytes")
+        for name in ("warmup",):
+            if getattr(self, name) < 0:
+                raise EmulationError(f"--{name} must be >= 0")
+        for name in ("rounds", "reps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise EmulationError(f"--{name} must be >= 1")
+        if self.chunk_bytes is not None and not 1024 <= self.chunk_bytes <= 64 * 2**20:
+            raise EmulationError("--chunk-kib must be in 1..65536")
+        if self.streams is not None and not 1 <= self.streams <= 64:
+            raise EmulationError("--streams must be in 1..64")
+        if self.wire_dtype and self.dtype not in ("float32", "float64"):
+            raise EmulationError(f"--wire-dtype compresses float32/float64 data; --dtype is {self.dtype}")
+        # Per worker: the input, the expected sum, gloo's tensor and its reset copy, redsrv's result.
+        need = max(self.workers) * 5 * max(self.sizes_bytes)
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else need
+        if need > 0.8 * avail:
+            raise EmulationError(f"{max(self.workers)} workers at {report.format_size(max(self.sizes_bytes))} need about "
+                                 f"{need / 2**30:.1f} GiB of memory; {avail / 2**30:.1f} GiB is free")
+
+
+def _main(a: argparse.Namespace) -> int:
+    try:
+        if a.cleanup:
+            return _cleanup(a.prefix)
+        opts = Options(
+            workers=tuple(a.workers), reducers=a.reducers, rate_bps=parse_rate(a.rate),
+            sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
+            dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
+            streams=a.streams, delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
+            measure_goodput=a.measure_goodput, out=a.out, prefix=a.prefix)
+        result = run_emulate(opts)
+        return 0 if result["ok"] else 1
+    except EmulationError as exc:
+        print(f"redsrv bench emulate: error: {exc}", file=sys.stderr)
+        return 2
+    except _Terminated as exc:
+        print(f"redsrv bench emulate: stopped by {exc.name}; cluster removed", file=sys.stderr)
+        return 128 + exc.signum
+
+
+def _cleanup(prefix: str) -> int:
+    probe = Cluster(2, 0, prefix=prefix)
+    if os.geteuid() != 0:
+        raise EmulationError("removing network namespaces needs root")
+    names = our_namespaces(probe.prefix)
+    if not names:
+        print(f"no namespaces with prefix {prefix!r}")
+        return 0
+    removed = remove_namespaces(sorted(names, key=lambda ns: ns.endswith("-sw")))
+    print(f"removed {len(removed)} namespace(s): {', '.join(removed)}")
+    return 0 if len(removed) == len(names) else 1
+
+
+class _Terminated(BaseException):
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+@contextmanager
+def _raise_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so every ``finally`` (the cluster's teardown) runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        raise _Terminated(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _say(opts: Options, text: str) -> None:
+    if not opts.quiet:
+        print(text, flush=True)
+
+
+def run_emulate(opts: Options) -> dict[str, Any]:
+    """Build the cluster, run every configuration, write the JSON and PNG, remove the cluster.
+    Returns the result document (also written to ``opts.out``)."""
+    opts.validate()
+    cluster = Cluster(opts.hosts, opts.rate_bps, prefix=opts.prefix, mtu=opts.mtu, delay_us=opts.delay_us)
+    cluster.check()
+    impls = ["redsrv"]
+    torch_version = None
+    if opts.baseline:
+        if importlib.util.find_spec("torch") is None:
+            _say(opts, "torch is not installed: running redsrv alone, without the gloo baseline "
+                       "(install redsrv[torch] for it)")
+        else:
+            impls = ["gloo", "redsrv"]
+            torch_version = _torch_version()
+    if opts.delay_us and max(opts.sizes_bytes) > 2**20:
+        _say(opts, "note: the delay forwarder is Python: above ~1 MiB it, not the rate limit, bounds the throughput")
+    assumed = tcp_goodput_bps(opts.rate_bps, opts.mtu) / 8 / 1e9 if opts.rate_bps else 0.0
+    started = datetime.datetime.now()
+    stamp = started.strftime("%Y%m%d-%H%M%S")
+    os.makedirs(opts.out, exist_ok=True)
+    json_path = os.path.join(opts.out, f"emulate-{stamp}.json")
+    png_path = os.path.join(opts.out, f"emulate-{stamp}.png")
+    blocks: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {}
+    _say(opts, f"redsrv bench emulate: {opts.hosts} hosts at {format_rate(opts.rate_bps)} per link (both directions), "
+               f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
+               + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
+               + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else ""))
+    with _raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
+        try:
+            t0 = time.monotonic()
+            cluster.up()
+            _say(opts, f"  cluster up in {time.monotonic() - t0:.1f}s: {', '.join(f'{h.ns}={h.ip}' for h in cluster.hosts)}")
+            goodput, goodput_source = assumed, "assumed: rate x (MTU-52)/(MTU+14)"
+            if opts.measure_goodput or not opts.rate_bps:
+                measured = _measure_goodput(cluster, tmp)
+                _say(opts, f"  measured TCP goodput h0 -> h1: {measured:.4f} GB/s"
+                           + (f" ({measured / assumed:.3f} of the assumed {assumed:.4f})" if assumed else ""))
+                goodput, goodput_source = measured, "measured: one TCP stream h0 -> h1, 3 s"
+            else:
+                _say(opts, f"  G = {goodput:.4f} GB/s ({goodput_source})")
+            secret = os.path.join(tmp, "secret")
+            with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+                f.write(uuid.uuid4().hex + uuid.uuid4().hex)
+            for n in opts.workers:
+                blocks += _run_config(cluster, opts, n, impls, goodput, tmp, secret)
+        finally:
+            removed = cluster.down()
+            _say(opts, f"  cluster removed ({len(removed)} namespaces)")
+    rows = report.summarise(blocks, goodput=goodput, colocated=opts.colocate)
+    ok = all(r.correct for r in rows) and bool(rows)
+    doc = {
+        "benchmark": "redsrv bench emulate",
+        "started": started.isoformat(timespec="seconds"),
+        "command": " ".join(["redsrv", "bench", "emulate", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "emulate"] else None,
+        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
+                    "python": platform.python_version(), "torch": torch_version},
+        "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
+        "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
+        "rows": [r.as_dict() for r in rows],
+        "blocks": blocks,
+        "ok": ok,
+    }
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    _say(opts, "\n" + report.format_table(rows))
+    flagged = [r for r in rows if r.cpu_bound]
+    if flagged:
+        _say(opts, f"\n  {len(flagged)} row(s) ran with the machine over {report.CPU_BOUND_BUSY:.0%} busy: they measure the CPU, "
+                   "not the network (other load, or too many hosts for the cores)")
+    if not ok:
+        _say(opts, "\n  WRONG SUMS: at least one all-reduce returned a wrong result (see 'correct' in the JSON)")
+    try:
+        report.plot(rows, png_path, goodput=goodput, rate_bps=opts.rate_bps, colocated=opts.colocate,
+                    title=f"{format_rate(opts.rate_bps)} per host, {opts.dtype}"
+                          + (f" ({opts.wire_dtype} wire)" if opts.wire_dtype else "")
+                          + f", {started:%Y-%m-%d}, {os.cpu_count()} CPUs")
+        doc["plot"] = png_path
+    except ImportError:
+        _say(opts, "  matplotlib is not installed: no plot (install redsrv[bench])")
+    _say(opts, f"\n  wrote {json_path}" + (f" and {png_path}" if "plot" in doc else ""))
+    doc["json"] = json_path
+    return doc
+
+
+def _torch_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:
+        return None
+
+
+def _child_env(secret: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSRV_") and k not in ("RANK", "WORLD_SIZE")}
+    # One compute thread each: n workers and m reducers share the machine's cores, and both
+    # implementations get the same treatment.
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", REDSRV_SECRET_FILE=secret)
+    return env
+
+
+def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodput: float, tmp: str,
+                secret: str) -> list[dict[str, Any]]:
+    m = opts.m_for(n)
+    nmax = max(opts.workers)
+    env = _child_env(secret)
+    reducer_hosts = [j % n for j in range(m)] if opts.colocate else [nmax + j for j in range(m)]
+    _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
+               + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))
+    procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+    try:
+        addresses = []
+        reducers = []
+        for j, h in enumerate(reducer_hosts):
+            log = open(os.path.join(tmp, f"reducer{n}-{j}.log"), "w")
+            p = cluster.spawn(h, [sys.executable, "-m", "redsrv", "reducer", "--host", cluster.hosts[h].ip, "--port", "0",
+                                  "--log-level", "warning"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                              env=env, text=True)
+            log.close()
+            procs.append(p)
+            reducers.append(p)
+        for j, p in enumerate(reducers):
+            line = _readline(p, 30.0)
+            if "listening on" not in line:
+                raise EmulationError(f"reducer {j} on h{reducer_hosts[j]} did not start: printed {line!r}, exit code "
+                                     f"{p.poll()}; {_tail(os.path.join(tmp, f'reducer{n}-{j}.log'))}")
+            addresses.append(line.split("listening on ", 1)[1].split()[0])
+        spec_base = {
+            "world": n, "impls": impls, "sizes": list(opts.sizes_bytes), "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
+            "warmup": opts.warmup, "rounds": opts.rounds, "dtype": opts.dtype, "wire_dtype": opts.wire_dtype,
+            "chunk_bytes": opts.chunk_bytes, "streams": opts.streams, "reducers": addresses,
+            "master": f"{cluster.hosts[0].ip}:{_GLOO_PORT}", "job": f"bench-emulate-n{n}-{uuid.uuid4().hex[:8]}",
+        }
+        events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
+        workers = []
+        logs = []
+        for rank in range(n):
+            spec = dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else [])
+            path = os.path.join(tmp, f"worker{n}-{rank}.log")
+            logs.append(path)
+            log = open(path, "w")
+            p = cluster.spawn(rank, [sys.executable, "-m", "redsrv.bench.emulate", "worker", json.dumps(spec)],
+                              stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env, text=True)
+            log.close()
+            procs.append(p)
+            workers.append(p)
+            threading.Thread(target=_pump, args=(p, rank, events), daemon=True).start()
+        return _collect(opts, n, m, impls, workers, logs, events, goodput)
+    finally:
+        cluster.stop(procs)
+
+
+def _pump(proc: subprocess.Popen, rank: int, events: queue.Queue) -> None:  # type: ignore[type-arg]
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(_MARK):
+            events.put((rank, json.loads(line[len(_MARK):])))
+    events.put((rank, None))
+
+
+def _collect(opts: Options, n: int, m: int, impls: list[str], workers: list[subprocess.Popen], logs: list[str],  # type: ignore[type-arg]
+             events: queue.Queue, goodput: float) -> list[dict[str, Any]]:  # type: ignore[type-arg]
+    """Gather each block from every rank, print it, and stop on a failed or silent worker."""
+    pending: dict[tuple[int, int, str], dict[int, dict[str, Any]]] = {}
+    blocks: list[dict[str, Any]] = []
+    done: set[int] = set()
+    ready: set[int] = set()
+    total = opts.rounds * len(opts.sizes_bytes) * len(impls)
+    speed = goodput * 1e9 * 0.1 if goodput else 1e8  # a pessimistic 10% of G
+    slowest = max(2 * s / speed * (opts.warmup + opts.reps_for(s)) for s in opts.sizes_bytes)
+    stall = 120.0 + slowest
+    phase = "start-up (connect to the reducers, gloo rendezvous)"
+    while len(done) < n:
+        try:
+            rank, msg = events.get(timeout=stall)
+        except queue.Empty:
+            missing = sorted(set(range(n)) - done)
+            raise EmulationError(f"n={n}: no progress for {stall:.0f}s during {phase}; ranks {missing} still running. "
+                                 + " | ".join(f"rank {r}: {_tail(logs[r])}" for r in missing[:2])) from None
+        if msg is None:
+            rc = workers[rank].wait(timeout=30)
+            if rank not in done or rc != 0:
+                raise EmulationError(f"n={n}: worker rank {rank} exited with code {rc} during {phase}: {_tail(logs[rank])}")
+            continue
+        event = msg["event"]
+        if event == "ready":
+            ready.add(rank)
+            if len(ready) == n:
+                phase = "the first block"
+        elif event == "done":
+            done.add(rank)
+        elif event == "block":
+            key = (msg["round"], msg["size_bytes"], msg["impl"])
+            got = pending.setdefault(key, {})
+            got[rank] = msg
+            if len(got) == n:
+                del pending[key]
+                block = _merge(n, m, got)
+                blocks.append(block)
+                phase = f"the block after round {key[0] + 1} {report.format_size(key[1])} {key[2]}"
+                _say(opts, _progress(block, len(blocks), total, goodput, opts))
+    return blocks
+
+
+def _merge(n: int, m: int, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    r0 = got[0]
+    reps = len(r0["times"])
+    times = [max(got[r]["times"][k] for r in range(n)) for k in range(reps)]
+    cpu = sum(got[r]["cpu_s"] for r in range(n)) + (r0["reducer_cpu_s"] if r0["impl"] == "redsrv" else 0.0)
+    busy_total = r0["stat_total"]
+    return {
+        "n": n, "m": m, "round": r0["round"], "size_bytes": r0["size_bytes"], "impl": r0["impl"], "times": times,
+        "rank_times": [got[r]["times"] for r in range(n)], "correct": all(got[r]["correct"] for r in range(n)),
+        "cpu_busy": r0["stat_busy"] / busy_total if busy_total else 0.0, "cpu_s": cpu, "wall_s": sum(times),
+        "worker_cpu_s": [got[r]["cpu_s"] for r in range(n)], "reducer_cpu_s": r0["reducer_cpu_s"], "cores": r0["cores"],
+    }
+
+
+def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: Options) -> str:
+    n, m, size = block["n"], block["m"], block["size_bytes"]
+    med = statistics.median(block["times"])
+    bound = report.ring_bound(goodput, n) if block["impl"] == "gloo" else report.server_bound(goodput, n, m, opts.colocate)
+    frac = f"{size / med / 1e9 / bound:.3f} of bound" if bound else ""
+    flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
+    wrong = " WRONG SUMS" if not block["correct"] else ""
+    return (f"  [{k:>2}/{total}] n={n} round {block['round'] + 1} {report.format_size(size):>8} {block['impl']:<6} "
+            f"median {med * 1000:9.2f} ms  ({min(block['times']) * 1000:.2f}-{max(block['times']) * 1000:.2f})  "
+            f"{size / med / 1e9:.4f} GB/s {frac}  CPU busy {block['cpu_busy']:.0%}{flag}{wrong}")
+
+
+def _tail(path: str, chars: int = 600) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return "(no log)"
+    text = text.strip()
+    return ("..." + text[-chars:]) if len(text) > chars else (text or "(empty log)")
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else ""
+
+
+def _measure_goodput(cluster: Cluster, tmp: str, seconds: float = 3.0) -> float:
+    """One TCP stream from h0 to h1 for ``seconds``; GB/s of payload after the first half second."""
+    port = 5201
+    recv = cluster.spawn(1, [sys.executable, "-m", "redsrv.bench.emulate", "goodput-recv", cluster.hosts[1].ip, str(port),
+                             str(seconds)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    send = cluster.spawn(0, [sys.executable, "-m", "redsrv.bench.emulate", "goodput-send", cluster.hosts[1].ip, str(port),
+                             str(seconds + 1)], stdin=subprocess.DEVNULL)
+    try:
+        out, _ = recv.communicate(timeout=seconds + 30)
+        send.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        raise EmulationError("goodput measurement did not finish") from None
+    finally:
+        cluster.stop([recv, send])
+    try:
+        return float(out.strip().split()[-1])
+    except (ValueError, IndexError):
+        raise EmulationError(f"goodput measurement failed: printed {out!r}") from None
+
+
+# --- inside the namespaces ---------------------------------------------------------------
+
+
+def _goodput_recv(ip: str, port: str, seconds: str) -> int:
+    srv = socket.create_server((ip, int(port)))
+    srv.settimeout(30)
+    conn, _ = srv.accept()
+    conn.settimeout(30)
+    buf = bytearray(1 << 20)
+    start = time.perf_counter()
+    counted = 0
+    t_count = None
+    while True:
+        got = conn.recv_into(buf)
+        if not got:
+            break
+        now = time.perf_counter()
+        if now - start >= 0.5:
+            if t_count is None:
+                t_count = now
+            else:
+                counted += got
+            if now - start >= 0.5 + float(seconds):
+                break
+    conn.close()
+    elapsed = time.perf_counter() - t_count if t_count else 0.0
+    print(f"goodput {counted / elapsed / 1e9 if elapsed else 0.0:.6f}", flush=True)
+    return 0
+
+
+def _goodput_send(ip: str, port: str, seconds: str) -> int:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            sock = socket.create_connection((ip, int(port)), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    data = memoryview(bytearray(1 << 20))
+    end = time.monotonic() + float(seconds)
+    try:
+        while time.monotonic() < end:
+            sock.sendall(data)
+    except OSError:
+        pass  # the receiver has what it needs and closed
+    sock.close()
+    return 0
+
+
+def _cpu_stat() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine; namespaces do not hide other load."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    total = sum(fields[:8])
+    return total - idle, total
+
+
+class _Buffers:
+    """One size's buffers on one rank: the input, the exact expected sum, and gloo's in-place
+    tensor with the copy it is reset from."""
+
+    def __init__(self, np: Any, torch: Any, dtype: Any, size: int, rank: int, n: int) -> None:
+        self.base, self.expected = _data(np, dtype, size, rank, n)
+        self.expected_bytes = self.expected.view(np.uint8)
+        self.tensor = _as_tensor(torch, self.base) if torch is not None else None
+        self.tensor_base = _as_tensor(torch, self.base) if torch is not None else None
+
+
+class _Gloo:
+    name = "gloo"
+
+    def __init__(self, dist: Any, torch: Any) -> None:
+        self.dist, self.torch = dist, torch
+
+    def reset(self, b: _Buffers) -> None:
+        b.tensor.copy_(b.tensor_base)  # all_reduce works in place: repeated sums would overflow
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+    def reduce(self, b: _Buffers) -> Any:
+        self.dist.all_reduce(b.tensor)
+        return b.tensor
+
+    def correct(self, b: _Buffers, result: Any) -> bool:
+        import numpy as np
+
+        return bool(np.array_equal(result.view(self.torch.uint8).numpy(), b.expected_bytes))
+
+
+class _Redsrv:
+    name = "redsrv"
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def reset(self, b: _Buffers) -> None:
+        pass  # the input is never modified: the result is a new array
+
+    def barrier(self) -> None:
+        self.client.barrier()
+
+    def reduce(self, b: _Buffers) -> Any:
+        return self.client.allreduce(b.base)
+
+    def correct(self, b: _Buffers, result: Any) -> bool:
+        import numpy as np
+
+        return bool(np.array_equal(result.view(np.uint8), b.expected_bytes))
+
+
+def _block(impl: _Gloo | _Redsrv, b: _Buffers, warmup: int, reps: int, reducer_pids: list[int]) -> dict[str, Any]:
+    """Warm-up, then ``reps`` timed all-reduces; CPU is counted over the timed calls only."""
+    from redsrv.bench.local import cpu_seconds
+
+    times: list[float] = []
+    correct = True
+    own_cpu = red_cpu = 0.0
+    busy = total = 0
+    for i in range(warmup + reps):
+        impl.reset(b)
+        impl.barrier()
+        timed = i >= warmup
+        if timed:
+            s0, c0 = _cpu_stat(), time.process_time()
+            r0 = sum(cpu_seconds(p) for p in reducer_pids)
+        t0 = time.perf_counter()
+        result = impl.reduce(b)
+        elapsed = time.perf_counter() - t0
+        if timed:
+            s1, c1 = _cpu_stat(), time.process_time()
+            red_cpu += sum(cpu_seconds(p) for p in reducer_pids) - r0
+            own_cpu += c1 - c0
+            busy += s1[0] - s0[0]
+            total += s1[1] - s0[1]
+            times.append(elapsed)
+        correct = impl.correct(b, result) and correct
+        del result
+    return {"times": times, "correct": correct, "cpu_s": own_cpu, "reducer_cpu_s": red_cpu, "stat_busy": busy,
+            "stat_total": total, "cores": os.cpu_count()}
+
+
+def _worker(spec_json: str) -> int:
+    import numpy as np
+    import redsrv
+
+    spec = json.loads(spec_json)
+    rank, n = spec["rank"], spec["world"]
+
+    def emit(**fields: Any) -> None:
+        print(_MARK + json.dumps(fields), flush=True)
+
+    np_dtype = _numpy_dtype(spec["dtype"])
+    options = {k: v for k, v in (("chunk_bytes", spec["chunk_bytes"]), ("streams_per_reducer", spec["streams"])) if v}
+    client = redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"], wire_dtype=spec["wire_dtype"],
+                           **options)
+    impls: list[_Gloo | _Redsrv] = []
+    dist = torch = None
+    try:
+        if "gloo" in spec["impls"]:
+            import datetime as dt
+
+            import torch
+            import torch.distributed as dist
+
+            torch.set_num_threads(1)
+            dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=rank, world_size=n,
+                                    timeout=dt.timedelta(seconds=300))
+            impls.append(_Gloo(dist, torch))
+        impls.append(_Redsrv(client))
+        emit(event="ready")
+        buffers: _Buffers | None = None
+        for rnd in range(spec["rounds"]):
+            for size, reps in zip(spec["sizes"], spec["reps"], strict=True):
+                if buffers is None or buffers.base.nbytes != size // np_dtype.itemsize * np_dtype.itemsize:
+                    buffers = None  # one size's buffers at a time
+                    buffers = _Buffers(np, torch, np_dtype, size, rank, n)
+                for impl in impls:
+                    result = _block(impl, buffers, spec["warmup"], reps, spec["reducer_pids"])
+                    emit(event="block", round=rnd, size_bytes=size, impl=impl.name, **result)
+        emit(event="done")
+    finally:
+        client.close()
+        if dist is not None and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _numpy_dtype(name: str) -> Any:
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _data(np: Any, dtype: Any, size: int, rank: int, n: int) -> tuple[Any, Any]:
+    """Small integers, so every sum is exact in every dtype and on 16-bit wires (for n <= 42):
+    results can be compared bit for bit."""
+    count = size // dtype.itemsize
+    pattern = np.arange(4096, dtype=np.float32) % 4
+    reps = -(-count // pattern.size)
+    base = np.tile(pattern + rank % 4, reps)[:count].astype(dtype)
+    expected = np.tile(pattern * n + sum(r % 4 for r in range(n)), reps)[:count].astype(dtype)
+    return base, expected
+
+
+def _as_tensor(torch: Any, arr: Any) -> Any:
+    if arr.dtype.name == "bfloat16":
+        import numpy as np
+
+        return torch.from_numpy(arr.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(arr.copy())
+
+
+if __name__ == "__main__":
+    commands = {"worker": _worker, "goodput-recv": _goodput_recv, "goodput-send": _goodput_send}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        sys.exit("usage: redsrv bench emulate (this module's worker modes are started by it)")
+    sys.exit(commands[sys.argv[1]](*sys.argv[2:]))

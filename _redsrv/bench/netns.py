@@ -1,0 +1,374 @@
+"""Emulated hosts on one Linux machine, for ``redsrv bench emulate``.
+
+Each host is a network namespace with one interface, ``eth0``, cabled into a bridge that lives
+in a "switch" namespace. A kernel ``tbf`` qdisc limits every link at both ends, like a switch
+port: the host side's egress is the host's upload, the switch side's egress its download.
+Addresses come from the RFC 2544 benchmarking range (198.18.0.0/15) and no namespace has a
+default route, so no benchmark packet can leave the machine. Nothing is created in the caller's
+namespace.
+
+With ``delay_us`` the bridge is replaced by a userspace forwarder (:mod:`redsrv.bench.tapdelay`)
+that holds every frame ``delay_us`` before passing it on, because kernels without ``sch_netem``
+cannot add delay; each host then has a TAP ``eth0``, its download limited by ``tbf`` on an
+``ifb`` device that ingress traffic is redirected to.
+
+Everything is created by :meth:`Cluster.up` after :meth:`Cluster.check` found nothing wrong,
+and :meth:`Cluster.down` removes every namespace and ends every process this cluster created,
+by pid. Needs root and iproute2 (``ip``, ``tc``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Cluster", "Host", "EmulationError", "parse_rate", "format_rate", "tcp_goodput_bps", "our_namespaces",
+           "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET"]
+
+#: Namespaces are named PREFIX-h0, PREFIX-h1, ... and PREFIX-sw. Distinct from other tools'
+#: defaults so that a hand-made cluster and a benchmark can coexist.
+DEFAULT_PREFIX = "redsrv"
+
+#: Hosts get SUBNET.1, SUBNET.2, ... in a /24 of the benchmarking range 198.18.0.0/15.
+SUBNET = "198.18.0"
+MAX_HOSTS = 254
+
+IFNAME = "eth0"
+
+#: tbf queue limit expressed as latency: a deep enough queue that TCP keeps the link full.
+QUEUE_LATENCY_MS = 20
+
+#: tbf bucket: at least 1 ms at the rate, and never below two 64 KiB GSO segments with their
+#: headers, which tbf must be able to pass whole.
+MIN_BURST_BYTES = 128 * 1024
+
+_RATE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(gbit|mbit|kbit|bit)\s*$", re.IGNORECASE)
+_UNIT = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.]{0,15}$")
+_CLONE_NEWNET = 0x40000000
+
+
+class EmulationError(RuntimeError):
+    """The emulated cluster cannot be built or run. The message says what to change; nothing
+    is left behind when this is raised."""
+
+
+def parse_rate(text: str) -> int:
+    """A tc-style rate in bits per second; ``none`` or ``0`` means unlimited (0).
+
+    >>> parse_rate("1gbit"), parse_rate("500mbit"), parse_rate("2.5Gbit"), parse_rate("none")
+    (1000000000, 500000000, 2500000000, 0)
+    """
+    if text.strip().lower() in ("0", "none", "unlimited"):
+        return 0
+    match = _RATE.match(text)
+    if not match:
+        raise EmulationError(f"bad rate {text!r}: use a number and a unit, e.g. 1gbit, 500mbit, 2.5gbit (or none)")
+    bps = int(float(match.group(1)) * _UNIT[match.group(2).lower()])
+    if not 10**5 <= bps <= 10**12:
+        raise EmulationError(f"rate {text!r} is outside 100kbit..1000gbit")
+    return bps
+
+
+def format_rate(bps: int) -> str:
+    """>>> format_rate(1_000_000_000), format_rate(2_500_000_000), format_rate(0)
+    ('1 Gbit/s', '2.5 Gbit/s', 'unlimited')
+    """
+    if bps == 0:
+        return "unlimited"
+    for unit, scale in (("Gbit/s", 10**9), ("Mbit/s", 10**6), ("kbit/s", 10**3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps} bit/s"
+
+
+def tcp_goodput_bps(rate_bps: int, mtu: int = 1500) -> float:
+    """Best TCP payload rate through a tbf-limited link: tbf counts every byte of the Ethernet
+    frame (14 header bytes, no preamble or gap), and each full frame carries MTU - 52 bytes of
+    payload (20 IP + 20 TCP + 12 timestamp option). At MTU 1500 that is 0.956 of the rate, which
+    is what a single TCP stream measures here.
+
+    >>> round(tcp_goodput_bps(10**9) / 10**9, 4)
+    0.9564
+    """
+    return rate_bps * (mtu - 52) / (mtu + 14)
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    ns: str
+    ip: str
+
+
+def _run(argv: Sequence[str], what: str) -> str:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        detail = (proc.stderr or proc.stdout).strip()
+        raise EmulationError(f"{what} failed: `{' '.join(argv)}` exited {proc.returncode}: {detail}")
+    return proc.stdout
+
+
+def list_namespaces() -> list[str]:
+    out = _run(["ip", "netns", "list"], "listing network namespaces")
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def our_namespaces(prefix: str) -> list[str]:
+    """Namespaces whose names this prefix would create (PREFIX-sw, PREFIX-hN)."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-(sw|h\d+)$")
+    return [ns for ns in list_namespaces() if pattern.match(ns)]
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP while cleaning up (a second Ctrl-C must not leave namespaces
+    behind), then deliver them."""
+    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class Cluster:
+    """``hosts`` emulated hosts at ``rate_bps`` per link (0: unlimited).
+
+    >>> with Cluster(3, 10**9) as c:  # doctest: +SKIP
+    ...     p = c.spawn(0, ["python3", "-c", "print('hello from', 'h0')"])
+
+    :meth:`check` validates without side effects; :meth:`up` builds (and removes what it made
+    if any step fails); :meth:`down` is idempotent and runs on every exit of the ``with`` block.
+    """
+
+    def __init__(self, hosts: int, rate_bps: int, *, prefix: str = DEFAULT_PREFIX, mtu: int = 1500,
+                 delay_us: int = 0, python: str = sys.executable) -> None:
+        self.count = hosts
+        self.rate_bps = rate_bps
+        self.prefix = prefix
+        self.mtu = mtu
+        self.delay_us = delay_us
+        self.python = python
+        self.hosts = [Host(i, f"{prefix}-h{i}", f"{SUBNET}.{i + 1}") for i in range(hosts)]
+        self.switch = f"{prefix}-sw"
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+        self._forwarder: subprocess.Popen | None = None  # type: ignore[type-arg]
+
+    # --- validation: no side effects ---
+
+    def check(self) -> None:
+        """Raise :class:`EmulationError` for anything that would stop :meth:`up`."""
+        if not sys.platform.startswith("linux"):
+            raise EmulationError(f"network namespaces need Linux (this is {sys.platform})")
+        if os.geteuid() != 0:
+            raise EmulationError("creating network namespaces needs root: run this command as root (e.g. with sudo)")
+        missing = [b for b in ("ip", "tc") if shutil.which(b) is None]
+        if missing:
+            raise EmulationError(f"{' and '.join(missing)} not found on PATH: install iproute2")
+        if not _NAME.match(self.prefix) or len(self.prefix) > 10:
+            raise EmulationError(f"prefix {self.prefix!r}: use up to 10 letters, digits, '_' or '.', starting with a letter")
+        if not 2 <= self.count <= MAX_HOSTS:
+            raise EmulationError(f"{self.count} hosts do not fit: need 2..{MAX_HOSTS} (one /24 of the benchmarking range "
+                                 f"{SUBNET}.0/24)")
+        if not 576 <= self.mtu <= 9000:
+            raise EmulationError(f"MTU {self.mtu} is outside 576..9000")
+        if self.delay_us < 0 or self.delay_us > 1_000_000:
+            raise EmulationError(f"delay {self.delay_us} us is outside 0..1000000")
+        if self.delay_us and not os.path.exists("/dev/net/tun"):
+            raise EmulationError("--delay-us needs TAP devices but /dev/net/tun does not exist")
+        existing = our_namespaces(self.prefix)
+        if existing:
+            raise EmulationError(
+                f"network namespace(s) {', '.join(existing)} already exist: another run may be in progress, or one was "
+                f"killed without cleaning up. Use another --prefix, or remove them with "
+                f"`redsrv bench emulate --cleanup --prefix {self.prefix}` once no run is using them.")
+
+    # --- lifecycle ---
+
+    def __enter__(self) -> Cluster:
+        self.check()
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        """Build the cluster; on any failure remove what was built and re-raise."""
+        try:
+            if self.delay_us:
+                self._up_tap()
+            else:
+                self._up_bridge()
+        except BaseException:
+            self.down()
+            raise
+
+    def _add_ns(self, name: str) -> None:
+        _run(["ip", "netns", "add", name], f"creating namespace {name}")
+        self._created.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"], f"bringing up lo in {name}")
+
+    def _up_bridge(self) -> None:
+        sw = self.switch
+        self._add_ns(sw)
+        _run(["ip", "-n", sw, "link", "add", "br0", "type", "bridge"], "creating the bridge")
+        _run(["ip", "-n", sw, "link", "set", "br0", "mtu", str(self.mtu), "up"], "bringing up the bridge")
+        for h in self.hosts:
+            port = f"p{h.index}"
+            self._add_ns(h.ns)
+            # Made inside the host namespace, then the peer moves to the switch: nothing ever
+            # appears in the caller's namespace.
+            _run(["ip", "-n", h.ns, "link", "add", IFNAME, "mtu", str(self.mtu), "type", "veth", "peer", "name", port,
+                  "mtu", str(self.mtu)], f"cabling {h.ns}")
+            _run(["ip", "-n", h.ns, "link", "set", port, "netns", sw], f"plugging {h.ns} into the switch")
+            _run(["ip", "-n", sw, "link", "set", port, "master", "br0", "up"], f"enabling switch port {port}")
+            self._configure_host(h)
+            self._set_rate(h.ns, IFNAME)
+            self._set_rate(sw, port)
+
+    def _up_tap(self) -> None:
+        for h in self.hosts:
+            self._add_ns(h.ns)
+            _run(["ip", "-n", h.ns, "tuntap", "add", "mode", "tap", "name", IFNAME], f"creating a TAP device in {h.ns}")
+        self._forwarder = subprocess.Popen(
+            [self.python, "-m", "redsrv.bench.tapdelay", str(self.delay_us), *(h.ns for h in self.hosts)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        line = _readline(self._forwarder, 20.0)
+        if not line.startswith("ready"):
+            err = ""
+            if self._forwarder.poll() is not None and self._forwarder.stderr is not None:
+                err = self._forwarder.stderr.read()
+            raise EmulationError(f"the delay forwarder did not start (printed {line!r}; {err.strip()[-500:]})")
+        for h in self.hosts:
+            self._configure_host(h)
+            self._set_rate(h.ns, IFNAME)
+            if self.rate_bps:
+                # Download: frames the forwarder writes arrive as ingress; redirect them to an
+                # ifb device whose egress tbf shapes them.
+                _run(["ip", "-n", h.ns, "link", "add", "ifb0", "type", "ifb"], f"creating ifb0 in {h.ns}")
+                _run(["ip", "-n", h.ns, "link", "set", "ifb0", "up"], f"bringing up ifb0 in {h.ns}")
+                _run(["tc", "-n", h.ns, "qdisc", "add", "dev", IFNAME, "handle", "ffff:", "ingress"], f"ingress qdisc in {h.ns}")
+                _run(["tc", "-n", h.ns, "filter", "add", "dev", IFNAME, "parent", "ffff:", "protocol", "all", "prio", "1",
+                      "u32", "match", "u32", "0", "0", "action", "mirred", "egress", "redirect", "dev", "ifb0"],
+                     f"ingress redirect in {h.ns}")
+                self._set_rate(h.ns, "ifb0")
+
+    def _configure_host(self, h: Host) -> None:
+        _run(["ip", "-n", h.ns, "link", "set", IFNAME, "mtu", str(self.mtu)], f"setting the MTU in {h.ns}")
+        _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", IFNAME], f"addressing {h.ns}")
+        _run(["ip", "-n", h.ns, "link", "set", IFNAME, "up"], f"bringing up {IFNAME} in {h.ns}")
+
+    def _set_rate(self, ns: str, dev: str) -> None:
+        if not self.rate_bps:
+            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "pfifo", "limit", "10000"], f"queue on {ns}/{dev}")
+            return
+        burst = max(MIN_BURST_BYTES, self.rate_bps // 8 // 1000)
+        _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.rate_bps}bit",
+              "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms"], f"rate limit on {ns}/{dev}")
+
+    def spawn(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
+        """Start ``argv`` inside host ``host`` (``ip netns exec`` execs in place: the pid is the
+        command's). In its own session, so a terminal's Ctrl-C reaches only us and we stop the
+        children in order."""
+        proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[host].ns, *argv], start_new_session=True, **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def stop(self, procs: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:  # type: ignore[type-arg]
+        """SIGTERM, then SIGKILL after ``timeout``; by pid."""
+        _terminate(procs, timeout)
+        self._procs = [p for p in self._procs if p not in procs]
+
+    def down(self) -> list[str]:
+        """End every process we started and every process left in our namespaces, delete the
+        namespaces; returns their names. Idempotent; signals wait until it is done."""
+        with signals_deferred():
+            _terminate(self._procs, 5.0)
+            self._procs = []
+            removed = remove_namespaces(list(reversed(self._created)))
+            self._created = []
+            if self._forwarder is not None:
+                _terminate([self._forwarder], 5.0)
+                self._forwarder = None
+        return removed
+
+
+def remove_namespaces(names: Sequence[str]) -> list[str]:
+    """End the processes inside ``names`` (by pid), then delete the namespaces."""
+    for ns in names:
+        pids = _ns_pids(ns)
+        for pid in pids:
+            _kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = [p for p in pids if _alive(p)]
+        for pid in pids:
+            _kill(pid, signal.SIGKILL)
+    removed = []
+    errors = []
+    for ns in names:
+        proc = subprocess.run(["ip", "netns", "del", ns], capture_output=True, text=True, timeout=30)
+        if proc.returncode == 0:
+            removed.append(ns)
+        else:
+            errors.append(f"{ns}: {proc.stderr.strip()}")
+    if errors:
+        print(f"redsrv bench: could not delete namespace(s): {'; '.join(errors)}", file=sys.stderr)
+    return removed
+
+
+def _ns_pids(ns: str) -> list[int]:
+    proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+    return [int(x) for x in proc.stdout.split() if x.isdigit() and int(x) != os.getpid()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _terminate(procs: Sequence[subprocess.Popen], timeout: float) -> None:  # type: ignore[type-arg]
+    for p in procs:
+        if p.poll() is None:
+            _kill(p.pid, signal.SIGCONT)
+            _kill(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
+    import threading
+
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else ""
