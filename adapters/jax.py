@@ -1,0 +1,596 @@
+"""JAX adapter: cross-host ``psum``/``pmean`` for ``jax.shard_map`` and ``jax.pmap`` through the reducers.
+
+Replace ``lax.psum(g, "i")`` with ``redsrv.jax.psum(g, "i")`` (or add one optax transform) and the
+sum runs over every device of every process: each process reduces its own devices in XLA, and the
+reducer fleet adds the processes together::
+
+    import redsrv.jax
+    comm = redsrv.jax.init()                      # REDSRV_REDUCERS, REDSRV_JOB, RANK, WORLD_SIZE ...
+    params = comm.broadcast_tree(params)          # every process starts from rank 0's weights
+    tx = optax.chain(redsrv.jax.allreduce_gradients("batch"), optax.adam(1e-3))
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(), P("batch")), out_specs=(P(), P()))
+    def train_step(params, opt_state, batch):
+        grads = jax.grad(loss)(lax.pcast(params, "batch", to="varying"), batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for batch in data:
+        params, opt_state = train_step(params, opt_state, batch)
+        comm.check()                              # raises a failed exchange as its redsrv error
+
+How one collective runs (no host-side rendezvous between the device threads):
+
+1. The leaves of the pytree are concatenated into one flat vector per dtype ("one fused exchange
+   per dtype"), padded to a multiple of the local axis size, and ``lax.psum_scatter`` leaves each
+   local device with the local sum of its own slice.
+2. One ``io_callback`` per device sends that device's slices to the reducers under the key
+   ``(call site, phase, dtype, device, counter)`` and returns the sums over all processes.
+   The call site (module, function, line) is fixed at trace time, the counter counts executions
+   of that site on that device, so keys are identical on every process without any agreement at
+   run time. Callbacks are ``ordered=True``: each device runs them in program order, so no two
+   processes can block in a different order (INTEGRATION: the deadlock hazard of unordered
+   blocking callbacks) and the counters advance identically everywhere.
+3. ``lax.all_gather`` puts the slices back together on every device.
+
+Errors: a callback must not raise (XLA's behaviour is undefined), so a failed exchange stores its
+:class:`redsrv.RedsrvError`, poisons the result (NaN for floats, zero for integers), and makes every
+later exchange return poisoned results at once instead of waiting. :meth:`Communicator.check`
+(after the step) raises the stored error itself, typed as the core raised it, with a note naming
+the call site, device and call. Nothing ever hangs: every exchange is bounded by the client's
+deadlines.
+
+Semantics match ``lax.psum``/``lax.pmean`` over one axis that spans the devices of every process,
+gradients included (``jax.custom_vjp``: the cotangent of a sum is a sum, as ``lax.psum`` transposes).
+Under ``jax.shard_map(check_vma=True)`` (the default) an input that is *invariant* over the axis is
+rejected: JAX has then already summed it over this process's devices (typically the gradient of a
+replicated parameter), and no type tells a replicated value from such a partial sum. Take gradients
+with respect to ``lax.pcast(params, axis, to="varying")`` (as above), or use ``check_vma=False``.
+
+Why there is a default communicator: a drop-in ``psum(x, axis_name)`` has nowhere to carry state,
+yet the callback must reach a client. :func:`init` creates the one default explicitly (never on
+import, never implicitly); every function also takes ``comm=`` to bypass it, and
+:class:`Communicator` has the same functions as methods. Compiled steps that use the default look it
+up when they run, so after ``close()`` and a new ``init()`` cached executables use the new client.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import io_callback
+
+from redsrv.core import Client, LocalProtocolError, PeerTimeoutError
+
+__all__ = [
+    "Communicator",
+    "init",
+    "default_communicator",
+    "psum",
+    "pmean",
+    "allreduce_gradients",
+    "broadcast_tree",
+    "check",
+    "checked",
+    "SUPPORTED_DTYPES",
+]
+
+#: dtypes the reducers sum (the core's wire dtypes). ``float64``/``int64`` need ``jax_enable_x64``.
+SUPPORTED_DTYPES = tuple(np.dtype(d) for d in ("float32", "float64", "float16", jnp.bfloat16, "int32", "int64"))
+
+#: Namespace of every key this adapter sends, so they never collide with a user's own client keys.
+_KEY_PREFIX = "redsrv.jax"
+
+# Extra dtypes broadcast_tree accepts by reinterpreting the bits (exact: a broadcast never adds):
+# unsigned integers (e.g. PRNG key data) travel as the signed type of the same width.
+_BROADCAST_VIEWS = {np.dtype("uint32"): np.dtype("int32"), np.dtype("uint64"): np.dtype("int64")}
+
+
+class Communicator:
+    """The adapter's state: a :class:`redsrv.Client`, the per-site call counters and the first
+    error a callback stored. Thread-safe: every local device's callback thread uses it at once.
+
+    Create one with :func:`init` (or wrap an existing client: ``Communicator(client)``). Its methods
+    are the module-level functions with ``comm=self``.
+    """
+
+    def __init__(self, client: Client, *, timeout: float | None = None, owns_client: bool = False) -> None:
+        self.client = client
+        self.timeout = timeout
+        self._owns_client = owns_client
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[Any, ...], int] = {}
+        self._error: BaseException | None = None
+        self._broadcasts = 0
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self.client.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.client.world_size
+
+    # --- collectives (inside shard_map / pmap) ---
+
+    def psum(self, x: Any, axis_name: Any, *, wire_dtype: str | None = None) -> Any:
+        """:func:`psum` with this communicator."""
+        return _collective(x, axis_name, "sum", _Target(self), wire_dtype)
+
+    def pmean(self, x: Any, axis_name: Any, *, wire_dtype: str | None = None) -> Any:
+        """:func:`pmean` with this communicator."""
+        return _collective(x, axis_name, "mean", _Target(self), wire_dtype)
+
+    def allreduce_gradients(self, axis_name: Any, *, op: str = "mean", wire_dtype: str | None = None) -> Any:
+        """:func:`allreduce_gradients` with this communicator."""
+        return _gradient_transformation(axis_name, op, _Target(self), wire_dtype)
+
+    # --- host side ---
+
+    def broadcast_tree(self, tree: Any, *, root: int = 0) -> Any:
+        """:func:`broadcast_tree` with this communicator."""
+        return _broadcast_tree(self, tree, root)
+
+    def check(self, *trees: Any) -> None:
+        """Raise the first error any exchange stored, after waiting for the dispatched steps.
+
+        ``trees`` (e.g. a step's outputs) are waited for first; then every ordered callback already
+        dispatched is waited for (``jax.effects_barrier``). The error is the core's own
+        (:class:`redsrv.PeerLostError`, :class:`redsrv.PeerTimeoutError`, ...) with a note naming
+        the call site, device and call; it stays raised: results after it are poisoned, so create
+        a new communicator to continue. A broken or closed client is reported too.
+        """
+        if trees:
+            jax.block_until_ready(trees)
+        jax.effects_barrier()
+        with self._lock:
+            error = self._error
+        if error is not None:
+            raise error
+        self.client.check()
+
+    def checked(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """Wrap ``step`` so that each call waits for its outputs and then :meth:`check`\\ s.
+
+        The wait gives up JAX's asynchronous dispatch for that step; call :meth:`check` every few
+        steps instead where that matters.
+        """
+
+        @functools.wraps(step)
+        def run_and_check(*args: Any, **kwargs: Any) -> Any:
+            out = step(*args, **kwargs)
+            self.check(out)
+            return out
+
+        return run_and_check
+
+    def close(self) -> None:
+        """Close the client (if :func:`init` created it) and stop being the default. Idempotent."""
+        global _default
+        with _default_lock:
+            if _default is self:
+                _default = None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._owns_client:
+            self.client.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("failed" if self._error is not None else "open")
+        return f"<redsrv.jax.Communicator job={self.client.config.job!r} rank={self.rank}/{self.world_size} {state}>"
+
+    # --- called from the callbacks (XLA threads) ---
+
+    def _exchange(self, op: str, site: tuple[str, str], device: int, slices: Sequence[np.ndarray],
+                  wire_dtype: str | None) -> tuple[np.ndarray, ...]:
+        """Send one device's slices, wait for their sums. Never raises (XLA callback)."""
+        with self._lock:
+            call = self._counters.get((site, device), 0)
+            self._counters[(site, device)] = call + 1
+            failed = self._error is not None
+        if failed:
+            return _poison(slices)  # the step is lost already; do not wait on peers for it
+        keys = [(_KEY_PREFIX, *site, s.dtype.name, device, call) for s in slices]
+        try:
+            futures = [self.client.allreduce_async(np.ascontiguousarray(s), op=op, key=key, wire_dtype=wire_dtype,
+                                                   timeout=self.timeout)
+                       for s, key in zip(slices, keys)]
+            results = self._wait(futures, keys)
+            return tuple(np.asarray(r, dtype=s.dtype).reshape(s.shape) for r, s in zip(results, slices))
+        except Exception as exc:  # a callback must not raise: store it for check()
+            self._fail(exc, f"redsrv.jax.p{op} at {site[0]} ({site[1]}) on local device {device}, call {call}")
+            return _poison(slices)
+
+    def _wait(self, futures: list[Any], keys: list[Any]) -> list[np.ndarray]:
+        # The client fails each operation at its own deadline; this bound (the same backstop as
+        # Client.allreduce's) only matters if that machinery were stuck, and turns it into an error.
+        config = self.client.config
+        bound = (config.op_timeout if self.timeout is None else self.timeout) + config.heartbeat_timeout + 1.0
+        deadline = time.monotonic() + bound
+        results = []
+        for future, key in zip(futures, keys):
+            try:
+                results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                raise PeerTimeoutError("all-reduce did not complete", job=config.job, rank=self.rank, key=repr(key),
+                                       phase="wait for result (jax callback)", timeout=bound) from None
+        return results
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        with self._lock:
+            if self._error is not None:
+                return
+            if hasattr(exc, "add_note"):  # Python 3.11+: keep the core's type, add where it happened
+                exc.add_note(f"raised on the host by redsrv.jax.check(); the exchange was {where}")
+            self._error = exc
+
+
+# The default communicator, set only by init(); see the module docstring for why it exists.
+_default: Communicator | None = None
+_default_lock = threading.Lock()
+
+
+def init(reducers: Sequence[str] | str | None = None, *, rank: int | None = None, world_size: int | None = None,
+         job: str | None = None, timeout: float | None = None, set_default: bool = True,
+         **config_fields: Any) -> Communicator:
+    """Connect this process to the reducer fleet and return its :class:`Communicator`.
+
+    Arguments not given come from the environment through :meth:`redsrv.Config.from_env`
+    (``REDSRV_REDUCERS``, ``REDSRV_JOB``, ``RANK``/``WORLD_SIZE`` ...); ``config_fields`` are any
+    other :class:`redsrv.Config` fields (``wire_dtype="bf16"``, ``op_timeout=60`` ...). One process
+    is one rank, whatever its number of local devices. ``timeout`` bounds each exchange (default:
+    the config's ``op_timeout``). With ``set_default`` (the default) the module-level functions use
+    this communicator until it is closed; a second default while one is open is an error.
+    """
+    global _default
+    if set_default:
+        with _default_lock:
+            if _default is not None:
+                raise LocalProtocolError(f"redsrv.jax is already initialised ({_default!r}): close() it first, "
+                                         "or pass set_default=False and comm= explicitly")
+    client = Client(reducers, rank=rank, world_size=world_size, job=job, **config_fields)
+    comm = Communicator(client, timeout=timeout, owns_client=True)
+    if set_default:
+        with _default_lock:
+            if _default is not None:  # another thread won the race
+                comm.close()
+                raise LocalProtocolError("redsrv.jax was initialised concurrently by another thread")
+            _default = comm
+    return comm
+
+
+def default_communicator() -> Communicator:
+    """The communicator :func:`init` made the default; a clear error if there is none."""
+    comm = _default
+    if comm is None:
+        raise LocalProtocolError("redsrv.jax is not initialised: call redsrv.jax.init() first, or pass comm=")
+    return comm
+
+
+def psum(x: Any, axis_name: Any, *, comm: Communicator | None = None, wire_dtype: str | None = None) -> Any:
+    """Sum ``x`` (an array or any pytree) over ``axis_name`` on every device of every process.
+
+    Use inside ``jax.shard_map`` or ``jax.pmap`` (also under ``jit``) where you would use
+    ``lax.psum``; differentiable like it. The tree travels as one flat vector per dtype.
+    ``wire_dtype="bf16"``/``"fp16"`` compresses floats on the wire (sums still accumulate in fp32).
+    Supported dtypes: :data:`SUPPORTED_DTYPES`; anything else is a ``TypeError`` at trace time.
+    """
+    return _collective(x, axis_name, "sum", _Target(comm), wire_dtype)
+
+
+def pmean(x: Any, axis_name: Any, *, comm: Communicator | None = None, wire_dtype: str | None = None) -> Any:
+    """Mean of ``x`` over ``axis_name`` on every device of every process (floating dtypes only).
+
+    Across processes it divides by the ranks that actually contributed (straggler modes), within a
+    process by the local axis size: every process must have the same number of local devices.
+    """
+    return _collective(x, axis_name, "mean", _Target(comm), wire_dtype)
+
+
+def allreduce_gradients(axis_name: Any, *, op: str = "mean", comm: Communicator | None = None,
+                        wire_dtype: str | None = None) -> Any:
+    """An optax ``GradientTransformation`` that all-reduces the updates over ``axis_name``.
+
+    Put it first in the chain, inside the mapped training step::
+
+        tx = optax.chain(redsrv.jax.allreduce_gradients("batch"), optax.adam(1e-3))
+
+    ``op="mean"`` (the default) averages the gradients over every device of every process, as
+    ``lax.pmean`` would over one big axis; ``op="sum"`` adds them. Stateless.
+    """
+    return _gradient_transformation(axis_name, op, _Target(comm), wire_dtype)
+
+
+def broadcast_tree(tree: Any, *, root: int = 0, comm: Communicator | None = None) -> Any:
+    """Rank ``root``'s values of ``tree`` on every process (host side, outside ``jit``): call it on
+    the initial parameters (and optimiser state) so every process starts identically.
+
+    Every process passes a tree of the same structure, shapes and dtypes; only the root's contents
+    travel, exactly (never compressed). One exchange per dtype. Leaves come back as the type they
+    went in (``jax.Array`` on the default device, or ``numpy.ndarray``). Blocks; raises the core's
+    typed errors directly.
+    """
+    return _broadcast_tree(comm if comm is not None else default_communicator(), tree, root)
+
+
+def check(*trees: Any, comm: Communicator | None = None) -> None:
+    """:meth:`Communicator.check` on ``comm`` or the default communicator."""
+    (comm if comm is not None else default_communicator()).check(*trees)
+
+
+def checked(step: Callable[..., Any], *, comm: Communicator | None = None) -> Callable[..., Any]:
+    """:meth:`Communicator.checked` on ``comm``, or on the default communicator at each call."""
+
+    @functools.wraps(step)
+    def run_and_check(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        (comm if comm is not None else default_communicator()).check(out)
+        return out
+
+    return run_and_check
+
+
+# --- implementation ---
+
+
+class _Target:
+    """Which communicator a traced collective talks to when it runs: the explicit one, or the
+    default at run time (falling back to the one current at trace time, so that an error after
+    ``close()`` still lands somewhere check() can see it)."""
+
+    def __init__(self, comm: Communicator | None) -> None:
+        self.explicit = comm
+        self.traced = comm if comm is not None else default_communicator()  # no init(): fail at trace time
+
+    def resolve(self) -> Communicator:
+        if self.explicit is not None:
+            return self.explicit
+        return _default if _default is not None else self.traced
+
+
+def _gradient_transformation(axis_name: Any, op: str, target: _Target, wire_dtype: str | None) -> Any:
+    try:
+        import optax
+    except ImportError as exc:  # optax is optional for psum/pmean users
+        raise ImportError("redsrv.jax.allreduce_gradients needs optax: pip install 'redsrv[jax]'") from exc
+    if op not in ("sum", "mean"):
+        raise LocalProtocolError(f"op must be 'sum' or 'mean', got {op!r}")
+
+    def init_fn(params: Any) -> Any:
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> Any:
+        del params
+        return _collective(updates, axis_name, op, target, wire_dtype), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _collective(tree: Any, axis_name: Any, op: str, target: _Target, wire_dtype: str | None) -> Any:
+    """Trace-time entry of psum/pmean: validate, split differentiable leaves from the rest."""
+    where = _call_site()
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [jnp.asarray(leaf) for leaf in leaves]
+    for leaf in leaves:
+        if leaf.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"redsrv.jax.p{op} at {where}: dtype {leaf.dtype} is not supported by the reducers "
+                            f"(supported: {', '.join(d.name for d in SUPPORTED_DTYPES)})")
+        if op == "mean" and not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(f"redsrv.jax.pmean at {where}: needs floating-point data, got {leaf.dtype}")
+    vma = _vma_checked(axes)
+    if vma:
+        for leaf in leaves:
+            missing = [a for a in axes if a not in _varying_axes(leaf)]
+            if missing:
+                raise TypeError(
+                    f"redsrv.jax.p{op} at {where}: a {leaf.dtype}{list(leaf.shape)} value is invariant over axis "
+                    f"{missing[0]!r} under shard_map(check_vma=True). JAX has then already combined it over this "
+                    "process's devices only (e.g. the gradient of a replicated parameter), and redsrv cannot tell a "
+                    "replicated value from such a partial sum. Differentiate with respect to "
+                    f"lax.pcast(params, {missing[0]!r}, to='varying') so gradients stay per device, or use "
+                    "shard_map(check_vma=False).")
+    if not leaves:
+        return tree
+    floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+    integral = [i for i in range(len(leaves)) if i not in set(floating)]
+    out: list[Any] = list(leaves)
+    if floating:
+        reduce = _differentiable(axes, op, target, where, wire_dtype, vma)
+        for i, value in zip(floating, reduce(tuple(leaves[i] for i in floating))):
+            out[i] = value
+    if integral:
+        reduced = _exchange_leaves([leaves[i] for i in integral], axes, op, target, (where, "int"), wire_dtype, vma)
+        for i, value in zip(integral, reduced):
+            out[i] = value
+    return jax.tree.unflatten(treedef, out)
+
+
+def _differentiable(axes: tuple[Any, ...], op: str, target: _Target, where: str,
+                    wire_dtype: str | None, vma: bool) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """The collective as a custom_vjp: io_callback is not differentiable, the collective is."""
+
+    def primal(leaves: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(_exchange_leaves(list(leaves), axes, op, target, (where, "fwd"), wire_dtype, vma))
+
+    def fwd(leaves: tuple[Any, ...]) -> tuple[tuple[Any, ...], None]:
+        return primal(leaves), None
+
+    def bwd(_: None, cts: tuple[Any, ...]) -> tuple[tuple[Any, ...]]:
+        if vma:
+            # With varying-axis types lax.psum transposes to pcast(to="varying"): the cotangent of
+            # an invariant result is already the total; nothing to exchange.
+            scale = _global_size(axes, target) if op == "mean" else 1
+            return (tuple(_to_varying(ct, axes) / jnp.asarray(scale, ct.dtype) if scale != 1 else _to_varying(ct, axes)
+                          for ct in cts),)
+        # Without them (pmap, check_vma=False) lax.psum transposes to psum, pmean to pmean.
+        return (tuple(_exchange_leaves(list(cts), axes, op, target, (where, "bwd"), wire_dtype, vma)),)
+
+    reduce = jax.custom_vjp(primal)
+    reduce.defvjp(fwd, bwd)
+    return reduce
+
+
+def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: _Target, site: tuple[str, str],
+                     wire_dtype: str | None, vma: bool) -> list[Any]:
+    """psum_scatter over the local devices, one callback per device, all_gather back."""
+    local = _local_size(axes)
+    groups: dict[np.dtype, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(np.dtype(leaf.dtype), []).append(i)
+    slices, layouts = [], []
+    for dtype, members in groups.items():
+        sizes = [int(np.prod(leaves[i].shape)) for i in members]
+        total = sum(sizes)
+        if total == 0:
+            continue
+        flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
+        padded = -(-total // local) * local  # psum_scatter needs a multiple of the axis size
+        if padded != total:
+            flat = jnp.pad(flat, (0, padded - total))
+        slices.append(lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True))
+        layouts.append((dtype, members, sizes, total))
+    out = list(leaves)
+    if not slices:
+        return out
+    callback = functools.partial(_run_exchange, target, op, site, wire_dtype)
+    shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slices)
+    results = io_callback(callback, shapes, _device_index(), *slices, ordered=True)
+    for result, piece, (dtype, members, sizes, total) in zip(results, slices, layouts):
+        if vma:
+            # The callback's result is typed invariant; it differs per device until gathered.
+            result = lax.pcast(result, tuple(sorted(_varying_axes(piece), key=str)), to="varying")
+        full = lax.all_gather(result, axes, tiled=True, **({"to": "invarying"} if vma else {}))[:total]
+        if op == "mean":
+            full = full / jnp.asarray(local, dtype)  # the reducers divided by the processes
+        offset = 0
+        for i, size in zip(members, sizes):
+            out[i] = full[offset : offset + size].reshape(leaves[i].shape)
+            offset += size
+    return out
+
+
+def _run_exchange(target: _Target, op: str, site: tuple[str, str], wire_dtype: str | None, device: Any,
+                  *slices: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The io_callback body, on an XLA thread, once per local device per execution."""
+    return target.resolve()._exchange(op, site, int(device), slices, wire_dtype)
+
+
+def _poison(slices: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """What a failed exchange returns: NaN makes a result that was used anyway obvious."""
+    return tuple(np.full(s.shape, np.nan if np.issubdtype(s.dtype, np.floating) or s.dtype.name == "bfloat16" else 0,
+                         dtype=s.dtype) for s in slices)
+
+
+def _broadcast_tree(comm: Communicator, tree: Any, root: int) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    host = [np.asarray(jax.device_get(leaf)) for leaf in leaves]
+    groups: dict[np.dtype, list[int]] = {}
+    for i, arr in enumerate(host):
+        wire = _BROADCAST_VIEWS.get(arr.dtype, arr.dtype)
+        if wire not in SUPPORTED_DTYPES:
+            raise TypeError(f"redsrv.jax.broadcast_tree: dtype {arr.dtype} is not supported "
+                            f"(supported: {', '.join(d.name for d in SUPPORTED_DTYPES)}, uint32, uint64)")
+        groups.setdefault(wire, []).append(i)
+    out: list[Any] = list(leaves)
+    for wire, members in groups.items():
+        with comm._lock:
+            call = comm._broadcasts
+            comm._broadcasts += 1
+        flat = np.concatenate([host[i].reshape(-1).view(wire) for i in members])
+        result = comm.client.broadcast(flat, root=root, key=(_KEY_PREFIX, "broadcast_tree", wire.name, call))
+        offset = 0
+        for i in members:
+            arr = host[i]
+            value = result[offset : offset + arr.size].view(arr.dtype).reshape(arr.shape)
+            offset += arr.size
+            out[i] = jnp.asarray(value) if isinstance(leaves[i], jax.Array) else value.copy()
+    return jax.tree.unflatten(treedef, out)
+
+
+def _call_site() -> str:
+    """``module:function:line`` of the first caller outside this module, fixed at trace time.
+
+    Module names and line numbers, never file paths: the same script may live in different
+    directories on different hosts, and the key must be the same everywhere.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None and frame.f_globals.get("__name__") == __name__:
+            frame = frame.f_back
+        if frame is None:
+            return "<unknown>"
+        code = frame.f_code
+        name = getattr(code, "co_qualname", code.co_name)
+        return f"{frame.f_globals.get('__name__', '?')}:{name}:{frame.f_lineno}"
+    finally:
+        del frame
+
+
+def _local_size(axes: tuple[Any, ...]) -> int:
+    return int(np.prod([lax.axis_size(a) for a in axes]))
+
+
+def _global_size(axes: tuple[Any, ...], target: _Target) -> int:
+    return _local_size(axes) * target.traced.world_size
+
+
+def _device_index() -> Any:
+    """This device's position among the local devices of the mapped computation, as a traced int.
+
+    Counts every manual mesh axis, not only the reduced ones: with a (data, model) mesh and a
+    psum over "data", devices that differ in "model" send different slices under their own keys.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    names = [a for a in mesh.axis_names if a in mesh.manual_axes]
+    if not names:
+        raise LocalProtocolError("redsrv.jax collectives run inside jax.shard_map or jax.pmap (no mapped axis here)")
+    index = lax.axis_index(names[0])
+    for name in names[1:]:
+        index = index * lax.axis_size(name) + lax.axis_index(name)
+    return index
+
+
+# --- the one place that reads JAX's varying-manual-axes types (a private attribute that has moved
+# between releases: ``aval.vma`` until ~0.9, ``aval.manual_axis_type.varying`` in 0.10); the test
+# test_vma_probe fails clearly when it moves again. ---
+
+
+def _varying_axes(x: Any) -> frozenset[Any]:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))
+
+
+def _vma_checked(axes: tuple[Any, ...]) -> bool:
+    """Whether shard_map(check_vma=True) types values over these axes (axis_index then varies)."""
+    return all(a in _varying_axes(lax.axis_index(a)) for a in axes)
+
+
+def _to_varying(x: Any, axes: tuple[Any, ...]) -> Any:
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
