@@ -237,6 +237,8 @@ class Client:
         try:
             result: np.ndarray = future.result(timeout=bound)
         except concurrent.futures.TimeoutError:
+            if future.done():
+                raise  # our own PeerTimeoutError is a TimeoutError too: the operation's real error
             raise PeerTimeoutError("all-reduce did not complete", job=self.config.job, rank=self.rank,
                                    key=_label(future.key), phase="wait for result", timeout=bound) from None
         return result

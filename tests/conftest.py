@@ -189,6 +189,24 @@ class WorkerRun:
     prefixes: list[str]
     started: float
 
+    def wait_for_steps(self, count: int = 3, timeout: float = 60.0) -> None:
+        """Block until every worker of a looping run has completed ``count`` steps."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = 0
+            for prefix in self.prefixes:
+                try:
+                    with open(prefix + ".progress") as f:
+                        done += int(f.read() or 0) >= count
+                except (OSError, ValueError):
+                    pass
+            if done == len(self.prefixes):
+                return
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError("a worker exited before the fault was injected")
+            time.sleep(0.05)
+        raise AssertionError(f"workers did not reach step {count} within {timeout}s")
+
     def wait(self, timeout: float = 90.0) -> tuple[list[dict], list[dict]]:  # type: ignore[type-arg]
         import json
 
