@@ -1,0 +1,141 @@
+"""Every private or experimental PyTorch API redsrv relies on, and nothing else.
+
+PyTorch has no stable API for out-of-tree c10d backends written in Python. The pieces used:
+
+* ``Backend.register_backend(..., extended_api=True)``, documented as "experimental and
+  subject to change", and the ``_DistributedBackendOptions`` it hands the creator (we read
+  ``store``, ``group_rank``, ``group_size``, ``timeout`` and ``group_id``).
+* A creator that returns a Python subclass of ``torch.distributed.ProcessGroup`` (pybind
+  trampoline ``PyProcessGroup``): torch then uses that object as the group itself
+  (``_new_process_group_helper``: "defaults to the old behavior for PythonProcessGroups"). The
+  C++ ``Backend`` base cannot be constructed from Python, so this is the only route.
+* A Python subclass of ``torch.distributed.Work`` (trampoline ``PyWork``, which forwards
+  ``wait`` and ``get_future`` only). We use it instead of the private
+  ``_create_work_from_future`` because that ``Work``'s ``wait()`` never raises: a failed
+  collective would return as if it had succeeded.
+
+Keeping them here means a torch upgrade that moves one breaks exactly this module, and
+:func:`check` (run by the canary test) names what moved instead of failing deep inside DDP.
+The public adapter, :mod:`redsrv.adapters.torch`, touches none of these names itself.
+"""
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessGroupBase", "FutureWork", "GroupSpec", "register", "check", "settle", "TESTED_TORCH"]
+
+#: The torch release these private names were checked against.
+TESTED_TORCH = "2.13"
+
+ProcessGroupBase = dist.ProcessGroup
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What the creator learns about the group being made (from torch's backend options)."""
+
+    store: Any
+    rank: int
+    size: int
+    timeout: timedelta | None
+    group_name: str
+
+
+def settle(future: torch.futures.Future) -> torch.futures.Future:
+    """A future that is in torch's error state when ``future`` holds an exception.
+
+    ``Future.set_exception`` from Python stores the exception as the future's *value* (only
+    Python's ``wait()`` raises it), so C++ consumers such as DDP's reducer would see a success.
+    A ``then`` callback that re-raises turns it into a real error; DDP's ``backward()`` then
+    raises a ``RuntimeError`` naming the redsrv error type and message.
+    """
+    return future.then(_value)
+
+
+def _value(future: torch.futures.Future) -> Any:
+    return future.value()
+
+
+class FutureWork(dist.Work):
+    """The ``Work`` of one collective, done when ``future`` (set from the transport thread) is.
+
+    ``wait()`` raises redsrv's typed error to Python callers (``dist.all_reduce``) and, through
+    the trampoline, to C++ callers (DDP's parameter broadcast); ``get_future()`` is the settled
+    future DDP chains on.
+    """
+
+    def __init__(self, future: torch.futures.Future, describe: Callable[[], str]) -> None:
+        super().__init__()
+        self._raw = future
+        self._settled = settle(future)
+        self._describe = describe
+        self._done = threading.Event()
+        future.add_done_callback(lambda _f: self._done.set())
+
+    def wait(self, timeout: Any = None) -> bool:
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 0)
+        if seconds > 0 and not self._done.wait(seconds):
+            from ..core.errors import PeerTimeoutError
+
+            raise PeerTimeoutError(f"{self._describe()} did not complete", phase="Work.wait", timeout=seconds)
+        self._raw.wait()  # raises the operation's error, with its type
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._settled
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+def register(name: str, create: Callable[[GroupSpec], ProcessGroupBase]) -> None:
+    """Register ``create`` as the c10d backend ``name`` for CPU tensors."""
+
+    def creator(backend_options: Any, _pg_options: Any) -> ProcessGroupBase:
+        spec = GroupSpec(
+            store=backend_options.store,
+            rank=int(backend_options.group_rank),
+            size=int(backend_options.group_size),
+            timeout=backend_options.timeout,
+            group_name=str(backend_options.group_id),
+        )
+        return create(spec)
+
+    # Registering again replaces the creator, which is what a second register_backend() call
+    # with other settings should do.
+    dist.Backend.register_backend(name, creator, extended_api=True, devices=["cpu"])
+
+
+def check() -> None:
+    """Raise ``ImportError`` naming every private torch API above that is missing or moved."""
+    problems = []
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError as exc:  # pragma: no cover - torch built without distributed
+        raise ImportError(f"torch {torch.__version__} has no torch._C._distributed_c10d: {exc}") from None
+    for name in ("_DistributedBackendOptions",):
+        if not hasattr(c10d, name):
+            problems.append(f"torch._C._distributed_c10d.{name}")
+    options = getattr(c10d, "_DistributedBackendOptions", None)
+    if options is not None:
+        for attr in ("store", "group_rank", "group_size", "timeout", "group_id"):
+            if not hasattr(options, attr):
+                problems.append(f"_DistributedBackendOptions.{attr}")
+    for attr in ("register_backend",):
+        if not hasattr(dist.Backend, attr):
+            problems.append(f"torch.distributed.Backend.{attr}")
+    for cls in ("ProcessGroup", "Work"):
+        if not isinstance(getattr(dist, cls, None), type):
+            problems.append(f"torch.distributed.{cls} (a class to subclass)")
+    if problems:
+        raise ImportError(
+            f"redsrv's c10d backend needs private torch APIs that torch {torch.__version__} no longer has "
+            f"(checked against torch {TESTED_TORCH}): {', '.join(problems)}. The DDP communication hook "
+            "(redsrv.torch.redsrv_hook) does not use them and still works."
+        )
