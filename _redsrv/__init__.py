@@ -26,10 +26,10 @@ from redsrv.core import (
     PeerLostError,
     PeerTimeoutError,
     ProtocolError,
+    RedsrvError,
     ReduceFuture,
     ReducerDaemon,
     ReducerShutdownError,
-    RedsrvError,
     RemoteProtocolError,
     StaleContributionError,
 )

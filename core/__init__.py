@@ -17,8 +17,8 @@ from .errors import (
     PeerLostError,
     PeerTimeoutError,
     ProtocolError,
-    ReducerShutdownError,
     RedsrvError,
+    ReducerShutdownError,
     RemoteProtocolError,
     StaleContributionError,
 )

@@ -34,8 +34,8 @@ from .errors import (
     PeerError,
     PeerLostError,
     PeerTimeoutError,
-    ReducerShutdownError,
     RedsrvError,
+    ReducerShutdownError,
     RemoteProtocolError,
     StaleContributionError,
 )
@@ -133,7 +133,8 @@ class _Stream:
         if buf.nbytes < nbytes:
             buf = np.empty(nbytes, dtype=np.uint8)
             setattr(self, name, buf)
-        return buf[:nbytes]
+        view: np.ndarray = buf[:nbytes]
+        return view
 
 
 class Client:
@@ -301,7 +302,7 @@ class Client:
         digest = hashlib.blake2b(_canonical(key), digest_size=8).digest()
         return int.from_bytes(digest, "little") & (_AUTO_KEY_BIT - 1)
 
-    def _submit(self, arr: np.ndarray, shape: tuple, key: Any, wire_dt: np.dtype, op_code: wire.ReduceOp,
+    def _submit(self, arr: np.ndarray, shape: tuple[int, ...], key: Any, wire_dt: np.dtype, op_code: wire.ReduceOp,
                 root: int, mean: bool, timeout: float | None) -> ReduceFuture:
         self.check()
         wire_code = wire.dtype_code(wire_dt)
@@ -342,7 +343,7 @@ class Client:
             if not sends_payload:
                 payload: Any = None
             elif wire_dt == arr.dtype:
-                payload = memoryview(src_bytes[c.start * arr.itemsize : c.stop * arr.itemsize])
+                payload = src_bytes[c.start * arr.itemsize : c.stop * arr.itemsize].data
             else:
                 payload = _Converter(arr, c.start, c.stop, wire_dt, stream)
             stream.sender.send(header, payload, nbytes)
@@ -370,10 +371,10 @@ class Client:
             return
         target = op.out[chunk.start : chunk.stop]
         if op.wire_dtype == op.out.dtype:
-            framed.read_into(memoryview(target.view(np.uint8)), f"result (key {op.label!r} chunk {chunk_index})")
+            framed.read_into(target.view(np.uint8).data, f"result (key {op.label!r} chunk {chunk_index})")
         else:
             scratch = stream.take_scratch(data_len)
-            framed.read_into(memoryview(scratch), f"result (key {op.label!r} chunk {chunk_index})")
+            framed.read_into(scratch.data, f"result (key {op.label!r} chunk {chunk_index})")
             np.copyto(target, scratch.view(op.wire_dtype), casting="unsafe")
         if op.mean and contributors > 1:
             np.divide(target, contributors, out=target, casting="unsafe")
@@ -493,7 +494,7 @@ class Client:
         cfg = self.config
         deadline = time.monotonic() + cfg.connect_timeout
         for r, (host, port) in enumerate(cfg.addresses()):
-            streams = []
+            streams: list[_Stream] = []
             self._streams.append(streams)
             for s in range(cfg.streams_per_reducer):
                 streams.append(self._connect_one(r, s, host, port, deadline))
@@ -612,7 +613,7 @@ class _Converter:
         count = self.stop - self.start
         buf = self.stream.take_scratch(count * self.dtype.itemsize, push=True).view(self.dtype)
         np.copyto(buf, self.arr[self.start : self.stop], casting="unsafe")
-        return memoryview(buf.view(np.uint8))
+        return buf.view(np.uint8).data
 
 
 

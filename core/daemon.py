@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import auth, wire
@@ -145,7 +146,7 @@ class ReducerDaemon:
         while not self._stopping.is_set():
             try:
                 sock, _addr = self._listener.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self._stopping.is_set():
@@ -273,7 +274,7 @@ class ReducerDaemon:
         ticket: PushTicket = outcome
         try:
             if ticket.buffer is not None:
-                conn.framed.read_into(memoryview(ticket.buffer), f"push payload (key {push.key:#x} chunk {push.chunk})")
+                conn.framed.read_into(ticket.buffer.data, f"push payload (key {push.key:#x} chunk {push.chunk})")
         except BaseException:
             with self._lock:
                 self.core.abort_push(ticket)
@@ -310,8 +311,7 @@ class ReducerDaemon:
                     if conn is None or conn.sender is None:
                         action.release()
                         continue
-                    release = action.release
-                    conn.sender.send(action.header, action.data, len(action.data), lambda ok, release=release: release())
+                    conn.sender.send(action.header, action.data, len(action.data), _ignore_ok(action.release))
             elif isinstance(action, SendError):
                 conn = self._conns.get(action.conn)
                 if conn is not None and conn.sender is not None:
@@ -324,6 +324,11 @@ class ReducerDaemon:
                     _shutdown(conn.sock)
             elif isinstance(action, Log):
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
+
+
+def _ignore_ok(release: Callable[[], None]) -> Callable[[bool], None]:
+    """A sender ``done(ok)`` callback that releases a shared result buffer either way."""
+    return lambda _ok: release()
 
 
 class _Rejected(Exception):

@@ -493,7 +493,7 @@ class ReducerCore:
             job_ref.bytes_held -= nbytes
 
         shared = _SharedBuffer(out_raw, self.pool, len(targets) + (1 if retain else 0), freed)
-        data = memoryview(out_raw)
+        data = out_raw.data
         closed = _Closed(answered=chunk.contributors)
         if retain:
             closed.result, closed.header, closed.data = shared, header, data

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from . import wire
 from .constants import DEFAULT_MAX_FRAME_PAYLOAD
+from .errors import RemoteProtocolError
 
 __all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket"]
 
@@ -68,7 +69,7 @@ class FramedSocket:
         while got < n:
             try:
                 r = self.sock.recv_into(view[got:], n - got)
-            except socket.timeout:
+            except TimeoutError:
                 raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}") from None
             except OSError as exc:
                 raise ConnectionBroken("reset", f"connection to {self.peer} failed while reading {what}: {exc}") from None
@@ -81,13 +82,13 @@ class FramedSocket:
         self._recv_into(prefix, "a frame")
         try:
             frame_type, header_len, payload_len = wire.parse_prefix(prefix, self.max_payload)
-        except wire.RemoteProtocolError as exc:
+        except RemoteProtocolError as exc:
             raise ConnectionBroken("protocol", str(exc)) from None
         header = self._header_view[wire.PREFIX.size : wire.PREFIX.size + header_len]
         self._recv_into(header, f"a {frame_type.name} header")
         try:
             return wire.parse_header(frame_type, header, payload_len)
-        except wire.RemoteProtocolError as exc:
+        except RemoteProtocolError as exc:
             raise ConnectionBroken("protocol", str(exc)) from None
 
     def read_into(self, view: memoryview, what: str = "a payload") -> None:
@@ -111,7 +112,7 @@ class FramedSocket:
         payload = self.read_bytes(header.payload_len) if header.payload_len else b""
         try:
             return wire.parse_payload(header, payload)
-        except wire.RemoteProtocolError as exc:
+        except RemoteProtocolError as exc:
             raise ConnectionBroken("protocol", str(exc)) from None
 
 
@@ -247,7 +248,7 @@ class Sender:
         while views:
             try:
                 sent = self._sock.sendmsg(views)
-            except socket.timeout:
+            except TimeoutError:
                 raise ConnectionBroken("timeout", f"{self.peer} stopped reading: send timed out") from None
             except OSError as exc:
                 raise ConnectionBroken("reset", f"sending to {self.peer} failed: {exc}") from None

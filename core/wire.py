@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -217,7 +217,7 @@ class Heartbeat:
     pass
 
 
-Frame = Union[Hello, Challenge, Proof, Welcome, Push, Result, Error, Heartbeat]
+Frame = Hello | Challenge | Proof | Welcome | Push | Result | Error | Heartbeat
 
 PREFIX = struct.Struct("<4sBBHI")
 
@@ -253,7 +253,7 @@ class FrameHeader:
 
     type: FrameType
     payload_len: int
-    fields: tuple = field(default=())
+    fields: tuple[Any, ...] = field(default=())
 
 
 def _u(value: int, bits: int, name: str) -> int:
@@ -497,7 +497,7 @@ class FrameDecoder:
         header, self._header = self._header, None
         return parse_payload(header, payload)
 
-    def _need_more(self) -> None:
+    def _need_more(self) -> Frame | None:
         if self._eof and (self._buffer or self._header is not None):
             raise RemoteProtocolError(f"connection closed in the middle of a frame ({len(self._buffer)} bytes pending)")
         return None

@@ -15,6 +15,7 @@ import pytest
 
 import redsrv
 from redsrv.core import wire
+
 from tests_support import make_input, rank_order_sum
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,7 +136,7 @@ def _read_frames(sock: socket.socket, timeout: float = 5.0) -> list[wire.Frame]:
     while True:
         try:
             data = sock.recv(65536)
-        except (socket.timeout, ConnectionResetError):
+        except (TimeoutError, ConnectionResetError):
             break
         decoder.receive_data(data)
         try:
