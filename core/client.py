@@ -366,8 +366,8 @@ class Client:
         if chunk.start != offset or chunk.count != count or wire.numpy_dtype(wire.DType(raw_dtype)) != op.wire_dtype:
             framed.discard(data_len)
             self._fail_op(op, RemoteProtocolError(
-                f"reducer {stream.peer} answered key {op.label!r} chunk {chunk_index} with {count} elements at "
-                f"offset {offset}, expected {chunk.count} at {chunk.start}"))
+                f"reducer {stream.peer} answered with {count} elements at offset {offset}, expected {chunk.count} at "
+                f"{chunk.start}", peer=stream.peer, job=self.config.job, rank=self.rank, key=_label(op.label), chunk=chunk_index))
             return
         target = op.out[chunk.start : chunk.stop]
         if op.wire_dtype == op.out.dtype:
@@ -414,42 +414,42 @@ class Client:
     def _error_from_frame(self, stream: _Stream, frame: wire.Error) -> RedsrvError:
         with self._lock:
             op = self._ops.get(frame.key)
-        ctx = dict(peer=stream.peer, job=self.config.job, rank=self.rank,
+        ctx: dict[str, Any] = dict(peer=stream.peer, job=self.config.job, rank=self.rank,
                    key=None if op is None else _label(op.label),
                    chunk=None if frame.chunk == 0xFFFFFFFF else frame.chunk)
         elapsed = None if op is None else time.monotonic() - op.started
         code = frame.code
         text = f"reducer {stream.peer}: {frame.message}"
         if code is wire.ErrorCode.TIMEOUT:
-            return PeerTimeoutError(text, phase="wait for contributions", elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+            return PeerTimeoutError(text, phase="wait for contributions", elapsed=elapsed, **ctx)
         if code is wire.ErrorCode.PEER_LOST:
-            return PeerLostError(text, phase="wait for contributions", elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+            return PeerLostError(text, phase="wait for contributions", elapsed=elapsed, **ctx)
         if code is wire.ErrorCode.SHUTDOWN:
-            return ReducerShutdownError(text, elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+            return ReducerShutdownError(text, elapsed=elapsed, **ctx)
         if code in (wire.ErrorCode.CONTRIBUTION_MISMATCH, wire.ErrorCode.DUPLICATE):
-            return ContributionMismatchError(f"{text} (job {self.config.job!r}, this is rank {self.rank})")
+            return ContributionMismatchError(text, **ctx)
         if code is wire.ErrorCode.STALE:
-            return StaleContributionError(f"{text} (job {self.config.job!r}, this is rank {self.rank})")
+            return StaleContributionError(text, **ctx)
         if code is wire.ErrorCode.JOB_MISMATCH:
-            return JobMismatchError(text)
+            return JobMismatchError(text, **ctx)
         if code is wire.ErrorCode.AUTHENTICATION:
-            return AuthenticationError(f"authentication with reducer {stream.peer} failed")
+            return AuthenticationError(f"authentication with reducer {stream.peer} failed", **ctx)
         if code is wire.ErrorCode.PROTOCOL:
-            return RemoteProtocolError(f"{text} (the reducer rejected our frame: version mismatch?)")
-        return PeerError(text, elapsed=elapsed, **ctx)  # type: ignore[arg-type]
+            return RemoteProtocolError(f"{text} (the reducer rejected our frame: version mismatch?)", **ctx)
+        return PeerError(text, elapsed=elapsed, **ctx)
 
     def _fail_connection(self, stream: _Stream, exc: ConnectionBroken, direction: str) -> None:
         if self._closed or self._stop.is_set():
             return
-        ctx = dict(peer=stream.peer, job=self.config.job, rank=self.rank, phase=direction)
+        ctx: dict[str, Any] = dict(peer=stream.peer, job=self.config.job, rank=self.rank, phase=direction)
         error: RedsrvError
         if exc.kind == "timeout":
             bound = self.config.heartbeat_timeout if direction == "pull" else self.config.op_timeout
-            error = PeerTimeoutError(f"reducer {stream.peer} is unresponsive: {exc.detail}", timeout=bound, **ctx)  # type: ignore[arg-type]
+            error = PeerTimeoutError(f"reducer {stream.peer} is unresponsive: {exc.detail}", timeout=bound, **ctx)
         elif exc.kind == "protocol":
-            error = RemoteProtocolError(f"reducer {stream.peer} sent an invalid frame: {exc.detail}")
+            error = RemoteProtocolError(f"reducer {stream.peer} sent an invalid frame: {exc.detail}", **ctx)
         else:
-            error = PeerLostError(f"lost reducer {stream.peer}: {exc.detail}", **ctx)  # type: ignore[arg-type]
+            error = PeerLostError(f"lost reducer {stream.peer}: {exc.detail}", **ctx)
         self._break(error)
 
     def _break(self, error: BaseException) -> None:
@@ -536,19 +536,19 @@ class Client:
         cfg = self.config
         hello = wire.Hello(cfg.job, cfg.rank, cfg.world_size, self.session, auth.new_nonce(), cfg.mode,
                            cfg.min_contributors, int(cfg.deadline * 1000), int(cfg.op_timeout * 1000))
-        ctx = dict(peer=address, job=cfg.job, rank=cfg.rank, phase="handshake", timeout=cfg.handshake_timeout)
+        ctx: dict[str, Any] = dict(peer=address, job=cfg.job, rank=cfg.rank, phase="handshake", timeout=cfg.handshake_timeout)
         try:
             sock.sendall(wire.encode(hello))
             challenge = framed.read_frame()
             if isinstance(challenge, wire.Error):
                 raise self._handshake_error(challenge, address)
             if not isinstance(challenge, wire.Challenge):
-                raise RemoteProtocolError(f"reducer {address} answered HELLO with {type(challenge).__name__.upper()}")
+                raise RemoteProtocolError(f"reducer {address} answered HELLO with {type(challenge).__name__.upper()}", **ctx)
             if cfg.secret is not None:
                 expected = auth.server_proof(cfg.secret, hello, challenge.nonce, challenge.incarnation)
                 if not challenge.auth_required or not auth.proofs_equal(challenge.proof, expected):
                     sock.sendall(wire.encode(wire.Error(wire.ErrorCode.AUTHENTICATION, True, "authentication failed")))
-                    raise AuthenticationError(f"authentication with reducer {address} failed")
+                    raise AuthenticationError(f"authentication with reducer {address} failed", **ctx)
                 proof = auth.client_proof(cfg.secret, hello, challenge.nonce, challenge.incarnation)
             else:
                 proof = auth.NO_PROOF
@@ -557,28 +557,30 @@ class Client:
             if isinstance(welcome, wire.Error):
                 raise self._handshake_error(welcome, address)
             if not isinstance(welcome, wire.Welcome):
-                raise RemoteProtocolError(f"reducer {address} sent {type(welcome).__name__.upper()} instead of WELCOME")
+                raise RemoteProtocolError(f"reducer {address} sent {type(welcome).__name__.upper()} instead of WELCOME", **ctx)
         except ConnectionBroken as exc:
             if exc.kind == "timeout":
-                raise PeerTimeoutError(f"handshake with reducer {address} timed out", **ctx) from None  # type: ignore[arg-type]
+                raise PeerTimeoutError(f"handshake with reducer {address} timed out", **ctx) from None
             if exc.kind == "protocol":
-                raise RemoteProtocolError(f"reducer {address}: {exc.detail}") from None
+                raise RemoteProtocolError(f"reducer {address}: {exc.detail}", **ctx) from None
             if cfg.secret is None:
                 raise PeerLostError(f"reducer {address} closed the connection during the handshake "
-                                    "(does it require a secret?)", **ctx) from None  # type: ignore[arg-type]
-            raise PeerLostError(f"reducer {address} closed the connection during the handshake", **ctx) from None  # type: ignore[arg-type]
+                                    "(does it require a secret?)", **ctx) from None
+            raise PeerLostError(f"reducer {address} closed the connection during the handshake", **ctx) from None
         except OSError as exc:
-            raise PeerLostError(f"handshake with reducer {address} failed: {exc}", **ctx) from None  # type: ignore[arg-type]
+            raise PeerLostError(f"handshake with reducer {address} failed: {exc}", **ctx) from None
         heartbeat = min(cfg.heartbeat_interval, welcome.heartbeat_ms / 1000 or cfg.heartbeat_interval)
         return challenge.incarnation, heartbeat
 
     def _handshake_error(self, frame: wire.Error, address: str) -> RedsrvError:
+        ctx: dict[str, Any] = dict(peer=address, job=self.config.job, rank=self.rank, phase="handshake")
         if frame.code is wire.ErrorCode.AUTHENTICATION:
-            return AuthenticationError(f"authentication with reducer {address} failed")
+            return AuthenticationError(f"authentication with reducer {address} failed", **ctx)
         if frame.code is wire.ErrorCode.JOB_MISMATCH:
-            return JobMismatchError(f"reducer {address}: {frame.message}")
-        return PeerError(f"reducer {address} refused the connection: {frame.message}", peer=address,
-                         job=self.config.job, rank=self.rank, phase="handshake")
+            return JobMismatchError(f"reducer {address}: {frame.message}", **ctx)
+        if frame.code is wire.ErrorCode.PROTOCOL:
+            return RemoteProtocolError(f"reducer {address} rejected the handshake: {frame.message}", **ctx)
+        return PeerError(f"reducer {address} refused the connection: {frame.message}", **ctx)
 
     def _teardown(self) -> None:
         self._stop.set()

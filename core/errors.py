@@ -26,8 +26,51 @@ __all__ = [
 ]
 
 
+def _describe(context: dict[str, Any]) -> str:
+    parts = []
+    for name in ("peer", "job", "rank", "key", "chunk", "phase"):
+        value = context.get(name)
+        if value is not None:
+            parts.append(f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}")
+    if context.get("elapsed") is not None:
+        parts.append(f"elapsed={context['elapsed']:.3f}s")
+    if context.get("timeout") is not None:
+        parts.append(f"timeout={context['timeout']:.3f}s")
+    return ", ".join(parts)
+
+
 class RedsrvError(Exception):
-    """Base class of every redsrv error."""
+    """Base class of every redsrv error.
+
+    Errors that involve a peer carry keyword context appended to the message and kept as
+    attributes: the peer address, job, rank, operation key, chunk, phase, elapsed seconds and
+    the timeout in force (``None`` when it does not apply).
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        peer: str | None = None,
+        job: str | None = None,
+        rank: int | None = None,
+        key: Any = None,
+        chunk: int | None = None,
+        phase: str | None = None,
+        elapsed: float | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.peer = peer
+        self.job = job
+        self.rank = rank
+        self.key = key
+        self.chunk = chunk
+        self.phase = phase
+        self.elapsed = elapsed
+        self.timeout = timeout
+        self.detail = message
+        context = _describe(dict(peer=peer, job=job, rank=rank, key=key, chunk=chunk, phase=phase, elapsed=elapsed, timeout=timeout))
+        super().__init__(f"{message} ({context})" if context else message)
 
 
 class ConfigError(RedsrvError, ValueError):
@@ -56,51 +99,9 @@ class RemoteProtocolError(ProtocolError):
     """
 
 
-def _describe(context: dict[str, Any]) -> str:
-    parts = []
-    for name in ("peer", "job", "rank", "key", "chunk", "phase"):
-        value = context.get(name)
-        if value is not None:
-            parts.append(f"{name}={value!r}" if isinstance(value, str) else f"{name}={value}")
-    if context.get("elapsed") is not None:
-        parts.append(f"elapsed={context['elapsed']:.3f}s")
-    if context.get("timeout") is not None:
-        parts.append(f"timeout={context['timeout']:.3f}s")
-    return ", ".join(parts)
-
-
 class PeerError(RedsrvError):
-    """An operation involving a remote peer failed.
-
-    Attributes name the peer address, job, rank, operation key, chunk, phase, elapsed seconds
-    and the timeout in force (any may be ``None`` when it does not apply). The client that raised
-    it is broken when the failure was on a connection: create a new client to continue.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        peer: str | None = None,
-        job: str | None = None,
-        rank: int | None = None,
-        key: int | str | None = None,
-        chunk: int | None = None,
-        phase: str | None = None,
-        elapsed: float | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        self.peer = peer
-        self.job = job
-        self.rank = rank
-        self.key = key
-        self.chunk = chunk
-        self.phase = phase
-        self.elapsed = elapsed
-        self.timeout = timeout
-        self.detail = message
-        context = _describe(locals())
-        super().__init__(f"{message} ({context})" if context else message)
+    """An operation involving a remote peer failed. The client that raised it is broken when
+    the failure was on a connection: create a new client to continue."""
 
 
 class PeerTimeoutError(PeerError, TimeoutError):

@@ -37,18 +37,58 @@ def make_input(seed: int, rank: int, size: int, dtype: str) -> np.ndarray:
     return data.astype(dtype)
 
 
+def _open_fds() -> set[str]:
+    import os
+
+    try:
+        return set(os.listdir("/proc/self/fd"))
+    except OSError:
+        return set()
+
+
+def _recover(spec: dict) -> dict:  # type: ignore[type-arg]
+    """After a failure: a new client and one more step, retried while the fleet comes back."""
+    deadline = time.monotonic() + spec["recover"].get("seconds", 40)
+    size = spec["recover"].get("size", 1000)
+    attempts = 0
+    last = None
+    while time.monotonic() < deadline:
+        attempts += 1
+        try:
+            with redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"],
+                               **spec.get("config", {})) as client:
+                out = client.allreduce(make_input(77, spec["rank"], size, "float32"), key=("recovery",))
+            expected = make_input(77, 0, size, "float32")
+            for r in range(1, spec["world_size"]):
+                expected += make_input(77, r, size, "float32")
+            return {"ok": bool(out.tobytes() == expected.tobytes()), "attempts": attempts}
+        except redsrv.RedsrvError as exc:
+            last = repr(exc)
+            time.sleep(0.3)
+    return {"ok": False, "attempts": attempts, "last_error": last}
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     out_prefix = sys.argv[2]
     report: dict = {"rank": spec["rank"], "results": [], "error": None}
     results: dict[str, np.ndarray] = {}
+    if spec.get("recover_only"):  # a replacement for a worker that died
+        report["recovery"] = _recover(spec)
+        with open(out_prefix + ".json", "w") as f:
+            json.dump(report, f)
+        np.savez(out_prefix + ".npz")
+        return 0
     client = None
+    fds_before = _open_fds()
+    x = None
     try:
         client = redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"],
                                **spec.get("config", {}))
         report["connected_at"] = time.time()
         if spec.get("loop_until_error"):
             x = make_input(1, spec["rank"], spec.get("loop_size", 1000), "float32")
+            original = x.copy()
             step = 0
             deadline = time.monotonic() + spec.get("loop_seconds", 60)
             while time.monotonic() < deadline:
@@ -95,6 +135,15 @@ def main() -> int:
     finally:
         if client is not None:
             client.close()
+    if spec.get("loop_until_error") and x is not None:
+        # the caller's buffer is never written: results go to a new array
+        report["input_intact"] = bool(np.array_equal(x, original))
+    report["fds_leaked"] = len(_open_fds() - fds_before)
+    import threading
+
+    report["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("redsrv-")]
+    if spec.get("recover") and report["error"] is not None:
+        report["recovery"] = _recover(spec)
     # npz cannot store bfloat16: save its bits and let the loader view them back.
     np.savez(out_prefix + ".npz", **{(k + "__bf16" if v.dtype.name == "bfloat16" else k): (v.view(np.uint16) if v.dtype.name == "bfloat16" else v)
                                       for k, v in results.items()})
