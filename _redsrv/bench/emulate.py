@@ -49,6 +49,7 @@ from redsrv.bench.netns import (
     our_namespaces,
     parse_rate,
     remove_namespaces,
+    signals_deferred,
     tcp_goodput_bps,
 )
 
@@ -335,6 +336,7 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
     _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
                + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+    pumps: list[threading.Thread] = []
     try:
         addresses = []
         reducers = []
@@ -371,9 +373,28 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
             log.close()
             procs.append(p)
             workers.append(p)
-            threading.Thread(target=_pump, args=(p, rank, events), daemon=True).start()
+            pump = threading.Thread(target=_pump, args=(p, rank, events), name=f"bench-pump-{rank}", daemon=True)
+            pump.start()
+            pumps.append(pump)
         return _collect(opts, n, m, impls, workers, logs, events, goodput)
     finally:
+        _terminate_and_drain(cluster, procs, pumps)
+
+
+def _terminate_and_drain(cluster: Cluster, procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> None:  # type: ignore[type-arg]
+    """Stop the processes, let the readers reach end-of-file, then close the pipes."""
+    with signals_deferred():
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for t in pumps:
+            t.join(5)
         cluster.stop(procs)
 
 
@@ -640,6 +661,7 @@ def _block(impl: _Gloo | _Redsrv, b: _Buffers, warmup: int, reps: int, reducer_p
 
 def _worker(spec_json: str) -> int:
     import numpy as np
+
     import redsrv
 
     spec = json.loads(spec_json)

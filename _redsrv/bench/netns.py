@@ -289,6 +289,7 @@ class Cluster:
     def stop(self, procs: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:  # type: ignore[type-arg]
         """SIGTERM, then SIGKILL after ``timeout``; by pid."""
         _terminate(procs, timeout)
+        close_pipes(procs)
         self._procs = [p for p in self._procs if p not in procs]
 
     def down(self) -> list[str]:
@@ -296,11 +297,13 @@ class Cluster:
         namespaces; returns their names. Idempotent; signals wait until it is done."""
         with signals_deferred():
             _terminate(self._procs, 5.0)
+            close_pipes(self._procs)
             self._procs = []
             removed = remove_namespaces(list(reversed(self._created)))
             self._created = []
             if self._forwarder is not None:
                 _terminate([self._forwarder], 5.0)
+                close_pipes([self._forwarder])
                 self._forwarder = None
         return removed
 
@@ -362,6 +365,17 @@ def _terminate(procs: Sequence[subprocess.Popen], timeout: float) -> None:  # ty
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def close_pipes(procs: Sequence[subprocess.Popen]) -> None:  # type: ignore[type-arg]
+    """Close our ends of the pipes of processes that have exited."""
+    for p in procs:
+        for stream in (p.stdin, p.stdout, p.stderr):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]

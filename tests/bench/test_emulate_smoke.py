@@ -1,0 +1,70 @@
+"""CI smoke run of ``redsrv bench emulate``: 2 workers and 2 reducers at 1 Gbit/s, 16 MiB.
+
+Checks that the sums are right, that the cluster leaves no namespace or process behind, and that
+redsrv is not absurdly slower than gloo (>= 0.8x; theory is 1.0x at n=2). The full comparison is
+a manual benchmark (README, "Benchmarks"). Skipped where network namespaces cannot be created.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from redsrv.bench.emulate import Options, run_emulate
+from redsrv.bench.netns import our_namespaces
+
+pytestmark = [pytest.mark.netns, pytest.mark.timeout(100)]
+
+
+def _why_no_namespaces() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    for binary in ("ip", "tc"):
+        if shutil.which(binary) is None:
+            return f"`{binary}` (iproute2) is not installed"
+    probe = f"rsprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"`ip netns add` failed here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+REASON = _why_no_namespaces()
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_two_workers_two_reducers_16mib(tmp_path):
+    prefix = f"rst{os.getpid() % 100000}"
+    doc = run_emulate(Options(workers=(2,), reducers=2, rate_bps=10**9, sizes_bytes=(16 * 2**20,), reps=4, warmup=1,
+                              rounds=2, out=str(tmp_path), prefix=prefix, quiet=True))
+    assert our_namespaces(prefix) == [], "namespaces left behind"
+    children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    assert not children, f"processes left behind: {[c.cmdline() for c in children]}"
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert doc["ok"] and all(r["correct"] for r in rows.values()), "wrong sums"
+    assert os.path.exists(doc["json"])
+    redsrv_row = rows["redsrv"]
+    assert redsrv_row["reps"] == 8 and redsrv_row["median_s"] > 0
+    # 16 MiB cannot cross a 1 Gbit/s link faster than the link allows: the emulation is on.
+    assert redsrv_row["algbw_gbps"] <= doc["goodput_gbps"] * 1.05
+    if HAS_TORCH:
+        if max(redsrv_row["cpu_busy"], rows["gloo"]["cpu_busy"]) > 0.85:
+            # Sums and cleanup are checked; a speed-up measured on a saturated machine measures
+            # the other load (it hurts multi-process Python more than gloo), so it is not judged.
+            pytest.xfail(f"machine CPU-bound during the run (busy {redsrv_row['cpu_busy']:.0%}): speedup "
+                         f"{redsrv_row['speedup']:.2f}x not judged")
+        assert redsrv_row["speedup"] >= 0.8, (
+            f"redsrv took {redsrv_row['median_s']:.3f}s vs gloo {rows['gloo']['median_s']:.3f}s "
+            f"(speedup {redsrv_row['speedup']:.2f}x, machine CPU busy {redsrv_row['cpu_busy']:.0%})")
+    else:
+        assert "gloo" not in rows

@@ -1,0 +1,128 @@
+"""``redsrv bench emulate`` without a cluster: rates, bounds, summaries, and the checks that must
+fail before anything is created."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from redsrv.bench import report
+from redsrv.bench.emulate import Options
+from redsrv.bench.netns import MAX_HOSTS, Cluster, EmulationError, our_namespaces, parse_rate, tcp_goodput_bps
+
+
+@pytest.mark.parametrize("text,bps", [("1gbit", 10**9), ("500Mbit", 5 * 10**8), ("2.5gbit", 25 * 10**8),
+                                      ("100kbit", 10**5), ("none", 0), ("0", 0)])
+def test_parse_rate(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text", ["1g", "fast", "1 gbps", "-1gbit", "", "5bit", "2000gbit"])
+def test_bad_rate_is_a_clear_error(text):
+    with pytest.raises(EmulationError, match="rate"):
+        parse_rate(text)
+
+
+def test_goodput_matches_the_measured_fraction():
+    assert tcp_goodput_bps(10**9) / 8 / 1e9 == pytest.approx(0.1196, abs=5e-4)
+
+
+def test_bounds_and_theory():
+    g = 0.12
+    assert report.ring_bound(g, 4) == pytest.approx(0.08)
+    assert report.server_bound(g, 4, 4) == pytest.approx(g)
+    assert report.server_bound(g, 4, 2) == pytest.approx(g / 2)
+    assert report.theory_speedup(4, 4) == pytest.approx(1.5)
+    assert report.theory_speedup(2, 2) == pytest.approx(1.0)
+    # Colocated reducers share the workers' links: no better than the ring.
+    assert report.theory_speedup(4, 4, colocated=True) == pytest.approx(1.0)
+
+
+def _block(impl, rnd, times, busy=0.5):
+    return {"n": 4, "m": 4, "round": rnd, "size_bytes": 64 * 2**20, "impl": impl, "times": times, "correct": True,
+            "cpu_busy": busy, "cpu_s": 1.0, "wall_s": sum(times), "cores": 2}
+
+
+def test_summary_speedup_is_the_ratio_of_medians():
+    blocks = [_block("gloo", 0, [0.9, 0.9, 0.9]), _block("redsrv", 0, [0.6, 0.6, 0.6]),
+              _block("gloo", 1, [0.8, 0.8, 0.8]), _block("redsrv", 1, [0.6, 0.6, 0.6], busy=0.9)]
+    rows = report.summarise(blocks, goodput=0.1196, colocated=False)
+    gloo, red = rows
+    assert (gloo.impl, red.impl) == ("gloo", "redsrv")
+    assert gloo.median_s == pytest.approx(0.85)
+    assert red.speedup == pytest.approx(0.85 / 0.6)
+    assert (red.speedup_min, red.speedup_max) == (pytest.approx(0.8 / 0.6), pytest.approx(0.9 / 0.6))
+    assert red.theory == pytest.approx(1.5)
+    assert red.fraction_of_bound == pytest.approx(64 * 2**20 / 0.6 / 1e9 / 0.1196)
+    assert red.cpu_busy_max == 0.9
+    table = report.format_table(rows)
+    assert "1.42x (1.50x)" in table and "64 MiB" in table
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    blocks = [_block("gloo", 0, [0.9]), _block("redsrv", 0, [0.6])]
+    blocks += [dict(b, n=2, m=2) for b in blocks]
+    rows = report.summarise(blocks, goodput=0.1196, colocated=False)
+    path = tmp_path / "p.png"
+    report.plot(rows, str(path), goodput=0.1196, rate_bps=10**9, title="t", colocated=False)
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_options_validation():
+    with pytest.raises(EmulationError, match="at least 2 workers"):
+        Options(workers=(1,)).validate()
+    with pytest.raises(EmulationError, match="memory"):
+        Options(workers=(8,), sizes_bytes=(2**40,)).validate()
+    assert Options(workers=(2, 4)).hosts == 8
+    assert Options(workers=(4,), colocate=True).hosts == 4
+    assert Options(workers=(4,), reducers=2).hosts == 6
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0 if hasattr(os, "geteuid") else True, reason="needs root")
+
+
+@needs_root
+def test_too_many_hosts_fails_before_creating_anything():
+    prefix = f"rsu{os.getpid() % 100000}"
+    with pytest.raises(EmulationError, match="do not fit"):
+        Cluster(MAX_HOSTS + 1, 10**9, prefix=prefix).check()
+    assert our_namespaces(prefix) == []
+
+
+@needs_root
+def test_existing_namespace_with_our_prefix_is_refused():
+    prefix = f"rsu{os.getpid() % 100000}"
+    subprocess.run(["ip", "netns", "add", f"{prefix}-h0"], check=True)
+    try:
+        with pytest.raises(EmulationError, match="already exist"):
+            Cluster(2, 10**9, prefix=prefix).check()
+        assert our_namespaces(prefix) == [f"{prefix}-h0"]  # ours to remove, not the check's
+    finally:
+        subprocess.run(["ip", "netns", "del", f"{prefix}-h0"], check=True)
+
+
+def test_not_root_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(EmulationError, match="needs root"):
+        Cluster(2, 10**9).check()
+
+
+def test_missing_ip_is_a_clear_error(monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "ip" else "/bin/" + name)
+    with pytest.raises(EmulationError, match="ip not found"):
+        Cluster(2, 10**9).check()
+
+
+def test_cli_bad_rate_exits_2_and_creates_nothing(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "redsrv", "bench", "emulate", "--rate", "fast", "--prefix", "rsbad",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "bad rate 'fast'" in proc.stderr
+    assert list(tmp_path.iterdir()) == []
