@@ -35,8 +35,9 @@ How one collective runs (no host-side rendezvous between the device threads):
 3. ``lax.all_gather`` puts the slices back together on every device.
 
 Errors: a callback must not raise (XLA's behaviour is undefined), so a failed exchange stores its
-:class:`redsrv.RedsrvError`, poisons the result (NaN for floats, zero for integers), and makes every
-later exchange return poisoned results at once instead of waiting. :meth:`Communicator.check`
+:class:`redsrv.RedsrvError`, poisons the result (NaN for floats, zero for integers), makes every
+later exchange return poisoned results at once instead of waiting, and closes the client that
+:func:`init` opened, so the reducers fail the step for the other ranks too. :meth:`Communicator.check`
 (after the step) raises the stored error itself, typed as the core raised it, with a note naming
 the call site, device and call. Nothing ever hangs: every exchange is bounded by the client's
 deadlines.
@@ -94,7 +95,7 @@ _KEY_PREFIX = "redsrv.jax"
 
 # Extra dtypes broadcast_tree accepts by reinterpreting the bits (exact: a broadcast never adds):
 # unsigned integers (e.g. PRNG key data) travel as the signed type of the same width.
-_BROADCAST_VIEWS = {np.dtype("uint32"): np.dtype("int32"), np.dtype("uint64"): np.dtype("int64")}
+_BROADCAST_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {np.dtype("uint32"): np.dtype("int32"), np.dtype("uint64"): np.dtype("int64")}
 
 
 class Communicator:
@@ -117,11 +118,11 @@ class Communicator:
 
     @property
     def rank(self) -> int:
-        return self.client.rank
+        return int(self.client.rank)
 
     @property
     def world_size(self) -> int:
-        return self.client.world_size
+        return int(self.client.world_size)
 
     # --- collectives (inside shard_map / pmap) ---
 
@@ -243,6 +244,11 @@ class Communicator:
             if hasattr(exc, "add_note"):  # Python 3.11+: keep the core's type, add where it happened
                 exc.add_note(f"raised on the host by redsrv.jax.check(); the exchange was {where}")
             self._error = exc
+        if self._owns_client:
+            # This process sends nothing more, so let the other ranks know now: closing the
+            # connections makes the reducers fail the open step for every rank (RELIABILITY R2,
+            # R3) instead of leaving them to wait for contributions until their timeout.
+            self.client.close()
 
 
 # The default communicator, set only by init(); see the module docstring for why it exists.

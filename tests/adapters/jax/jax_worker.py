@@ -13,7 +13,8 @@ outputs of all processes, concatenated in rank order, compare one to one with th
 Writes OUT_PREFIX.npz (each result as [local devices, ...]) and OUT_PREFIX.json.
 
 ``loop`` runs pmap psum steps and ``check()`` after each, touching OUT_PREFIX.progress with the
-step count, until an error or ``loop_seconds``; the error's type and time go to the json.
+step count, until an error or ``loop_seconds``; the error's type and time go to the json. With
+``fail_at_step`` this process's exchanges fail from that step on (a failure only it sees).
 """
 
 from __future__ import annotations
@@ -119,6 +120,12 @@ def loop(spec: dict[str, Any], comm: rjax.Communicator, prefix: str, report: dic
     deadline = time.monotonic() + spec.get("loop_seconds", 60)
     step = 0
     while time.monotonic() < deadline:
+        if step == spec.get("fail_at_step", -1):
+            # a failure only this process sees, as if its own side of the exchange broke
+            def refuse(x: Any, **kwargs: Any) -> Any:
+                raise redsrv.RemoteProtocolError(f"injected failure at step {step} on rank {spec['rank']}")
+
+            comm.client.allreduce_async = refuse  # type: ignore[method-assign]
         y = step_fn(x)
         comm.check(y)
         step += 1

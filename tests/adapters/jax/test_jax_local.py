@@ -95,6 +95,20 @@ def test_psum_and_pmean_in_shard_map_under_jit_equal_lax(comm, check_vma: bool) 
     comm.check()
 
 
+@pytest.mark.parametrize("axes", ["d", "m", ("d", "m")])
+def test_a_two_axis_mesh_reduces_over_the_named_axes_only(comm, axes) -> None:  # type: ignore[no-untyped-def]
+    # Over "d" (size 1) both devices send their own group's data: keys must tell "m" apart too.
+    mesh = jax.make_mesh((1, 2), ("d", "m"))
+    x = jax.device_put(jnp.arange(12.0).reshape(2, 6), NamedSharding(mesh, P(("d", "m"))))
+
+    def run(reduce):  # type: ignore[no-untyped-def]
+        fn = jax.shard_map(lambda v: reduce(v, axes)[None], mesh=mesh, in_specs=P(("d", "m")), out_specs=P(("d", "m")))
+        return jax.jit(fn)(x)
+
+    np.testing.assert_array_equal(run(rjax.psum), run(lax.psum))
+    comm.check()
+
+
 def loss(reduce, w, x):  # type: ignore[no-untyped-def]
     total = reduce(jnp.tanh(x * w).sum(axis=0), AXIS)
     return jnp.sum(total**2) / 7 + jnp.sum(reduce(x.mean() * w, AXIS))

@@ -156,3 +156,21 @@ def _progress(prefix: str) -> int:
             return int(f.read() or 0)
     except (OSError, ValueError):
         return 0
+
+
+def test_a_failure_on_one_process_fails_the_others_promptly(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 alone fails; its communicator closes the client, so rank 0 hears of it from the
+    reducers well before its own operation timeout (20 s in tests) instead of waiting."""
+    reducers = [r.address for r in fleet(1)]
+    runs = []
+    for rank in range(2):
+        spec = {"mode": "redsrv", "scenario": "loop", "reducers": reducers, "rank": rank, "world_size": 2,
+                "job": "jax-one-fails", "loop_seconds": 90, **({"fail_at_step": 5} if rank == 1 else {})}
+        prefix = str(tmp_path / f"f{rank}")
+        runs.append((start_worker(procs, spec, prefix, LOCAL_DEVICES), prefix))
+    (_, survivor), (_, failed) = (finish(proc, prefix, timeout=90) for proc, prefix in runs)
+    assert failed["error"]["type"] == "RemoteProtocolError" and "injected" in failed["error"]["message"]
+    assert any("redsrv.jax.psum at" in note for note in failed["error"]["notes"]), failed["error"]
+    error = survivor["error"]
+    assert error is not None and "PeerError" in error["mro"], error
+    assert error["at"] - failed["error"]["at"] < 10, f"rank 0 learned after {error['at'] - failed['error']['at']:.1f}s"
