@@ -126,6 +126,9 @@ class ReducerDaemon:
             conns = list(self._conns.values())
         for conn in conns:
             if conn.sender is not None:
+                # A final fatal frame on every connection, so a worker learns why the reducer is
+                # going away whichever of its streams notices first.
+                conn.sender.send(wire.encode(wire.Error(wire.ErrorCode.SHUTDOWN, True, reason)))
                 conn.sender.close_after_drain()
         for conn in conns:
             if conn.sender is not None:

@@ -308,6 +308,11 @@ class ReducerCore:
         del job.members[info.rank]
         why = f"rank {info.rank} of job {info.job!r} disconnected ({reason})"
         job.lost[info.rank] = why
+        for closed in job.closed.values():  # results kept for this rank will not be collected
+            if closed.result is not None:
+                closed.answered |= 1 << info.rank
+                if bin(closed.answered).count("1") >= job.params.world_size:
+                    self._drop_retained(closed)
         failed: list[Action] = []
         for chunk_key, chunk in list(job.open.items()):
             if self._can_still_close(job, chunk):
@@ -354,7 +359,10 @@ class ReducerCore:
         if closed is not None:
             return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), late=True)
         chunk = job.open.get(chunk_key)
-        if chunk is None and job.bytes_held + payload_len > self.job_budget_bytes and job.open:
+        if chunk is None and job.bytes_held > 0 and job.bytes_held + payload_len > self.job_budget_bytes:
+            # Over budget: no new chunks until held memory (open chunks, results still being
+            # sent, results kept for stragglers) drains. Pushes to open chunks always proceed:
+            # they are what closes chunks and frees memory.
             return None
         return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
 
