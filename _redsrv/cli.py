@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress gradients on the wire")
     p.set_defaults(func=_demo)
 
+    importlib.import_module("redsrv.soak").add_parser(sub)
+
     p = sub.add_parser("bench", help="benchmarks", description="Benchmarks of the reduction server.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="KIND")
     for name in BENCH_MODULES:
