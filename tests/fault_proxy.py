@@ -103,7 +103,7 @@ class FaultProxy:
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(64)
         self.listener.settimeout(0.1)
-        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.stopping = threading.Event()
         self.conns: list[_Conn] = []
         self.threads: list[threading.Thread] = []
@@ -131,7 +131,7 @@ class FaultProxy:
         while not self.stopping.is_set():
             try:
                 down, _ = self.listener.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             try:
                 up = socket.create_connection(self.upstream, timeout=5)
@@ -189,7 +189,7 @@ class FaultProxy:
         while not self.stopping.is_set():
             try:
                 data = src.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 break

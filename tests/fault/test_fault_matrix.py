@@ -14,9 +14,8 @@ import signal
 import time
 
 import pytest
-from fault_proxy import Fault, FaultProxy
 
-import redsrv
+from fault_proxy import Fault, FaultProxy
 
 KINDS = ["kill", "stop", "term", "close", "garbage"]
 TARGETS = ["reducer", "worker"]

@@ -128,7 +128,7 @@ def test_slow_reader_gets_backpressure_and_is_dropped_with_memory_bounded(procs)
             try:
                 sock.sendall(frame)
                 sent += 1
-            except socket.timeout:
+            except TimeoutError:
                 pass  # backpressure: the reducer stopped reading us
             except OSError:
                 dropped_after = time.monotonic() - started
@@ -143,7 +143,7 @@ def test_slow_reader_gets_backpressure_and_is_dropped_with_memory_bounded(procs)
                 peak = max(peak, rss_bytes(reducer.proc.pid))
                 try:
                     sock.sendall(bytes(4096))
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except OSError:
                     dropped_after = time.monotonic() - started
