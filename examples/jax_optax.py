@@ -82,6 +82,12 @@ def make_train_step(mesh: jax.sharding.Mesh, tx: optax.GradientTransformation, m
     return train_step
 
 
+def lax_pmean_gradients() -> optax.GradientTransformation:
+    """What ``redsrv.jax.allreduce_gradients`` replaces: ``lax.pmean`` over this process's devices."""
+    return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                        lambda updates, state, params=None: (lax.pmean(updates, AXIS), state))
+
+
 def train(*, steps: int, reference: bool = False, rank: int | None = None, world_size: int | None = None,
           reducers: list[str] | None = None, job: str | None = None, wire_dtype: str | None = None,
           log_every: int = 10) -> dict[str, Any]:
@@ -92,9 +98,7 @@ def train(*, steps: int, reference: bool = False, rank: int | None = None, world
     comm = None
     if reference:
         rank, world_size = 0, 1
-        sync = optax.GradientTransformation(lambda params: optax.EmptyState(),
-                                            lambda updates, state, params=None: (lax.pmean(updates, AXIS), state))
-        tx, mean = optax.chain(sync, optax.adam(LEARNING_RATE)), lax.pmean
+        tx, mean = optax.chain(lax_pmean_gradients(), optax.adam(LEARNING_RATE)), lax.pmean
     else:
         import redsrv.jax
 
@@ -136,6 +140,35 @@ def train(*, steps: int, reference: bool = False, rank: int | None = None, world
     finally:
         if comm is not None:
             comm.close()
+
+
+def train_worker(*, rank: int, world_size: int, reducers: list[str], job: str, steps: int,
+                 wire_dtype: str | None = None) -> dict[str, Any]:
+    """One worker of ``redsrv demo`` (the local launcher's interface)."""
+    return train(steps=steps, rank=rank, world_size=world_size, reducers=reducers, job=job, wire_dtype=wire_dtype,
+                 log_every=0)
+
+
+def train_reference(*, world_size: int, steps: int) -> np.ndarray:
+    """The weights ``world_size`` workers with this process's device count reach, computed here
+    alone: the global devices are ``jax.vmap``-ed over (``lax.pmean`` works on a vmap axis too),
+    so the launcher needs no extra devices for its check."""
+    devices = world_size * jax.local_device_count()
+    tx = optax.chain(lax_pmean_gradients(), optax.adam(LEARNING_RATE))
+
+    def body(params: Any, opt_state: Any, x: jax.Array, y: jax.Array) -> Any:
+        grads = jax.grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(jax.vmap(body, axis_name=AXIS, in_axes=(None, None, 0, 0), out_axes=(None, None)))
+    x, y = make_data(devices)
+    x, y = x.reshape(devices, ROWS_PER_DEVICE, FEATURES), y.reshape(devices, ROWS_PER_DEVICE)
+    params = init_params()
+    opt_state = tx.init(params)
+    for _ in range(steps):
+        params, opt_state = step(params, opt_state, x, y)
+    return np.concatenate([np.asarray(leaf).ravel() for leaf in jax.tree.leaves(params)])
 
 
 def main(argv: list[str] | None = None) -> int:
