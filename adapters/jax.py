@@ -43,7 +43,9 @@ the call site, device and call. Nothing ever hangs: every exchange is bounded by
 deadlines.
 
 Semantics match ``lax.psum``/``lax.pmean`` over one axis that spans the devices of every process,
-gradients included (``jax.custom_vjp``: the cotangent of a sum is a sum, as ``lax.psum`` transposes).
+gradients included: a ``jax.custom_vjp`` does what ``lax.psum``'s transpose does, a sum of the
+cotangents under ``pmap`` and ``check_vma=False``, and no exchange under ``check_vma=True``, where
+the cotangent of an invariant result is already the total.
 Under ``jax.shard_map(check_vma=True)`` (the default) an input that is *invariant* over the axis is
 rejected: JAX has then already summed it over this process's devices (typically the gradient of a
 replicated parameter), and no type tells a replicated value from such a partial sum. Take gradients
@@ -420,14 +422,15 @@ def _collective(tree: Any, axis_name: Any, op: str, target: _Target, wire_dtype:
     if not leaves:
         return tree
     floating = [i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-    integral = [i for i in range(len(leaves)) if i not in set(floating)]
+    integral = sorted(set(range(len(leaves))) - set(floating))
     out: list[Any] = list(leaves)
     if floating:
         reduce = _differentiable(axes, op, target, where, wire_dtype, vma)
         for i, value in zip(floating, reduce(tuple(leaves[i] for i in floating))):
             out[i] = value
     if integral:
-        reduced = _exchange_leaves([leaves[i] for i in integral], axes, op, target, (where, "int"), wire_dtype, vma)
+        reduced = _exchange_leaves([leaves[i] for i in integral], axes, op, target, (where, "int"),
+                                   None, vma)  # wire compression is for floats; integers travel exact
         for i, value in zip(integral, reduced):
             out[i] = value
     return jax.tree.unflatten(treedef, out)

@@ -122,8 +122,8 @@ def loop(spec: dict[str, Any], comm: rjax.Communicator, prefix: str, report: dic
     while time.monotonic() < deadline:
         if step == spec.get("fail_at_step", -1):
             # a failure only this process sees, as if its own side of the exchange broke
-            def refuse(x: Any, **kwargs: Any) -> Any:
-                raise redsrv.RemoteProtocolError(f"injected failure at step {step} on rank {spec['rank']}")
+            def refuse(x: Any, at: int = step, **kwargs: Any) -> Any:
+                raise redsrv.RemoteProtocolError(f"injected failure at step {at} on rank {spec['rank']}")
 
             comm.client.allreduce_async = refuse  # type: ignore[method-assign]
         y = step_fn(x)

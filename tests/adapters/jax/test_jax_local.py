@@ -172,6 +172,16 @@ def test_a_tree_travels_as_one_exchange_per_dtype_under_deterministic_keys(comm,
     assert {size for k, dtype, size in keys if dtype == "float32"} == {8}
 
 
+def test_wire_dtype_compresses_floats_only(comm) -> None:  # type: ignore[no-untyped-def]
+    tree = {"a": tree_inputs()["a"], "n": tree_inputs()["n"]}
+    ours = jax.pmap(lambda t: rjax.psum(t, AXIS, wire_dtype="bf16"), axis_name=AXIS)(tree)
+    ref = jax.pmap(lambda t: lax.psum(t, AXIS), axis_name=AXIS)(tree)
+    np.testing.assert_allclose(ours["a"], ref["a"], rtol=1e-2, atol=1e-2)  # bf16 keeps 8 bits of mantissa
+    assert not np.array_equal(ours["a"], ref["a"])  # it was rounded, so it did travel as bf16
+    np.testing.assert_array_equal(ours["n"], ref["n"])
+    comm.check()
+
+
 def test_optax_transform_averages_like_lax_pmean(comm) -> None:  # type: ignore[no-untyped-def]
     params = {"w": jnp.array([1.0, -2.0, 3.0]), "b": jnp.array(0.5)}
     x = jnp.asarray(tree_inputs()["a"])
