@@ -207,6 +207,21 @@ class WorkerRun:
             time.sleep(0.05)
         raise AssertionError(f"workers did not reach step {count} within {timeout}s")
 
+    def wait_for_errors(self, timeout: float) -> None:
+        """Block until every worker has raised (or ``timeout`` passed)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            raised = 0
+            for prefix in self.prefixes:
+                try:
+                    with open(prefix + ".progress") as f:
+                        raised += f.read() == "error"
+                except OSError:
+                    pass
+            if raised == len(self.prefixes):
+                return
+            time.sleep(0.05)
+
     def wait(self, timeout: float = 90.0) -> tuple[list[dict], list[dict]]:  # type: ignore[type-arg]
         import json
 

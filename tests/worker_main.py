@@ -142,6 +142,9 @@ def main() -> int:
     import threading
 
     report["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("redsrv-")]
+    if report["error"] is not None:
+        with open(out_prefix + ".progress", "w") as f:
+            f.write("error")  # tests waiting to repair the fleet know this worker has raised
     if spec.get("recover") and report["error"] is not None:
         report["recovery"] = _recover(spec)
     # npz cannot store bfloat16: save its bits and let the loader view them back.
