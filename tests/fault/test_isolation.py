@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +14,8 @@ import pytest
 
 import redsrv
 from redsrv.core import auth, wire
+
+from conftest import child_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,3 +210,21 @@ def test_a_replayed_handshake_is_rejected(procs, tmp_path) -> None:  # type: ign
             frames.append(f)
     assert any(isinstance(f, wire.Error) and f.code is wire.ErrorCode.AUTHENTICATION for f in frames), frames
     assert not any(isinstance(f, wire.Welcome) for f in frames)
+
+
+def test_binding_a_public_address_without_a_secret_warns_loudly(procs) -> None:  # type: ignore[no-untyped-def]
+    args = [sys.executable, "-m", "redsrv", "reducer", "--host", "0.0.0.0", "--port", "0"]
+    proc = procs.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    try:
+        assert "listening on 0.0.0.0:" in proc.stdout.readline()
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert "without a secret" in err and "WARNING" in err
+    assert proc.returncode == 0
+
+
+def test_the_default_bind_address_is_loopback() -> None:
+    from redsrv.cli import build_parser
+
+    assert build_parser().parse_args(["reducer"]).host == "127.0.0.1"
