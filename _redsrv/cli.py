@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 
 from redsrv.core import constants as C
-from redsrv.core.config import Config, read_secret_file
+from redsrv.core.config import Config, read_secret_file, reducer_bind_address
 from redsrv.core.daemon import DaemonSettings, ReducerDaemon
 from redsrv.core.errors import ConfigError
 
@@ -31,11 +31,14 @@ def _setup_logging(level: str) -> None:
 def _reducer(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level)
     env = Config.from_env()  # validates REDSRV_* (unknown names, bad values) before binding
+    listed = reducer_bind_address()  # TF_CONFIG / CLUSTER_SPEC naming this process a reducer
+    host = args.host if args.host is not None else (listed[0] if listed else C.DEFAULT_BIND_HOST)
+    port = args.port if args.port is not None else (listed[1] if listed else C.DEFAULT_PORT)
     secret = read_secret_file(args.secret_file) if args.secret_file else env.secret
     if args.require_secret and secret is None:
         raise ConfigError("--require-secret given but no secret: pass --secret-file or set REDSRV_SECRET_FILE")
     settings = DaemonSettings(
-        host=args.host, port=args.port, secret=secret,
+        host=host, port=port, secret=secret,
         heartbeat_interval=env.heartbeat_interval, heartbeat_misses=env.heartbeat_misses,
         handshake_timeout=env.handshake_timeout, send_timeout=env.op_timeout, close_timeout=env.close_timeout,
         stall_warning=env.stall_warning, max_frame_payload=env.max_frame_payload, job_budget_bytes=env.job_budget_bytes,
@@ -85,9 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reducer", help="run one reducer until SIGTERM",
                        description="Run one reducer. Start one per CPU host; give the workers every reducer's "
                        "host:port (REDSRV_REDUCERS). Aggregate reducer bandwidth should match aggregate worker bandwidth.")
-    p.add_argument("--host", default=C.DEFAULT_BIND_HOST,
-                   help=f"address to bind (default {C.DEFAULT_BIND_HOST}; use 0.0.0.0 on a cluster, with a secret)")
-    p.add_argument("--port", type=int, default=C.DEFAULT_PORT, help=f"port (default {C.DEFAULT_PORT}; 0 picks a free one and prints it)")
+    p.add_argument("--host", default=None,
+                   help=f"address to bind (default: this reducer's entry in TF_CONFIG / CLUSTER_SPEC, else "
+                   f"{C.DEFAULT_BIND_HOST}; use 0.0.0.0 on a cluster, with a secret)")
+    p.add_argument("--port", type=int, default=None,
+                   help=f"port (default: from TF_CONFIG / CLUSTER_SPEC, else {C.DEFAULT_PORT}; 0 picks a free one and prints it)")
     p.add_argument("--secret-file", help="file holding the shared secret (else REDSRV_SECRET_FILE / REDSRV_SECRET)")
     p.add_argument("--require-secret", action="store_true", help="refuse to start without a secret")
     _add_log_level(p)

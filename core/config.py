@@ -8,6 +8,7 @@ daemon starts, not a surprise at step 10,000. Explicit arguments win over the en
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from . import constants as C
 from .errors import ConfigError
 from .wire import StragglerMode
 
-__all__ = ["Config", "parse_address", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
+__all__ = ["Config", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -54,6 +55,95 @@ def parse_address(text: str, default_port: int = C.DEFAULT_PORT) -> tuple[str, i
     if not 0 < port < 65536 or not host:
         raise ConfigError(f"reducer address {text!r}: need host:port with port in 1..65535")
     return host, port
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What ``TF_CONFIG`` or Vertex AI's ``CLUSTER_SPEC`` says about this process."""
+
+    reducers: tuple[str, ...]
+    num_workers: int | None
+    worker_index: int | None  # None: this process is not a training worker
+    reducer_index: int | None  # set when this process is one of the reducers
+    source: str  # the variable it came from, for messages
+
+
+# Vertex AI names its pools: 0 the primary replica, 1 the other workers, 2 the reduction servers.
+_VERTEX_POOLS = {"chief": "workerpool0", "worker": "workerpool1", "reducer": "workerpool2"}
+_TF_CONFIG_POOLS = {"chief": "chief", "worker": "worker", "reducer": "reducer"}
+
+
+def cluster_from_env(environ: Mapping[str, str]) -> ClusterSpec | None:
+    """Parse ``TF_CONFIG`` (or, if absent, ``CLUSTER_SPEC``) from ``environ``; ``None`` if neither.
+
+    The chief, if any, is worker 0 and the workers follow it (the ``MultiWorkerMirroredStrategy``
+    convention); the ``"reducer"`` task list (Vertex: ``workerpool2``) names the reducers.
+
+    >>> import json
+    >>> spec = cluster_from_env({"TF_CONFIG": json.dumps({
+    ...     "cluster": {"worker": ["w0:2222", "w1:2222"], "reducer": ["r0:29600", "r1:29600"]},
+    ...     "task": {"type": "worker", "index": 1}})})
+    >>> spec.reducers, spec.num_workers, spec.worker_index
+    (('r0:29600', 'r1:29600'), 2, 1)
+    """
+    for variable, pools in (("TF_CONFIG", _TF_CONFIG_POOLS), ("CLUSTER_SPEC", _VERTEX_POOLS)):
+        raw = environ.get(variable, "").strip()
+        if raw:
+            return _parse_cluster(variable, raw, pools)
+    return None
+
+
+def _parse_cluster(variable: str, raw: str, pools: Mapping[str, str]) -> ClusterSpec:
+    try:
+        spec = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{variable} is not valid JSON: {exc}") from None
+    cluster = spec.get("cluster") if isinstance(spec, dict) else None
+    if not isinstance(cluster, dict):
+        raise ConfigError(f'{variable} has no "cluster" object')
+
+    def tasks(role: str) -> list[str]:
+        entries = cluster.get(pools[role], [])
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ConfigError(f'{variable}: cluster["{pools[role]}"] must be a list of "host:port" strings')
+        for entry in entries:
+            try:
+                parse_address(entry)
+            except ConfigError as exc:
+                raise ConfigError(f"{variable}: {exc}") from None
+        return entries
+
+    chiefs, workers, reducers = tasks("chief"), tasks("worker"), tasks("reducer")
+    num_workers = len(chiefs) + len(workers)
+    task = spec.get("task")
+    worker_index = reducer_index = None
+    if isinstance(task, dict) and task:
+        kind, number = task.get("type"), task.get("index", 0)
+        if not isinstance(number, int) or number < 0:
+            raise ConfigError(f"{variable}: task index must be a non-negative integer, got {number!r}")
+        if kind == pools["chief"]:
+            worker_index, count = number, len(chiefs)
+        elif kind == pools["worker"]:
+            worker_index, count = len(chiefs) + number, len(chiefs) + len(workers)
+        elif kind == pools["reducer"]:
+            reducer_index, count = number, len(reducers)
+        else:
+            raise ConfigError(f"{variable}: task type {kind!r} is neither a worker ({pools['chief']!r}, {pools['worker']!r}) "
+                              f"nor a reducer ({pools['reducer']!r})")
+        if (worker_index if worker_index is not None else number) >= count:
+            raise ConfigError(f"{variable}: task {kind}:{number} is out of range ({count} listed)")
+    if worker_index is not None and not reducers:
+        raise ConfigError(f'{variable} lists no reducers: add a "{pools["reducer"]}" task list with every reducer\'s host:port')
+    return ClusterSpec(tuple(reducers), num_workers or None, worker_index, reducer_index, variable)
+
+
+def reducer_bind_address(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """Where a reducer started under ``TF_CONFIG`` / ``CLUSTER_SPEC`` should listen: the address
+    listed for its own index. ``None`` when no cluster spec names this process a reducer."""
+    spec = cluster_from_env(os.environ if environ is None else environ)
+    if spec is None or spec.reducer_index is None:
+        return None
+    return parse_address(spec.reducers[spec.reducer_index])
 
 
 def _env_name(name: str) -> str:
@@ -148,26 +238,41 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
-        """Explicit ``overrides`` (those not ``None``) win; then ``REDSRV_*``; then torchrun's
-        ``RANK``/``WORLD_SIZE``; then defaults. ``REDSRV_SECRET_FILE`` names a file holding the
-        secret (preferred over ``REDSRV_SECRET``, which other local users may see)."""
+        """Explicit ``overrides`` (those not ``None``) win. Then the environment, from three
+        sources that must agree: ``REDSRV_*`` variables, ``TF_CONFIG`` / ``CLUSTER_SPEC`` (reducers,
+        world size and rank) and torchrun's ``RANK`` / ``WORLD_SIZE``. Two sources that give
+        different values for one setting are a :class:`ConfigError` naming both variables.
+        ``REDSRV_SECRET_FILE`` names a file holding the secret (preferred over ``REDSRV_SECRET``,
+        which other local users may see)."""
         env = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
         known = {_env_name(n) for n in fields if n != "secret"} | {_env_name("secret"), _env_name("secret_file")}
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
         if unknown:
             raise ConfigError(f"unknown variable(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values: dict[str, Any] = {}
+        found: dict[str, tuple[Any, str]] = {}
+
+        def offer(name: str, value: Any, variable: str) -> None:
+            if name in overrides and overrides[name] is not None:
+                return  # an explicit argument settles it; the environment is not consulted
+            if name in found and found[name][0] != value:
+                first_value, first_variable = found[name]
+                raise ConfigError(f"conflicting {name}: {first_variable} gives {first_value!r} but {variable} gives {value!r}")
+            found.setdefault(name, (value, variable))
+
         for name, spec in fields.items():
-            if name == "secret":
-                continue
-            raw = env.get(_env_name(name))
-            if raw is None:
-                continue
-            values[name] = _convert(name, raw, spec.type)
+            raw = env.get(_env_name(name)) if name != "secret" else None
+            if raw is not None:
+                offer(name, _convert(name, raw, spec.type), _env_name(name))
+        cluster = cluster_from_env(env)
+        if cluster is not None and cluster.worker_index is not None:
+            offer("reducers", cluster.reducers, cluster.source)
+            offer("world_size", cluster.num_workers, cluster.source)
+            offer("rank", cluster.worker_index, cluster.source)
         for name, var in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
-            if name not in values and var in env:
-                values[name] = _convert(name, env[var], "int", var)
+            if var in env:
+                offer(name, _convert(name, env[var], "int", var), var)
+        values = {name: value for name, (value, _) in found.items()}
         secret_file = env.get(_env_name("secret_file"))
         if secret_file:
             values["secret"] = read_secret_file(secret_file)

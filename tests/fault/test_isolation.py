@@ -227,4 +227,22 @@ def test_binding_a_public_address_without_a_secret_warns_loudly(procs) -> None: 
 def test_the_default_bind_address_is_loopback() -> None:
     from redsrv.cli import build_parser
 
-    assert build_parser().parse_args(["reducer"]).host == "127.0.0.1"
+    from redsrv.core.constants import DEFAULT_BIND_HOST
+
+    assert build_parser().parse_args(["reducer"]).host is None  # resolved at start-up:
+    assert DEFAULT_BIND_HOST == "127.0.0.1"  # ... to loopback unless a cluster spec lists this reducer
+
+
+def test_a_reducer_under_tf_config_listens_where_the_spec_says(procs) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = {"cluster": {"worker": ["127.0.0.1:1"], "reducer": ["127.0.0.1:1", f"127.0.0.1:{port}"]},
+            "task": {"type": "reducer", "index": 1}}
+    proc = procs.popen([sys.executable, "-m", "redsrv", "reducer"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                       text=True, env=child_env({"TF_CONFIG": json.dumps(spec)}))
+    assert f"listening on 127.0.0.1:{port} " in proc.stdout.readline()
+    proc.terminate()
+    proc.wait(10)

@@ -18,7 +18,59 @@ def test_environment_fills_what_arguments_do_not() -> None:
     assert (cfg.job, cfg.rank, cfg.world_size, cfg.chunk_bytes) == ("run-17", 3, 4, 1 << 20)
     assert cfg.wire_dtype == "bfloat16" and cfg.op_timeout == 12.5
     assert Config.from_env(env, rank=1, job="other").rank == 1
-    assert Config.from_env({**env, "REDSRV_RANK": "2"}).rank == 2  # REDSRV_* wins over torchrun's
+    assert Config.from_env({**env, "REDSRV_RANK": "3"}).rank == 3  # sources that agree are fine
+    with pytest.raises(ConfigError, match="conflicting rank: REDSRV_RANK gives 2 but RANK gives 3"):
+        Config.from_env({**env, "REDSRV_RANK": "2"})
+
+
+def tf_config(task: dict | None, **cluster: list[str]) -> dict[str, str]:  # type: ignore[type-arg]
+    import json
+
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, **({"task": task} if task else {})})}
+
+
+def test_tf_config_names_workers_and_reducers() -> None:
+    env = tf_config({"type": "worker", "index": 1}, chief=["c:1"], worker=["w0:1", "w1:1"], reducer=["r0:7", "r1:7"])
+    cfg = Config.from_env(env)
+    assert (cfg.reducers, cfg.world_size, cfg.rank) == (("r0:7", "r1:7"), 3, 2)
+    assert Config.from_env(tf_config({"type": "chief", "index": 0}, chief=["c:1"], worker=["w:1"], reducer=["r:7"])).rank == 0
+
+
+def test_vertex_cluster_spec() -> None:
+    import json
+
+    spec = {"cluster": {"workerpool0": ["a:1"], "workerpool1": ["b:1", "c:1"], "workerpool2": ["r:9"]},
+            "task": {"type": "workerpool1", "index": 1}}
+    cfg = Config.from_env({"CLUSTER_SPEC": json.dumps(spec)})
+    assert (cfg.reducers, cfg.world_size, cfg.rank) == (("r:9",), 3, 2)
+
+
+def test_a_reducer_binds_the_address_listed_for_its_index() -> None:
+    from redsrv.core.config import reducer_bind_address
+
+    env = tf_config({"type": "reducer", "index": 1}, worker=["w:1"], reducer=["r0:7000", "r1:7001"])
+    assert reducer_bind_address(env) == ("r1", 7001)
+    assert reducer_bind_address({}) is None
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"TF_CONFIG": "{not json"}, "TF_CONFIG is not valid JSON"),
+        ({"TF_CONFIG": '{"task": {}}'}, 'TF_CONFIG has no "cluster" object'),
+        (tf_config({"type": "worker", "index": 0}, worker=["w:1"]), "TF_CONFIG lists no reducers"),
+        (tf_config({"type": "worker", "index": 5}, worker=["w:1"], reducer=["r:1"]), "out of range"),
+        (tf_config({"type": "ps", "index": 0}, worker=["w:1"], reducer=["r:1"]), "task type 'ps'"),
+        (tf_config({"type": "worker", "index": 0}, worker=["w:1"], reducer=["r:x"]), "TF_CONFIG: reducer address"),
+        ({**tf_config({"type": "worker", "index": 0}, worker=["w:1", "w:2"], reducer=["r:1"]), "WORLD_SIZE": "4"},
+         "conflicting world_size: TF_CONFIG gives 2 but WORLD_SIZE gives 4"),
+        ({**tf_config({"type": "worker", "index": 0}, worker=["w:1"], reducer=["r:1"]), "REDSRV_REDUCERS": "other:1"},
+         "conflicting reducers: REDSRV_REDUCERS gives"),
+    ],
+)
+def test_incomplete_or_conflicting_cluster_specs(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Config.from_env(env)
 
 
 def test_config_is_frozen() -> None:
