@@ -111,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
 
     importlib.import_module("redsrv.soak").add_parser(sub)
+    importlib.import_module("redsrv.plan").add_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks", description="Benchmarks of the reduction server.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="KIND")
