@@ -459,7 +459,8 @@ def _merge(n: int, m: int, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return {
         "n": n, "m": m, "round": r0["round"], "size_bytes": r0["size_bytes"], "impl": r0["impl"], "times": times,
         "rank_times": [got[r]["times"] for r in range(n)], "correct": all(got[r]["correct"] for r in range(n)),
-        "cpu_busy": r0["stat_busy"] / busy_total if busy_total else 0.0, "cpu_s": cpu, "wall_s": sum(times),
+        "cpu_busy": r0["stat_busy"] / busy_total if busy_total else 0.0,
+        "cpu_steal": r0.get("stat_steal", 0) / busy_total if busy_total else 0.0, "cpu_s": cpu, "wall_s": sum(times),
         "worker_cpu_s": [got[r]["cpu_s"] for r in range(n)], "reducer_cpu_s": r0["reducer_cpu_s"], "cores": r0["cores"],
     }
 
@@ -470,10 +471,12 @@ def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: O
     bound = report.ring_bound(goodput, n) if block["impl"] == "gloo" else report.server_bound(goodput, n, m, opts.colocate)
     frac = f"{size / med / 1e9 / bound:.3f} of bound" if bound else ""
     flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
+    ours = block["cpu_s"] / (block["wall_s"] * block["cores"]) if block["wall_s"] else 0.0
     wrong = " WRONG SUMS" if not block["correct"] else ""
     return (f"  [{k:>2}/{total}] n={n} round {block['round'] + 1} {report.format_size(size):>8} {block['impl']:<6} "
             f"median {med * 1000:9.2f} ms  ({min(block['times']) * 1000:.2f}-{max(block['times']) * 1000:.2f})  "
-            f"{size / med / 1e9:.4f} GB/s {frac}  CPU busy {block['cpu_busy']:.0%}{flag}{wrong}")
+            f"{size / med / 1e9:.4f} GB/s {frac}  CPU busy {block['cpu_busy']:.0%} (ours {ours:.0%}, steal "
+            f"{block['cpu_steal']:.0%}){flag}{wrong}")
 
 
 def _tail(path: str, chars: int = 600) -> str:
@@ -565,13 +568,14 @@ def _goodput_send(ip: str, port: str, seconds: str) -> int:
     return 0
 
 
-def _cpu_stat() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine; namespaces do not hide other load."""
+def _cpu_stat() -> tuple[int, int, int]:
+    """(busy, total, steal) jiffies of the whole machine; namespaces do not hide other load.
+    Steal (time the hypervisor gave to other machines) counts as busy: we could not use it."""
     with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        fields = [int(x) for x in f.readline().split()[1:]] + [0] * 8
+    idle = fields[3] + fields[4]
     total = sum(fields[:8])
-    return total - idle, total
+    return total - idle, total, fields[7]
 
 
 class _Buffers:
@@ -635,7 +639,7 @@ def _block(impl: _Gloo | _Redsrv, b: _Buffers, warmup: int, reps: int, reducer_p
     times: list[float] = []
     correct = True
     own_cpu = red_cpu = 0.0
-    busy = total = 0
+    busy = total = steal = 0
     for i in range(warmup + reps):
         impl.reset(b)
         impl.barrier()
@@ -652,11 +656,12 @@ def _block(impl: _Gloo | _Redsrv, b: _Buffers, warmup: int, reps: int, reducer_p
             own_cpu += c1 - c0
             busy += s1[0] - s0[0]
             total += s1[1] - s0[1]
+            steal += s1[2] - s0[2]
             times.append(elapsed)
         correct = impl.correct(b, result) and correct
         del result
     return {"times": times, "correct": correct, "cpu_s": own_cpu, "reducer_cpu_s": red_cpu, "stat_busy": busy,
-            "stat_total": total, "cores": os.cpu_count()}
+            "stat_total": total, "stat_steal": steal, "cores": os.cpu_count()}
 
 
 def _worker(spec_json: str) -> int:

@@ -12,10 +12,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["ring_bound", "server_bound", "Row", "summarise", "format_table", "format_size", "plot", "CPU_BOUND_BUSY"]
+__all__ = ["ring_bound", "server_bound", "theory_speedup", "Row", "summarise", "format_table", "format_size", "plot",
+           "CPU_BOUND_BUSY", "BANDWIDTH_BOUND_BYTES"]
 
 #: Whole-machine CPU busy above which a result measures the CPU, not the network.
 CPU_BOUND_BUSY = 0.85
+
+#: Below this size an all-reduce is bound by latency, not bandwidth: no bandwidth theory.
+BANDWIDTH_BOUND_BYTES = 2**20
 
 
 def ring_bound(goodput: float, n: int) -> float:
@@ -73,6 +77,7 @@ class Row:
     round_medians_s: list[float]
     cpu_busy: float  # whole machine, median over this row's blocks
     cpu_busy_max: float
+    cpu_steal: float  # hypervisor steal, part of cpu_busy
     own_cpu_share: float  # our processes' CPU time / (wall time x cores)
     cpu_s_per_gb: float  # CPU seconds of workers (+ reducers) per GB of input reduced
     correct: bool
@@ -111,13 +116,14 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
             n=n, m=m, size_bytes=size, impl=impl, reps=len(times), rounds=len(bs), median_s=med, min_s=min(times),
             max_s=max(times), algbw_gbps=size / med / 1e9, bound_gbps=bound, fraction_of_bound=size / med / 1e9 / bound,
             round_medians_s=[statistics.median(b["times"]) for b in sorted(bs, key=lambda b: b["round"])],
-            cpu_busy=statistics.median(busy), cpu_busy_max=max(busy), own_cpu_share=cpu / (wall * cores) if wall else 0.0,
+            cpu_busy=statistics.median(busy), cpu_busy_max=max(busy),
+            cpu_steal=statistics.median(b.get("cpu_steal", 0.0) for b in bs), own_cpu_share=cpu / (wall * cores) if wall else 0.0,
             cpu_s_per_gb=cpu / reduced_gb if reduced_gb else 0.0, correct=all(b["correct"] for b in bs)))
     by_key = {(r.n, r.size_bytes, r.impl): r for r in rows}
     for r in rows:
         ring = by_key.get((r.n, r.size_bytes, "gloo"))
         if r.impl == "redsrv":
-            r.theory = theory_speedup(r.n, r.m, colocated)
+            r.theory = theory_speedup(r.n, r.m, colocated) if r.size_bytes >= BANDWIDTH_BOUND_BYTES else None
             if ring is not None:
                 r.speedup = ring.median_s / r.median_s
                 pairs = [g / s for g, s in zip(ring.round_medians_s, r.round_medians_s, strict=False)]
@@ -141,10 +147,12 @@ def _time(s: float) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'n':>2} {'m':>2} {'size':>8} {'impl':<7} {'median':>10} {'min-max':>19} {'algbw GB/s':>10} "
-            f"{'of bound':>8} {'speedup (theory)':>17} {'rounds':>13} {'CPU busy':>9} {'CPU s/GB':>8}  note")
+            f"{'of bound':>8} {'speedup (theory)':>17} {'rounds':>13} {'CPU busy/ours':>13} {'CPU s/GB':>8}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
-        spd = f"{r.speedup:.2f}x ({r.theory:.2f}x)" if r.speedup is not None and r.theory is not None else ""
+        spd = ""
+        if r.speedup is not None:
+            spd = f"{r.speedup:.2f}x ({r.theory:.2f}x)" if r.theory is not None else f"{r.speedup:.2f}x (latency)"
         rng = f"{r.speedup_min:.2f}-{r.speedup_max:.2f}x" if r.speedup_min is not None else ""
         notes = []
         if r.cpu_bound:
@@ -154,7 +162,7 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"{r.n:>2} {r.m:>2} {format_size(r.size_bytes):>8} {r.impl:<7} {_time(r.median_s):>10} "
             f"{_time(r.min_s) + '-' + _time(r.max_s):>19} {r.algbw_gbps:>10.4f} {r.fraction_of_bound:>8.3f} {spd:>17} "
-            f"{rng:>13} {r.cpu_busy:>9.0%} {r.cpu_s_per_gb:>8.2f}  {'; '.join(notes)}")
+            f"{rng:>13} {f'{r.cpu_busy:.0%}/{r.own_cpu_share:.0%}':>13} {r.cpu_s_per_gb:>8.2f}  {'; '.join(notes)}")
     return "\n".join(lines)
 
 
