@@ -105,13 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     p.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--framework", choices=["auto", "numpy", "torch"], default="auto",
-                   help="model framework: torch DDP with the redsrv hook when installed, else NumPy (default auto)")
+    p.add_argument("--framework", choices=["auto", "numpy", "torch", "jax"], default="auto",
+                   help="model framework: PyTorch DDP with the redsrv hook when torch is installed, else NumPy "
+                   "(default auto); jax trains with optax through redsrv.jax")
     p.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress gradients on the wire")
     p.set_defaults(func=_demo)
 
     importlib.import_module("redsrv.soak").add_parser(sub)
     importlib.import_module("redsrv.plan").add_parser(sub)
+    importlib.import_module("redsrv.timeline_cmd").add_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks", description="Benchmarks of the reduction server.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="KIND")

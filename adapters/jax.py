@@ -60,11 +60,9 @@ up when they run, so after ``close()`` and a new ``init()`` cached executables u
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import inspect
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,7 +72,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from redsrv.core import Client, LocalProtocolError, PeerTimeoutError
+from redsrv.core import Client, LocalProtocolError
 
 __all__ = [
     "Communicator",
@@ -218,26 +216,11 @@ class Communicator:
             futures = [self.client.allreduce_async(np.ascontiguousarray(s), op=op, key=key, wire_dtype=wire_dtype,
                                                    timeout=self.timeout)
                        for s, key in zip(slices, keys)]
-            results = self._wait(futures, keys)
+            results = [self.client.wait(f, timeout=self.timeout) for f in futures]
             return tuple(np.asarray(r, dtype=s.dtype).reshape(s.shape) for r, s in zip(results, slices))
         except Exception as exc:  # a callback must not raise: store it for check()
             self._fail(exc, f"redsrv.jax.p{op} at {site[0]} ({site[1]}) on local device {device}, call {call}")
             return _poison(slices)
-
-    def _wait(self, futures: list[Any], keys: list[Any]) -> list[np.ndarray]:
-        # The client fails each operation at its own deadline; this bound (the same backstop as
-        # Client.allreduce's) only matters if that machinery were stuck, and turns it into an error.
-        config = self.client.config
-        bound = (config.op_timeout if self.timeout is None else self.timeout) + config.heartbeat_timeout + 1.0
-        deadline = time.monotonic() + bound
-        results = []
-        for future, key in zip(futures, keys):
-            try:
-                results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError:
-                raise PeerTimeoutError("all-reduce did not complete", job=config.job, rank=self.rank, key=repr(key),
-                                       phase="wait for result (jax callback)", timeout=bound) from None
-        return results
 
     def _fail(self, exc: BaseException, where: str) -> None:
         with self._lock:

@@ -39,6 +39,7 @@ from .errors import (
     RemoteProtocolError,
     StaleContributionError,
 )
+from .timeline import Timeline
 from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket
 
 __all__ = ["Client", "ReduceFuture", "Contributors", "OPS"]
@@ -169,6 +170,8 @@ class Client:
         self._stop = threading.Event()
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None
+        self._pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
         try:
             self._connect_all()
         except BaseException:
@@ -195,7 +198,7 @@ class Client:
                   timeout: float | None = None) -> np.ndarray:
         """Sum (or mean) of ``x`` over the ranks; same shape and dtype as ``x``. Blocks."""
         future = self.allreduce_async(x, op=op, key=key, wire_dtype=wire_dtype, timeout=timeout)
-        return self._wait(future, timeout)
+        return self.wait(future, timeout=timeout)
 
     def allreduce_async(self, x: np.ndarray, *, op: str = "sum", key: Any = None, wire_dtype: str | None = None,
                         timeout: float | None = None) -> ReduceFuture:
@@ -219,7 +222,7 @@ class Client:
     def broadcast(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None) -> np.ndarray:
         """Rank ``root``'s ``x`` on every rank (exact: never compressed). Every rank passes an
         array of the same shape and dtype; only the root's contents travel."""
-        return self._wait(self.broadcast_async(x, root=root, key=key, timeout=timeout), timeout)
+        return self.wait(self.broadcast_async(x, root=root, key=key, timeout=timeout), timeout=timeout)
 
     def broadcast_async(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None) -> ReduceFuture:
         if not 0 <= root < self.world_size:
@@ -231,9 +234,12 @@ class Client:
         """Return once every rank reached the barrier (an all-reduce of one element)."""
         self.allreduce(np.ones(1, dtype=np.int32), key=key, timeout=timeout)
 
-    def _wait(self, future: ReduceFuture, timeout: float | None) -> np.ndarray:
-        # The deadline thread fails the operation at its timeout; this bound is a backstop that
-        # holds even if that thread were somehow stuck.
+    def wait(self, future: ReduceFuture, *, timeout: float | None = None) -> np.ndarray:
+        """The result of an ``*_async`` future, or its error. ``timeout`` is the one the operation
+        was started with (default: the configured operation timeout).
+
+        The client fails each operation at its own deadline; the bound here is a backstop that
+        holds even if that machinery were stuck, so this call never blocks indefinitely."""
         bound = (self.config.op_timeout if timeout is None else timeout) + self.config.heartbeat_timeout + 1.0
         try:
             result: np.ndarray = future.result(timeout=bound)
@@ -346,13 +352,36 @@ class Client:
                 payload = src_bytes[c.start * arr.itemsize : c.stop * arr.itemsize].data
             else:
                 payload = _Converter(arr, c.start, c.stop, wire_dt, stream)
-            stream.sender.send(header, payload, nbytes)
+            if self._timeline is not None:
+                payload, done = self._timed_push(payload, op, c, stream)
+            else:
+                done = None
+            stream.sender.send(header, payload, nbytes, done)
             self.bytes_pushed += nbytes
         return future
 
     # --- receiving ---
 
+    def _timed_push(self, payload: Any, op: _Op, c: chunker.Chunk, stream: _Stream) -> tuple[Any, Any]:
+        timeline = self._timeline
+        assert timeline is not None
+        box: list[float] = []
+
+        def produce() -> Any:
+            box.append(timeline.now())
+            return payload() if callable(payload) else payload
+
+        def done(ok: bool) -> None:
+            end = timeline.now()
+            self._pushed_at[(op.key, c.reducer, c.index)] = end
+            if box:
+                timeline.span(f"push {_label(op.label)}", f"reducer {c.reducer} stream {stream.index}", box[0], end,
+                              chunk=c.index, elements=c.count, ok=ok)
+
+        return (produce if payload is not None else None), done
+
     def _on_result(self, stream: _Stream, header: wire.FrameHeader) -> None:
+        arrived = time.monotonic()
         key, offset, count, chunk_index, raw_dtype, contributors, bitmap_len = header.fields
         framed = stream.framed
         bitmap = framed.read_bytes(bitmap_len, "a result bitmap") if bitmap_len else b""
@@ -379,6 +408,13 @@ class Client:
         if op.mean and contributors > 1:
             np.divide(target, contributors, out=target, casting="unsafe")
         self.bytes_pulled += data_len
+        if self._timeline is not None:
+            track = f"reducer {stream.reducer} stream {stream.index}"
+            pushed = self._pushed_at.pop((op.key, stream.reducer, chunk_index), None)
+            if pushed is not None and pushed < arrived:
+                self._timeline.span(f"wait {_label(op.label)}", track, pushed, arrived, chunk=chunk_index)
+            self._timeline.span(f"pull {_label(op.label)}", track, arrived, time.monotonic(), chunk=chunk_index,
+                                contributors=contributors)
         ranks = int.from_bytes(bitmap, "little")
         with op.lock:
             if op.chunks.pop((stream.reducer, chunk_index), None) is None:
@@ -394,6 +430,9 @@ class Client:
                     del self._ops[op.key]
             if not owned:
                 return  # failed or timed out meanwhile; the future already holds that error
+            if self._timeline is not None:
+                self._timeline.span(f"allreduce {_label(op.label)}", "operations", op.started, time.monotonic(),
+                                    bytes=op.out.nbytes, contributors=op.min_count)
             op.future.contributors = Contributors(
                 op.min_count, op.max_count, tuple(r for r in range(self.world_size) if op.all_ranks >> r & 1))
             if op.future.set_running_or_notify_cancel():
@@ -598,6 +637,11 @@ class Client:
                     s.sock.close()
                 except OSError:
                     pass
+        if getattr(self, "_timeline", None) is not None:
+            try:
+                self._timeline.write()  # type: ignore[union-attr]
+            except OSError as exc:
+                log.warning("could not write the timeline to %s: %s", self._timeline.path, exc)  # type: ignore[union-attr]
         monitor = getattr(self, "_monitor", None)
         if monitor is not None and monitor is not threading.current_thread():
             monitor.join(max(0.0, deadline - time.monotonic()))

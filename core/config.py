@@ -179,6 +179,7 @@ class Config:
     stall_warning: float = C.DEFAULT_STALL_WARNING_S
     max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
     job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
+    timeline: str | None = None  # Chrome-trace file; "{rank}" is replaced by the rank
 
     def __post_init__(self) -> None:
         if isinstance(self.reducers, str):
@@ -303,6 +304,8 @@ def _convert(name: str, raw: str, type_name: Any, variable: str | None = None) -
     try:
         if name == "reducers":
             return tuple(a.strip() for a in raw.split(",") if a.strip())
+        if name == "timeline":
+            return raw or None
         if name == "wire_dtype":
             return None if raw.lower() in ("", "none", "fp32", "float32") else raw.lower()
         if type_text.startswith("int"):
