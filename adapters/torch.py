@@ -142,6 +142,8 @@ class HookState:
     def __init__(self, reducers: Sequence[str] | str | None = None, *, rank: int | None = None,
                  world_size: int | None = None, job: str | None = None, client: Client | None = None,
                  timeout: float | None = None, key_prefix: str = "ddp", **config: Any) -> None:
+        if timeout is not None and not timeout > 0:
+            raise LocalProtocolError(f"timeout must be positive, got {timeout}")
         if client is not None:
             given = [name for name, value in (("reducers", reducers), ("rank", rank), ("world_size", world_size),
                                               ("job", job)) if value is not None] + sorted(config)
@@ -153,8 +155,6 @@ class HookState:
             settings = Config.from_env(reducers=reducers, rank=rank, world_size=world_size, job=job, **config)
             self.client = Client(config=settings)
             self._owns_client = True
-        if timeout is not None and not timeout > 0:
-            raise LocalProtocolError(f"timeout must be positive, got {timeout}")
         self.timeout = timeout
         self.key_prefix = key_prefix
         #: Wire format asked of the core for every bucket; None: the client's default
@@ -335,7 +335,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,val
     every rank issues a group's collectives in the same order makes identical across ranks.
     All collectives are in place and asynchronous: the returned ``Work`` completes from the
     transport thread. Supported: ``allreduce`` (SUM, AVG), ``allreduce_coalesced``,
-    ``broadcast``, ``allgather``, ``_allgather_base`` (``all_gather_into_tensor``), ``barrier``.
+    ``broadcast``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``), ``barrier``.
     """
 
     def __init__(self, client: Client, *, rank: int, size: int) -> None:
@@ -396,13 +396,16 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,val
             join.add(self._gather_words(tensor, ("c10d", seq, i)), _split_into(outputs))
         return join.work()
 
-    def _allgather_base(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
+    def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
+        """``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13)."""
         if output.dtype != tensor.dtype or output.numel() != tensor.numel() * self.size() or not output.is_contiguous():
-            raise ValueError(f"all_gather_into_tensor needs a contiguous {tensor.dtype} output of "
+            raise ValueError(f"all_gather_single needs a contiguous {tensor.dtype} output of "
                              f"{tensor.numel() * self.size()} elements, got {output.dtype} with {output.numel()}")
-        seq, join = self._join("all_gather_into_tensor", 1, [output])
+        seq, join = self._join("all_gather_single", 1, [output])
         join.add(self._gather_words(tensor, ("c10d", seq, 0)), _split_into(list(output.view(self.size(), -1))))
         return join.work()
+
+    _allgather_base = all_gather_single  # the name older torch releases call
 
     def _gather_words(self, tensor: torch.Tensor, key: Any) -> ReduceFuture:
         # A sum to which every other rank contributes zeros gathers exactly: each rank's words
