@@ -54,6 +54,10 @@ def _reducer(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     host, port = daemon.start()
+    if args.metrics_port is not None:
+        from redsrv.metrics import serve_reducer_metrics
+
+        serve_reducer_metrics(daemon, args.metrics_port, host=args.metrics_host)
     shown = f"[{host}]" if ":" in host else host
     print(f"redsrv reducer listening on {shown}:{port} incarnation={daemon.incarnation:#x}", flush=True)
     while not stop.wait(0.5):
@@ -95,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"port (default: from TF_CONFIG / CLUSTER_SPEC, else {C.DEFAULT_PORT}; 0 picks a free one and prints it)")
     p.add_argument("--secret-file", help="file holding the shared secret (else REDSRV_SECRET_FILE / REDSRV_SECRET)")
     p.add_argument("--require-secret", action="store_true", help="refuse to start without a secret")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (needs redsrv[metrics])")
+    p.add_argument("--metrics-host", default="0.0.0.0", help="address for the metrics endpoint (default 0.0.0.0)")
     _add_log_level(p)
     p.set_defaults(func=_reducer)
 

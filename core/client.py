@@ -170,6 +170,8 @@ class Client:
         self._stop = threading.Event()
         self.bytes_pushed = 0
         self.bytes_pulled = 0
+        self.ops_completed = 0
+        self.ops_failed: dict[str, int] = {}  # by error type, for metrics
         self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None
         self._pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
         try:
@@ -433,6 +435,7 @@ class Client:
             if self._timeline is not None:
                 self._timeline.span(f"allreduce {_label(op.label)}", "operations", op.started, time.monotonic(),
                                     bytes=op.out.nbytes, contributors=op.min_count)
+            self.ops_completed += 1
             op.future.contributors = Contributors(
                 op.min_count, op.max_count, tuple(r for r in range(self.world_size) if op.all_ranks >> r & 1))
             if op.future.set_running_or_notify_cancel():
@@ -498,6 +501,8 @@ class Client:
                 self._broken = error
             ops = list(self._ops.values())
             self._ops.clear()
+            if ops:
+                self.ops_failed[type(error).__name__] = self.ops_failed.get(type(error).__name__, 0) + len(ops)
         for op in ops:
             _set_exception(op.future, error)
         for streams in self._streams:
@@ -509,6 +514,7 @@ class Client:
             if self._ops.get(op.key) is not op:
                 return
             del self._ops[op.key]
+            self.ops_failed[type(error).__name__] = self.ops_failed.get(type(error).__name__, 0) + 1
         _set_exception(op.future, error)
 
     def _monitor_loop(self) -> None:

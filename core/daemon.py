@@ -138,6 +138,17 @@ class ReducerDaemon:
             t.join(max(0.0, deadline - time.monotonic()))
         log.info("stopped (%s)", reason)
 
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """Per-job counters and gauges for metrics, taken consistently under the lock."""
+        import copy
+
+        with self._lock:
+            return {
+                job: {"stats": copy.deepcopy(stats), "connections": self.core.connections(job),
+                      "inflight_bytes": self.core.bytes_held(job), "open_chunks": self.core.open_chunks(job)}
+                for job, stats in self.core.job_stats.items()
+            }
+
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()

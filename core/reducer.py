@@ -45,6 +45,8 @@ __all__ = [
     "JobParams",
     "BufferPool",
     "ACCUMULATION_DTYPES",
+    "JobStats",
+    "LATENCY_BUCKETS",
 ]
 
 #: Accumulation dtype per wire dtype: 16-bit floats are summed in float32 (RELIABILITY R14).
@@ -212,6 +214,40 @@ class _Job:
     bytes_held: int = 0
 
 
+#: Upper bounds (seconds) of the chunk-latency and straggler-lateness histograms.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+@dataclass
+class JobStats:
+    """Counters of one job, kept after the job's state is gone (for metrics); plain numbers, so
+    the core needs no metrics library."""
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    chunks_closed: int = 0
+    chunks_failed: dict[str, int] = field(default_factory=dict)  # by error code name
+    rejected: dict[str, int] = field(default_factory=dict)  # contributions rejected, by reason
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
+    lateness_sum: dict[int, float] = field(default_factory=dict)  # rank -> seconds after the first contribution
+    lateness_count: dict[int, int] = field(default_factory=dict)
+    lateness_max: dict[int, float] = field(default_factory=dict)
+
+    def observe_latency(self, seconds: float) -> None:
+        self.latency_sum += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency_buckets[i] += 1
+                return
+        self.latency_buckets[-1] += 1
+
+    def observe_lateness(self, rank: int, seconds: float) -> None:
+        self.lateness_sum[rank] = self.lateness_sum.get(rank, 0.0) + seconds
+        self.lateness_count[rank] = self.lateness_count.get(rank, 0) + 1
+        self.lateness_max[rank] = max(self.lateness_max.get(rank, 0.0), seconds)
+
+
 @dataclass
 class PushTicket:
     """Where the daemon receives a push's payload, and what to do with it afterwards."""
@@ -249,7 +285,7 @@ class ReducerCore:
         self.pool = pool or BufferPool()
         self._jobs: dict[str, _Job] = {}
         self._conns: dict[int, _Conn] = {}
-        self.stats = {"chunks_closed": 0, "bytes_in": 0, "contributions_rejected": 0}
+        self.job_stats: OrderedDict[str, JobStats] = OrderedDict()  # survives the job's state, bounded
 
     # --- membership ---
 
@@ -353,7 +389,8 @@ class ReducerCore:
         chunk_key = (push.key, push.chunk)
         reject = self._check_push(job, info.rank, push, now)
         if reject is not None:
-            self.stats["contributions_rejected"] += 1
+            stats = self.stats(job.name)
+            stats.rejected[reject.code.name] = stats.rejected.get(reject.code.name, 0) + 1
             return [SendError(conn, reject)]
         closed = job.closed.get(chunk_key)
         if closed is not None:
@@ -403,7 +440,7 @@ class ReducerCore:
             return []
         push, rank = ticket.push, ticket.rank
         chunk_key = (push.key, push.chunk)
-        self.stats["bytes_in"] += 0 if ticket.buffer is None else ticket.buffer.nbytes
+        self.stats(job.name).bytes_in += 0 if ticket.buffer is None else ticket.buffer.nbytes
         if ticket.late or chunk_key in job.closed:
             self._give(job, ticket.buffer)
             return self._answer_late(job, chunk_key, rank, ticket.conn, now)
@@ -428,6 +465,7 @@ class ReducerCore:
                               f"rank {rank} sent {got} payload bytes for {shape.describe()}, expected {expected}", now)
         chunk.contributors |= 1 << rank
         chunk.conns[rank] = ticket.conn
+        self.stats(job.name).observe_lateness(rank, now - chunk.opened_at)
         if ticket.buffer is not None:
             if push.op is ReduceOp.BROADCAST:
                 chunk.broadcast_data = ticket.buffer
@@ -489,11 +527,14 @@ class ReducerCore:
                 np.copyto(rounded.view(wire), chunk.acc, casting="unsafe")
                 self._give(job, chunk.acc_raw)
                 out_raw = rounded
-        self.stats["chunks_closed"] += 1
+        stats = self.stats(job.name)
+        stats.chunks_closed += 1
+        stats.observe_latency(now - chunk.opened_at)
         result = Result(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype,
                         bin(chunk.contributors).count("1"), bitmap_from_ranks(chunk.contributors, job.params.world_size))
         header = result_header(result, shape.count * wire.itemsize)
         targets = [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
+        stats.bytes_out += len(targets) * shape.count * wire.itemsize
         retain = bin(chunk.contributors).count("1") < job.params.world_size
         job_ref = job
 
@@ -519,10 +560,13 @@ class ReducerCore:
         if closed.error is not None:
             return [SendError(conn, closed.error)]
         if closed.answered >> rank & 1:
+            stats = self.stats(job.name)
+            stats.rejected["STALE"] = stats.rejected.get("STALE", 0) + 1
             return [SendError(conn, Error(ErrorCode.STALE, False, f"rank {rank} pushed again to a closed chunk (key reused?)", key, chunk))]
         if closed.result is None or closed.data is None:
             return [SendError(conn, Error(ErrorCode.STALE, False, f"chunk closed without rank {rank}; its result is no longer kept", key, chunk))]
         closed.answered |= 1 << rank
+        self.stats(job.name).bytes_out += len(closed.data)
         shared = closed.result
         with shared.lock:
             shared.refs += 1
@@ -563,6 +607,8 @@ class ReducerCore:
     def _fail_detached(self, job: _Job, chunk: _OpenChunk, code: ErrorCode, why: str, now: float) -> list[Action]:
         self._free_chunk(job, chunk)
         message = f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk}: {why}"
+        stats = self.stats(job.name)
+        stats.chunks_failed[code.name] = stats.chunks_failed.get(code.name, 0) + 1
         error = Error(code, False, message, chunk.key, chunk.chunk)
         self._remember(job, (chunk.key, chunk.chunk), _Closed(error=error))
         actions: list[Action] = [Log("warning", message)]
@@ -607,6 +653,21 @@ class ReducerCore:
         return actions
 
     # --- introspection ---
+
+    def stats(self, job: str) -> JobStats:
+        """The counters of ``job`` (created on first use; the 1,000 most recent jobs are kept)."""
+        stats = self.job_stats.get(job)
+        if stats is None:
+            stats = self.job_stats[job] = JobStats()
+            while len(self.job_stats) > 1000:
+                self.job_stats.popitem(last=False)
+        else:
+            self.job_stats.move_to_end(job)
+        return stats
+
+    def connections(self, job: str) -> int:
+        j = self._jobs.get(job)
+        return 0 if j is None else sum(len(m.conns) for m in j.members.values())
 
     def job_names(self) -> list[str]:
         return sorted(self._jobs)

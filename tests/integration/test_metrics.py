@@ -1,0 +1,84 @@
+"""Prometheus metrics of a reducer (--metrics-port) and of a worker client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+import redsrv
+
+pytestmark = pytest.mark.timeout(60)
+parser = pytest.importorskip("prometheus_client.parser")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    samples = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_reducer_metrics_count_bytes_chunks_rejections_and_stragglers(procs) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    reducer = procs.start_reducer("--metrics-port", str(port), "--metrics-host", "127.0.0.1")
+    x = np.ones(1000, np.float32)
+
+    def late_rank() -> None:
+        with redsrv.Client([reducer.address], rank=1, world_size=2, job="m") as c:
+            for step in range(3):
+                time.sleep(0.2)  # rank 1 is the straggler
+                c.allreduce(x, key=step)
+
+    t = threading.Thread(target=late_rank)
+    t.start()
+    with redsrv.Client([reducer.address], rank=0, world_size=2, job="m") as c:
+        for step in range(3):
+            c.allreduce(x, key=step)
+        with pytest.raises(redsrv.StaleContributionError):
+            c.allreduce(x, key=0)  # a reused key is rejected as stale
+    t.join(30)
+    m = scrape(port)
+    job = (("job", "m"),)
+    assert m[("redsrv_reducer_bytes_in_total", job)] == 7 * 4000  # the stale push was read, then rejected
+    assert m[("redsrv_reducer_bytes_out_total", job)] == 6 * 4000
+    assert m[("redsrv_reducer_chunks_closed_total", job)] == 3
+    assert m[("redsrv_reducer_chunk_latency_seconds_count", job)] == 3
+    late = m[("redsrv_reducer_rank_lateness_seconds_total", (("job", "m"), ("rank", "1")))]
+    early = m[("redsrv_reducer_rank_lateness_seconds_total", (("job", "m"), ("rank", "0")))]
+    assert late > 0.3 and early < late / 3  # rank 1 is attributed the waiting
+    assert m[("redsrv_reducer_contributions_rejected_total", (("job", "m"), ("reason", "STALE")))] == 1
+
+
+def test_worker_metrics(fleet) -> None:  # type: ignore[no-untyped-def]
+    from redsrv.metrics import serve_worker_metrics
+
+    (reducer,) = fleet(1)
+    port = free_port()
+    with redsrv.Client([reducer.address], rank=0, world_size=1, job="w") as c:
+        c.allreduce(np.ones(256, np.float32))
+        serve_worker_metrics(c, port, host="127.0.0.1")
+        m = scrape(port)
+    labels = (("job", "w"), ("rank", "0"))
+    assert m[("redsrv_worker_bytes_pushed_total", labels)] == 1024
+    assert m[("redsrv_worker_operations_total", labels)] == 1
