@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import signal
 import sys
@@ -21,15 +22,31 @@ __all__ = ["main"]
 def _add_log_level(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log verbosity (default: info)")
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="text lines, or one JSON object per line for log collectors (default: text)")
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message (which names job, rank, key,
+    chunk and peer), plus the process id to tell reducers apart in a merged stream."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname,
+                 "logger": record.name, "message": record.getMessage(), "pid": record.process}
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def _setup_logging(level: str, fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
 
 
 def _reducer(args: argparse.Namespace) -> int:
-    _setup_logging(args.log_level)
+    _setup_logging(args.log_level, args.log_format)
     env = Config.from_env()  # validates REDSRV_* (unknown names, bad values) before binding
     listed = reducer_bind_address()  # TF_CONFIG / CLUSTER_SPEC naming this process a reducer
     host = args.host if args.host is not None else (listed[0] if listed else C.DEFAULT_BIND_HOST)

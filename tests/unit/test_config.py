@@ -121,3 +121,28 @@ def test_addresses(text: str, expected: tuple[str, int]) -> None:
 def test_bad_addresses(text: str) -> None:
     with pytest.raises(ConfigError):
         parse_address(text)
+
+
+def test_every_command_has_help() -> None:
+    import contextlib
+    import io
+
+    from redsrv.cli import build_parser
+
+    for argv in (["--help"], ["reducer", "--help"], ["demo", "--help"], ["bench", "--help"], ["plan", "--help"],
+                 ["soak", "--help"], ["timeline", "--help"], ["bench", "local", "--help"]):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_info:
+            build_parser().parse_args(argv)
+        assert exit_info.value.code == 0 and "usage:" in out.getvalue()
+
+
+def test_json_logs() -> None:
+    import json
+    import logging
+
+    from redsrv.cli import _JsonFormatter
+
+    record = logging.LogRecord("redsrv.reducer", logging.WARNING, __file__, 1, "job %r rank %d lost", ("j", 3), None)
+    entry = json.loads(_JsonFormatter().format(record))
+    assert entry["message"] == "job 'j' rank 3 lost" and entry["level"] == "WARNING"
