@@ -11,54 +11,12 @@ Framework adapters: ``redsrv.torch``, ``redsrv.tf``, ``redsrv.jax`` (each import
 
 from importlib.metadata import PackageNotFoundError, version
 
-from redsrv.core import (
-    AuthenticationError,
-    Client,
-    ClientClosedError,
-    Config,
-    ConfigError,
-    ContributionMismatchError,
-    Contributors,
-    DaemonSettings,
-    JobMismatchError,
-    LocalProtocolError,
-    PeerError,
-    PeerLostError,
-    PeerTimeoutError,
-    ProtocolError,
-    RedsrvError,
-    ReduceFuture,
-    ReducerDaemon,
-    ReducerShutdownError,
-    RemoteProtocolError,
-    StaleContributionError,
-)
+from redsrv.core import *  # noqa: F403 - the public API is the core's, listed once in its __all__
+from redsrv.core import __all__ as _core_all
 
 try:
     __version__ = version("redsrv")
 except PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0+unknown"
 
-__all__ = [
-    "Client",
-    "Config",
-    "Contributors",
-    "ReduceFuture",
-    "ReducerDaemon",
-    "DaemonSettings",
-    "RedsrvError",
-    "ConfigError",
-    "ProtocolError",
-    "LocalProtocolError",
-    "RemoteProtocolError",
-    "PeerError",
-    "PeerTimeoutError",
-    "PeerLostError",
-    "ReducerShutdownError",
-    "JobMismatchError",
-    "ContributionMismatchError",
-    "StaleContributionError",
-    "AuthenticationError",
-    "ClientClosedError",
-    "__version__",
-]
+__all__ = [*_core_all, "__version__"]

@@ -18,7 +18,7 @@ from . import constants as C
 from .errors import ConfigError
 from .wire import StragglerMode
 
-__all__ = ["Config", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
+__all__ = ["Config", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "require_positive", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -146,6 +146,13 @@ def reducer_bind_address(environ: Mapping[str, str] | None = None) -> tuple[str,
     return parse_address(spec.reducers[spec.reducer_index])
 
 
+def require_positive(settings: object, names: tuple[str, ...]) -> None:
+    """Eager validation shared by every settings class: each named field must be > 0."""
+    for name in names:
+        if not getattr(settings, name) > 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(settings, name)}")
+
+
 def _env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
@@ -211,9 +218,8 @@ class Config:
             if self.wire_dtype not in WIRE_DTYPES:
                 raise ConfigError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)} or None, got {self.wire_dtype!r}")
             object.__setattr__(self, "wire_dtype", WIRE_DTYPES[self.wire_dtype])
-        for name in ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout", "stall_warning"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout",
+                                "stall_warning"))
         for name in ("chunk_bytes", "streams_per_reducer", "heartbeat_misses", "max_frame_payload", "job_budget_bytes"):
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from . import auth, wire
 from . import constants as C
+from .config import require_positive
 from .errors import ConfigError
 from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
 from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket
@@ -45,9 +46,7 @@ class DaemonSettings:
     max_connections: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("handshake_timeout", "heartbeat_interval", "send_timeout", "close_timeout", "stall_warning"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, ("handshake_timeout", "heartbeat_interval", "send_timeout", "close_timeout", "stall_warning"))
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
 

@@ -189,18 +189,21 @@ class WorkerRun:
     prefixes: list[str]
     started: float
 
+    def _progress(self) -> list[str]:
+        marks = []
+        for prefix in self.prefixes:
+            try:
+                with open(prefix + ".progress") as f:
+                    marks.append(f.read())
+            except OSError:
+                marks.append("")
+        return marks
+
     def wait_for_steps(self, count: int = 3, timeout: float = 60.0) -> None:
         """Block until every worker of a looping run has completed ``count`` steps."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            done = 0
-            for prefix in self.prefixes:
-                try:
-                    with open(prefix + ".progress") as f:
-                        done += int(f.read() or 0) >= count
-                except (OSError, ValueError):
-                    pass
-            if done == len(self.prefixes):
+            if all(m.isdigit() and int(m) >= count for m in self._progress()):
                 return
             if any(p.poll() is not None for p in self.procs):
                 raise AssertionError("a worker exited before the fault was injected")
@@ -210,16 +213,7 @@ class WorkerRun:
     def wait_for_errors(self, timeout: float) -> None:
         """Block until every worker has raised (or ``timeout`` passed)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            raised = 0
-            for prefix in self.prefixes:
-                try:
-                    with open(prefix + ".progress") as f:
-                        raised += f.read() == "error"
-                except OSError:
-                    pass
-            if raised == len(self.prefixes):
-                return
+        while time.monotonic() < deadline and not all(m == "error" for m in self._progress()):
             time.sleep(0.05)
 
     def wait(self, timeout: float = 90.0) -> tuple[list[dict], list[dict]]:  # type: ignore[type-arg]
