@@ -95,6 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"namespace name prefix (default {DEFAULT_PREFIX})")
     b.add_argument("--cleanup", action="store_true",
                    help="only remove namespaces left with this prefix (after a run was killed with SIGKILL)")
+    b.add_argument("--report", metavar="JSON", help="only print the table and redraw the plot of an earlier run's JSON")
     b.set_defaults(func=_main)
 
 
@@ -165,6 +166,8 @@ def _main(a: argparse.Namespace) -> int:
     try:
         if a.cleanup:
             return _cleanup(a.prefix)
+        if a.report:
+            return _rereport(a.report)
         opts = Options(
             workers=tuple(a.workers), reducers=a.reducers, rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
@@ -179,6 +182,29 @@ def _main(a: argparse.Namespace) -> int:
     except _Terminated as exc:
         print(f"redsrv bench emulate: stopped by {exc.name}; cluster removed", file=sys.stderr)
         return 128 + exc.signum
+
+
+def _rereport(path: str) -> int:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        blocks, opts = doc["blocks"], doc["options"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise EmulationError(f"cannot read results from {path}: {exc}") from None
+    goodput = doc["goodput_gbps"]
+    rows = report.summarise(blocks, goodput=goodput, colocated=opts["colocate"])
+    print(report.format_table(rows))
+    png = os.path.splitext(path)[0] + ".png"
+    report.plot(rows, png, goodput=goodput, rate_bps=opts["rate_bps"], colocated=opts["colocate"],
+                title=_title(opts, doc["started"][:10], doc["machine"]["cpus"]))
+    print(f"\n  wrote {png}")
+    return 0
+
+
+def _title(opts: dict[str, Any], day: str, cpus: int | None) -> str:
+    return (f"{format_rate(opts['rate_bps'])} per host" + (f", {opts['delay_us']} us one-way delay" if opts["delay_us"] else "")
+            + f", {opts['dtype']}" + (f" ({opts['wire_dtype']} on the redsrv wire)" if opts["wire_dtype"] else "")
+            + (", reducers colocated" if opts["colocate"] else "") + f", {day}, {cpus} CPUs")
 
 
 def _cleanup(prefix: str) -> int:
@@ -282,6 +308,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         "command": " ".join(["redsrv", "bench", "emulate", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "emulate"] else None,
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
                     "python": platform.python_version(), "torch": torch_version},
+        "redsrv": {"version": _redsrv_version(), "source": _source_revision()},
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
         "rows": [r.as_dict() for r in rows],
@@ -299,15 +326,33 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         _say(opts, "\n  WRONG SUMS: at least one all-reduce returned a wrong result (see 'correct' in the JSON)")
     try:
         report.plot(rows, png_path, goodput=goodput, rate_bps=opts.rate_bps, colocated=opts.colocate,
-                    title=f"{format_rate(opts.rate_bps)} per host, {opts.dtype}"
-                          + (f" ({opts.wire_dtype} wire)" if opts.wire_dtype else "")
-                          + f", {started:%Y-%m-%d}, {os.cpu_count()} CPUs")
+                    title=_title(doc["options"], f"{started:%Y-%m-%d}", os.cpu_count()))
         doc["plot"] = png_path
     except ImportError:
         _say(opts, "  matplotlib is not installed: no plot (install redsrv[bench])")
     _say(opts, f"\n  wrote {json_path}" + (f" and {png_path}" if "plot" in doc else ""))
     doc["json"] = json_path
     return doc
+
+
+def _redsrv_version() -> str:
+    from redsrv import __version__
+
+    return __version__
+
+
+def _source_revision() -> str | None:
+    """The git commit of an editable checkout (``+dirty`` with local changes); None otherwise."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return rev.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _torch_version() -> str | None:

@@ -185,23 +185,30 @@ def plot(rows: Sequence[Row], path: str, *, goodput: float, rate_bps: int, title
     for i, n in enumerate(ns):
         color = colors[i % len(colors)]
         for impl, style, marker in (("gloo", "--", "s"), ("redsrv", "-", "o")):
+            if not several:  # one n: tell the implementations apart by colour too
+                color = colors[0] if impl == "redsrv" else colors[1]
             rs = sorted((r for r in rows if r.n == n and r.impl == impl), key=lambda r: r.size_bytes)
             if not rs:
                 continue
             xs = [r.size_bytes / 2**20 for r in rs]
             ys = [r.algbw_gbps for r in rs]
-            lo = [r.algbw_gbps - r.size_bytes / r.max_s / 1e9 for r in rs]
-            hi = [r.size_bytes / r.min_s / 1e9 - r.algbw_gbps for r in rs]
+            lo = [max(0.0, r.algbw_gbps - r.size_bytes / r.max_s / 1e9) for r in rs]
+            hi = [max(0.0, r.size_bytes / r.min_s / 1e9 - r.algbw_gbps) for r in rs]
             label = f"{'gloo ring' if impl == 'gloo' else 'redsrv'} n={n}" + (f" m={rs[0].m}" if impl == "redsrv" else "")
             ax.errorbar(xs, ys, yerr=[lo, hi], ls=style, marker=marker, color=color, capsize=3, label=label)
         if rate_bps:
-            ax.axhline(ring_bound(goodput, n), color=color, lw=0.8, ls="-.", label=f"ring bound n={n}")
+            ax.axhline(ring_bound(goodput, n), color=colors[i % len(colors)] if several else colors[1], lw=0.8, ls="-.",
+                       label=f"ring bound G·n/(2(n-1)), n={n}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (MiB)")
     ax.set_ylabel("algbw = size / time (GB/s)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_ylim(bottom=0)
+    values = [r.algbw_gbps for r in rows]
+    if values and min(values) < 0.05 * max(values + [goodput]):
+        ax.set_yscale("log")  # latency-bound sizes sit orders of magnitude below the line rate
+    else:
+        ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, loc="lower right")
     if several:
         ax2 = axes[0][1]
@@ -210,7 +217,9 @@ def plot(rows: Sequence[Row], path: str, *, goodput: float, rate_bps: int, title
             rs = sorted((r for r in rows if r.size_bytes == size and r.speedup is not None), key=lambda r: r.n)
             xs = [r.n for r in rs]
             ys = [r.speedup for r in rs]
-            err = [[(r.speedup or 0) - (r.speedup_min or 0) for r in rs], [(r.speedup_max or 0) - (r.speedup or 0) for r in rs]]
+            # The speed-up is the ratio of pooled medians, so it may sit outside the per-round range.
+            err = [[max(0.0, (r.speedup or 0) - (r.speedup_min or 0)) for r in rs],
+                   [max(0.0, (r.speedup_max or 0) - (r.speedup or 0)) for r in rs]]
             ax2.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[i % len(colors)], label=f"measured, {format_size(size)}")
         theory_rows = sorted({(r.n, r.m) for r in rows if r.impl == "redsrv"})
         ax2.plot([n for n, _ in theory_rows], [theory_speedup(n, m, colocated) for n, m in theory_rows], "k--",
