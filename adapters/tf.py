@@ -54,11 +54,8 @@ IndexedSlices gradients are summed densely.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
-import json
-import os
 import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -74,9 +71,6 @@ from . import _tf_internals
 __all__ = [
     "ReductionServerCrossDeviceOps",
     "ReductionServerStrategy",
-    "ClusterSpec",
-    "cluster_from_env",
-    "resolve_config",
     "SUPPORTED_DTYPES",
     "TESTED_TF",
 ]
@@ -94,101 +88,6 @@ _KEY_PREFIX = "redsrv.tf"
 # retrace (TensorFlow), between Python patch releases (the standard library), or between processes
 # (autograph writes converted code to uniquely named temporary modules).
 _SITE_SKIPPED = ("tensorflow", "redsrv.adapters", "__autograph_generated")
-
-
-# --- where the workers and reducers are: TF_CONFIG, CLUSTER_SPEC ---------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterSpec:
-    """What a cluster description says about this process. ``None`` fields were not given."""
-
-    reducers: tuple[str, ...]
-    num_workers: int | None
-    worker_index: int | None
-    source: str  # the variable it came from, for messages
-
-
-# Vertex AI custom jobs name their pools: 0 the primary replica, 1 the other workers, 2 the
-# reduction servers, 3 the evaluators.
-_VERTEX_POOLS = {"chief": "workerpool0", "worker": "workerpool1", "reducer": "workerpool2"}
-_TF_CONFIG_POOLS = {"chief": "chief", "worker": "worker", "reducer": "reducer"}
-
-
-def cluster_from_env(environ: Mapping[str, str]) -> ClusterSpec | None:
-    """Parse ``TF_CONFIG`` (or, if absent, Vertex AI's ``CLUSTER_SPEC``) from ``environ``.
-
-    A pure function of the mapping it is given. The chief, if any, is worker 0 and the workers
-    follow it (the ``MultiWorkerMirroredStrategy`` convention); the ``"reducer"`` task list (Vertex:
-    ``workerpool2``) names the reducer addresses. ``None`` when neither variable is set.
-
-    >>> spec = cluster_from_env({"TF_CONFIG": json.dumps({
-    ...     "cluster": {"worker": ["w0:2222", "w1:2222"], "reducer": ["r0:29600", "r1:29600"]},
-    ...     "task": {"type": "worker", "index": 1}})})
-    >>> spec.reducers, spec.num_workers, spec.worker_index
-    (('r0:29600', 'r1:29600'), 2, 1)
-    """
-    for variable, pools in (("TF_CONFIG", _TF_CONFIG_POOLS), ("CLUSTER_SPEC", _VERTEX_POOLS)):
-        raw = environ.get(variable, "").strip()
-        if raw:
-            return _parse_cluster(variable, raw, pools)
-    return None
-
-
-def _parse_cluster(variable: str, raw: str, pools: Mapping[str, str]) -> ClusterSpec:
-    try:
-        spec = json.loads(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{variable} is not valid JSON: {exc}") from None
-    cluster = spec.get("cluster") if isinstance(spec, dict) else None
-    if not isinstance(cluster, dict):
-        raise ConfigError(f"{variable} has no \"cluster\" object")
-
-    def tasks(role: str) -> list[str]:
-        entries = cluster.get(pools[role], [])
-        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
-            raise ConfigError(f"{variable}: cluster[{pools[role]!r}] must be a list of \"host:port\" strings")
-        return entries
-
-    chiefs, workers, reducers = tasks("chief"), tasks("worker"), tasks("reducer")
-    num_workers = len(chiefs) + len(workers)
-    task = spec.get("task")
-    index: int | None = None
-    if isinstance(task, dict) and task:
-        kind, number = task.get("type"), task.get("index", 0)
-        if not isinstance(number, int) or number < 0:
-            raise ConfigError(f"{variable}: task index must be a non-negative integer, got {number!r}")
-        if kind == pools["chief"]:
-            index = number
-        elif kind == pools["worker"]:
-            index = len(chiefs) + number
-        elif kind == pools["reducer"]:
-            raise ConfigError(f"{variable} says this process is reducer {number}: run `redsrv reducer` there, "
-                              "not a training worker")
-        else:
-            raise ConfigError(f"{variable}: task type {kind!r} is not a training worker "
-                              f"(expected {pools['chief']!r} or {pools['worker']!r})")
-        if index >= num_workers:
-            raise ConfigError(f"{variable}: task {kind}:{number} is not in the cluster's {num_workers} worker(s)")
-    return ClusterSpec(tuple(reducers), num_workers or None, index, variable)
-
-
-def resolve_config(reducers: Sequence[str] | str | None = None, *, num_workers: int | None = None,
-                   worker_index: int | None = None, job: str | None = None,
-                   environ: Mapping[str, str] | None = None, **config_fields: Any) -> Config:
-    """The :class:`redsrv.Config` of this worker: explicit arguments first, then ``TF_CONFIG`` /
-    ``CLUSTER_SPEC``, then ``REDSRV_*`` and ``RANK``/``WORLD_SIZE`` (:meth:`redsrv.Config.from_env`).
-
-    ``environ`` defaults to ``os.environ``, read here once; nothing else in the adapter reads the
-    environment.
-    """
-    env = os.environ if environ is None else environ
-    cluster = cluster_from_env(env)
-    if cluster is not None:
-        reducers = reducers if reducers is not None else (cluster.reducers or None)
-        num_workers = num_workers if num_workers is not None else cluster.num_workers
-        worker_index = worker_index if worker_index is not None else cluster.worker_index
-    return Config.from_env(env, reducers=reducers, rank=worker_index, world_size=num_workers, job=job, **config_fields)
 
 
 # --- the cross-device ops ----------------------------------------------------------------------
@@ -292,10 +191,7 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
                                 f"supported: {', '.join(d.name for d in SUPPORTED_DTYPES)}")
             groups.setdefault(t.dtype, []).append(i)
         flats = [tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0) for members in groups.values()]
-        outs = tf.numpy_function(functools.partial(self._host_allreduce, site), flats, Tout=[f.dtype for f in flats],
-                                 stateful=True, name="redsrv_allreduce")
-        if not isinstance(outs, (list, tuple)):
-            outs = [outs]  # eagerly, one output comes back bare even when Tout is a list
+        outs = _host_call(functools.partial(self._host_allreduce, site), flats, "redsrv_allreduce")
         results: list[Any] = [None] * len(tensors)
         for members, flat, out in zip(groups.values(), flats, outs):
             out = tf.reshape(out, tf.shape(flat))
@@ -317,10 +213,11 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
     def _host_allreduce(self, site: str, *arrays: np.ndarray) -> list[np.ndarray]:
         call = self._next_call(site)
         try:
-            # One exchange per dtype, in turn: almost always one (the gradients' dtype).
-            return [self.client.allreduce(np.asarray(a), key=(_KEY_PREFIX, site, call, g), wire_dtype=self.wire_dtype,
-                                          timeout=self.timeout)
-                    for g, a in enumerate(arrays)]
+            # One exchange per dtype group (almost always one: the gradients' dtype), all in flight.
+            futures = [self.client.allreduce_async(np.asarray(a), key=(_KEY_PREFIX, site, call, g),
+                                                   wire_dtype=self.wire_dtype, timeout=self.timeout)
+                       for g, a in enumerate(arrays)]
+            return [self.client.wait(f, timeout=self.timeout) for f in futures]
         except RedsrvError as exc:
             self._fail(exc, f"all-reduce at {site}, call {call}")
             raise
@@ -330,7 +227,7 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
         values of variables, created in the same order on every worker (as in MultiWorkerMirroredStrategy)."""
         if self.num_workers == 1 or not _has_bytes(value.dtype):
             return value
-        out = tf.numpy_function(self._host_broadcast, [value], Tout=value.dtype, stateful=True, name="redsrv_broadcast")
+        (out,) = _host_call(self._host_broadcast, [value], "redsrv_broadcast")
         out.set_shape(value.shape)
         return out
 
@@ -356,6 +253,16 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
             self.client.close()
 
 
+def _host_call(function: Any, tensors: Sequence[tf.Tensor], name: str) -> list[tf.Tensor]:
+    """``function(*arrays) -> arrays`` as one stateful host op (run in program order in a graph);
+    eagerly, a plain call (TensorFlow's eager host op would add nothing but copies and warnings)."""
+    if tf.executing_eagerly():
+        results = function(*[t.numpy() for t in tensors])
+        return [tf.convert_to_tensor(r) for r in (results if isinstance(results, (list, tuple)) else [results])]
+    outs = tf.numpy_function(function, list(tensors), Tout=[t.dtype for t in tensors], stateful=True, name=name)
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
 def _refuse_xla() -> None:
     if _tf_internals.in_xla_context():
         raise ConfigError("redsrv.tf cannot run inside an XLA-compiled function: the reduction is a host "
@@ -378,7 +285,7 @@ def _dense(value: Any) -> tf.Tensor:
 
 def _divide(total: tf.Tensor, count: int) -> tf.Tensor:
     if total.dtype.is_integer:
-        return tf.math.truncatediv(total, tf.cast(count, total.dtype))  # as TensorFlow's collective MEAN
+        return tf.truncatediv(total, tf.cast(count, total.dtype))  # as TensorFlow's collective MEAN
     return total / tf.cast(count, total.dtype)
 
 
@@ -435,9 +342,10 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
     """A multi-worker ``MirroredStrategy``: this process's ``devices`` in-graph, the workers summed
     by the reducers. Keras ``fit`` behaves as under ``MultiWorkerMirroredStrategy``.
 
-    Arguments not given come from ``TF_CONFIG`` (its ``"reducer"`` task list next to ``"chief"``/
-    ``"worker"``), Vertex AI's ``CLUSTER_SPEC`` (``workerpool2`` are the reducers), or ``REDSRV_*``
-    with ``RANK``/``WORLD_SIZE`` (see :func:`resolve_config`). ``devices`` defaults to the local
+    Arguments not given come from the environment through :meth:`redsrv.Config.from_env`:
+    ``TF_CONFIG`` (its ``"reducer"`` task list next to ``"chief"``/``"worker"``; the chief is worker
+    0), Vertex AI's ``CLUSTER_SPEC`` (``workerpool2`` are the reducers), ``REDSRV_*``, or
+    ``RANK``/``WORLD_SIZE``; ``environ`` replaces ``os.environ``. ``devices`` defaults to the local
     GPUs, or the CPU. ``config_fields`` are other :class:`redsrv.Config` fields (``op_timeout=60``,
     ``secret=...``); ``timeout`` and ``wire_dtype`` as for :class:`ReductionServerCrossDeviceOps`.
 
@@ -449,8 +357,10 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
                  worker_index: int | None = None, devices: Sequence[str] | None = None, *, job: str | None = None,
                  timeout: float | None = None, wire_dtype: str | None = None,
                  environ: Mapping[str, str] | None = None, **config_fields: Any) -> None:
-        config = resolve_config(reducers, num_workers=num_workers, worker_index=worker_index, job=job,
-                                environ=environ, **config_fields)
+        # The one read of the environment (REDSRV_*, TF_CONFIG / CLUSTER_SPEC, RANK / WORLD_SIZE),
+        # by the core's discovery: explicit arguments win, conflicting sources are an error.
+        config = Config.from_env(environ, reducers=reducers, rank=worker_index, world_size=num_workers, job=job,
+                                 **config_fields)
         ops = ReductionServerCrossDeviceOps(config=config, timeout=timeout, wire_dtype=wire_dtype)
         self._redsrv_ops = ops
         try:

@@ -1,0 +1,107 @@
+"""One Keras process for the TensorFlow adapter tests.
+
+    python keras_worker.py SPEC_JSON OUT_PREFIX
+
+SPEC: {"mode": "worker"|"reference", "devices": n, "seed": s (model init; workers add their index),
+       "samples": n, "features": f, "batch_size": b, "epochs": e, "job": "...", "strategy": {...kwargs},
+       "progress": bool (write OUT_PREFIX.progress after each epoch), "steps_per_execution": k,
+       "jit_compile": bool, "save": bool (worker 0 saves weights through strategy.chief_only)}
+
+"reference" is a single process with a stock MirroredStrategy over n logical CPUs; "worker" is one
+ReductionServerStrategy worker (its cluster from the strategy kwargs or TF_CONFIG). Writes
+OUT_PREFIX.npz (final weights "w0", "w1", ...) and OUT_PREFIX.json (history, initial-weight digest,
+strategy facts, and the error type and message if training raised).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+
+def make_data(samples: int, features: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same data in every process (a fixed seed): a noisy linear target."""
+    rng = np.random.default_rng(1234)
+    x = rng.standard_normal((samples, features)).astype(np.float32)
+    w = rng.standard_normal((features, 1)).astype(np.float32)
+    y = (np.tanh(x @ w) + 0.1 * rng.standard_normal((samples, 1))).astype(np.float32)
+    return x, y
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    prefix = sys.argv[2]
+    cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * spec["devices"])
+    devices = [f"/cpu:{i}" for i in range(spec["devices"])]
+
+    import keras
+
+    import redsrv.tf
+
+    report: dict = {"error": None}
+    strategy = None
+    try:
+        if spec["mode"] == "reference":
+            strategy = tf.distribute.MirroredStrategy(devices)
+            index = 0
+        else:
+            strategy = redsrv.tf.ReductionServerStrategy(devices=devices, job=spec.get("job", "tf-test"),
+                                                          **spec.get("strategy", {}))
+            index = strategy.worker_index
+            report.update(worker_index=index, num_workers=strategy.num_workers,
+                          should_checkpoint=strategy.extended.should_checkpoint)
+        report["num_replicas_in_sync"] = strategy.num_replicas_in_sync
+        keras.utils.set_random_seed(spec.get("seed", 0) + index)  # workers differ on purpose
+        x, y = make_data(spec.get("samples", 96), spec.get("features", 6))
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(8, activation="tanh"),
+                                      keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", metrics=["mae"],
+                          steps_per_execution=spec.get("steps_per_execution", 1),
+                          jit_compile=spec.get("jit_compile", False))
+        report["initial"] = [float(np.sum(np.abs(w.numpy()))) for w in model.weights]
+
+        class Progress(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                with open(prefix + ".progress", "w") as f:
+                    f.write(str(epoch + 1))
+
+        callbacks = [Progress()] if spec.get("progress") else []
+        if spec.get("save"):
+            path = os.path.join(os.path.dirname(prefix), "chief.weights.h5")
+            saver = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
+            callbacks += strategy.chief_only(saver) if spec["mode"] == "worker" else [saver]
+        started = time.monotonic()
+        history = model.fit(x, y, batch_size=spec.get("batch_size", 32), epochs=spec.get("epochs", 3),
+                            shuffle=False, verbose=0, callbacks=callbacks)
+        report["fit_seconds"] = time.monotonic() - started
+        report["history"] = history.history
+        report["evaluate"] = model.evaluate(x, y, batch_size=spec.get("batch_size", 32), verbose=0, return_dict=True)
+        np.savez(prefix + ".npz", **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
+    except Exception as exc:  # the test reads the type and message
+        report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+        if strategy is not None and spec["mode"] == "worker":
+            try:
+                strategy.check()
+            except Exception as typed:
+                report["error"]["redsrv_type"] = type(typed).__name__
+                report["error"]["redsrv_message"] = str(typed)
+    finally:
+        if strategy is not None and spec["mode"] == "worker":
+            strategy.close()
+    with open(prefix + ".json", "w") as f:
+        json.dump(report, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

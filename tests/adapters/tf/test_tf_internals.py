@@ -1,0 +1,61 @@
+"""Canary for the private TensorFlow API the adapter overrides (``redsrv.adapters._tf_internals``).
+
+When a TensorFlow release moves one of these names, this test fails first and says which name
+moved and what the adapter needed it for; fix ``_tf_internals.py`` (only) and re-pin the ``tf`` extra.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+tf = pytest.importorskip("tensorflow")
+
+from redsrv.adapters import _tf_internals  # noqa: E402
+
+pytestmark = pytest.mark.tf
+
+
+def test_every_private_name_the_adapter_uses_still_exists() -> None:
+    moved = [f"{getattr(owner, '__name__', owner)}.{name} ({why})"
+             for owner, name, why in _tf_internals.PRIVATE_API if not hasattr(owner, name)]
+    assert not moved, (f"TensorFlow {tf.__version__} no longer has: " + "; ".join(moved)
+                       + f". redsrv.adapters._tf_internals was written for TensorFlow {_tf_internals.TESTED_TF}.")
+
+
+def test_overridden_methods_keep_their_parameters() -> None:
+    changed = {}
+    for name, expected in _tf_internals.OVERRIDDEN_SIGNATURES.items():
+        try:
+            actual = _tf_internals.signature_of(name)
+        except AttributeError:
+            actual = ("<missing>",)
+        if actual != expected:
+            changed[name] = (expected, actual)
+    assert not changed, "MirroredExtended methods redsrv overrides changed their parameters (expected, now): " + repr(changed)
+
+
+def test_one_replica_shortcut_still_reads_num_between_graph_workers() -> None:
+    # CrossDeviceOps.batch_reduce skips the implementation for one replica unless
+    # _num_between_graph_workers > 1; CrossDeviceOpsBase relies on exactly that switch.
+    source = inspect.getsource(tf.distribute.CrossDeviceOps.batch_reduce)
+    assert "_num_between_graph_workers" in source, "CrossDeviceOps.batch_reduce changed its one-replica shortcut"
+    calls = []
+
+    class Probe(_tf_internals.CrossDeviceOpsBase):
+        _redsrv_num_workers = 2
+
+        def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):  # type: ignore[no-untyped-def]
+            calls.append(len(value_destination_pairs))
+            return [v for v, _ in value_destination_pairs]
+
+    Probe().batch_reduce(tf.distribute.ReduceOp.SUM, [(tf.constant(1.0), "/cpu:0")])
+    assert calls == [1]
+
+
+def test_tensorflow_is_the_tested_minor() -> None:
+    minor = ".".join(tf.__version__.split(".")[:2])
+    assert minor == _tf_internals.TESTED_TF, (
+        f"TensorFlow {tf.__version__} is installed; the adapter is tested on {_tf_internals.TESTED_TF}.x "
+        "(pyproject's tf extra pins it)")
