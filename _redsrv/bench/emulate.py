@@ -192,13 +192,24 @@ def _rereport(path: str) -> int:
     except (OSError, ValueError, KeyError) as exc:
         raise EmulationError(f"cannot read results from {path}: {exc}") from None
     goodput = doc["goodput_gbps"]
-    rows = report.summarise(blocks, goodput=goodput, colocated=opts["colocate"])
+    compression = _compression(opts["dtype"], opts["wire_dtype"])
+    rows = report.summarise(blocks, goodput=goodput, colocated=opts["colocate"], compression=compression)
     print(report.format_table(rows))
     png = os.path.splitext(path)[0] + ".png"
-    report.plot(rows, png, goodput=goodput, rate_bps=opts["rate_bps"], colocated=opts["colocate"],
+    report.plot(rows, png, goodput=goodput, rate_bps=opts["rate_bps"], colocated=opts["colocate"], compression=compression,
                 title=_title(opts, doc["started"][:10], doc["machine"]["cpus"]))
     print(f"\n  wrote {png}")
     return 0
+
+
+def _compression(dtype: str, wire_dtype: str | None) -> float:
+    """Buffer bytes per wire byte for redsrv.
+
+    >>> _compression("float32", "bf16"), _compression("float32", None), _compression("float64", "fp16")
+    (2.0, 1.0, 4.0)
+    """
+    size = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    return size / 2 if wire_dtype and size > 2 else 1.0
 
 
 def _title(opts: dict[str, Any], day: str, cpus: int | None) -> str:
@@ -300,7 +311,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         finally:
             removed = cluster.down()
             _say(opts, f"  cluster removed ({len(removed)} namespaces)")
-    rows = report.summarise(blocks, goodput=goodput, colocated=opts.colocate)
+    compression = _compression(opts.dtype, opts.wire_dtype)
+    rows = report.summarise(blocks, goodput=goodput, colocated=opts.colocate, compression=compression)
     ok = all(r.correct for r in rows) and bool(rows)
     doc = {
         "benchmark": "redsrv bench emulate",
@@ -325,7 +337,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     if not ok:
         _say(opts, "\n  WRONG SUMS: at least one all-reduce returned a wrong result (see 'correct' in the JSON)")
     try:
-        report.plot(rows, png_path, goodput=goodput, rate_bps=opts.rate_bps, colocated=opts.colocate,
+        report.plot(rows, png_path, goodput=goodput, rate_bps=opts.rate_bps, colocated=opts.colocate, compression=compression,
                     title=_title(doc["options"], f"{started:%Y-%m-%d}", os.cpu_count()))
         doc["plot"] = png_path
     except ImportError:
@@ -513,7 +525,8 @@ def _merge(n: int, m: int, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
 def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: Options) -> str:
     n, m, size = block["n"], block["m"], block["size_bytes"]
     med = statistics.median(block["times"])
-    bound = report.ring_bound(goodput, n) if block["impl"] == "gloo" else report.server_bound(goodput, n, m, opts.colocate)
+    bound = (report.ring_bound(goodput, n) if block["impl"] == "gloo" else
+             report.server_bound(goodput, n, m, opts.colocate, _compression(opts.dtype, opts.wire_dtype)))
     frac = f"{size / med / 1e9 / bound:.3f} of bound" if bound else ""
     flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
     ours = block["cpu_s"] / (block["wall_s"] * block["cores"]) if block["wall_s"] else 0.0

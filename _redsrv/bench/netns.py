@@ -80,7 +80,9 @@ def parse_rate(text: str) -> int:
 
 
 def format_rate(bps: int) -> str:
-    """>>> format_rate(1_000_000_000), format_rate(2_500_000_000), format_rate(0)
+    """A rate for people.
+
+    >>> format_rate(1_000_000_000), format_rate(2_500_000_000), format_rate(0)
     ('1 Gbit/s', '2.5 Gbit/s', 'unlimited')
     """
     if bps == 0:

@@ -31,12 +31,13 @@ def ring_bound(goodput: float, n: int) -> float:
     return goodput * n / (2 * (n - 1))
 
 
-def server_bound(goodput: float, n: int, m: int, colocated: bool = False) -> float:
+def server_bound(goodput: float, n: int, m: int, colocated: bool = False, compression: float = 1.0) -> float:
     """Best algbw of a reduction server with ``m`` reducers and ``n`` workers.
 
     On their own hosts, every worker sends and receives the buffer once and each reducer host
     carries n/m of it: G·min(1, m/n). Reducer j colocated on worker host j mod n adds its
-    traffic to that host's link, so the busiest host decides.
+    traffic to that host's link, so the busiest host decides. ``compression`` is the buffer's
+    itemsize over the wire's (2 for float32 sent as bf16): fewer bytes cross the links.
 
     >>> server_bound(0.1, 4, 4), server_bound(0.1, 4, 2)
     (0.1, 0.05)
@@ -44,20 +45,22 @@ def server_bound(goodput: float, n: int, m: int, colocated: bool = False) -> flo
     True
     """
     if not colocated:
-        return goodput * min(1.0, m / n)
+        return goodput * compression * min(1.0, m / n)
     load = 0.0
     for host in range(n):
         k = sum(1 for j in range(m) if j % n == host)
         # own buffer minus the part reduced at home, plus n-1 contributions per reducer span
         load = max(load, 1 - k / m + k * (n - 1) / m)
-    return goodput / load
+    return goodput * compression / load
 
 
-def theory_speedup(n: int, m: int, colocated: bool = False) -> float:
-    """>>> theory_speedup(4, 4), round(theory_speedup(3, 3), 3), theory_speedup(2, 2)
-    (1.5, 1.333, 1.0)
+def theory_speedup(n: int, m: int, colocated: bool = False, compression: float = 1.0) -> float:
+    """Ring time over reduction-server time at the bounds: 2(n-1)/n·min(1, m/n)·compression.
+
+    >>> theory_speedup(4, 4), round(theory_speedup(3, 3), 3), theory_speedup(2, 2), theory_speedup(4, 4, compression=2)
+    (1.5, 1.333, 1.0, 3.0)
     """
-    return server_bound(1.0, n, m, colocated) / ring_bound(1.0, n)
+    return server_bound(1.0, n, m, colocated, compression) / ring_bound(1.0, n)
 
 
 @dataclass
@@ -97,8 +100,9 @@ class Row:
         return d
 
 
-def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bool) -> list[Row]:
-    """One row per (n, size, implementation), redsrv rows with the speedup over gloo."""
+def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bool, compression: float = 1.0) -> list[Row]:
+    """One row per (n, size, implementation), redsrv rows with the speedup over gloo.
+    ``compression``: redsrv's wire compression factor (gloo always sends the buffer's dtype)."""
     groups: dict[tuple[int, int, int, str], list[dict[str, Any]]] = {}
     for b in blocks:
         groups.setdefault((b["n"], b["m"], b["size_bytes"], b["impl"]), []).append(b)
@@ -106,7 +110,7 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
     for (n, m, size, impl), bs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3] != "gloo")):
         times = [t for b in bs for t in b["times"]]
         med = statistics.median(times)
-        bound = ring_bound(goodput, n) if impl == "gloo" else server_bound(goodput, n, m, colocated)
+        bound = ring_bound(goodput, n) if impl == "gloo" else server_bound(goodput, n, m, colocated, compression)
         busy = [b["cpu_busy"] for b in bs]
         wall = sum(b["wall_s"] for b in bs)
         cpu = sum(b["cpu_s"] for b in bs)
@@ -123,7 +127,7 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
     for r in rows:
         ring = by_key.get((r.n, r.size_bytes, "gloo"))
         if r.impl == "redsrv":
-            r.theory = theory_speedup(r.n, r.m, colocated) if r.size_bytes >= BANDWIDTH_BOUND_BYTES else None
+            r.theory = theory_speedup(r.n, r.m, colocated, compression) if r.size_bytes >= BANDWIDTH_BOUND_BYTES else None
             if ring is not None:
                 r.speedup = ring.median_s / r.median_s
                 pairs = [g / s for g, s in zip(ring.round_medians_s, r.round_medians_s, strict=False)]
@@ -132,7 +136,9 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
 
 
 def format_size(nbytes: int) -> str:
-    """>>> format_size(64 * 2**20), format_size(4096), format_size(1536)
+    """Bytes in binary units.
+
+    >>> format_size(64 * 2**20), format_size(4096), format_size(1536)
     ('64 MiB', '4 KiB', '1.5 KiB')
     """
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -166,7 +172,8 @@ def format_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[Row], path: str, *, goodput: float, rate_bps: int, title: str, colocated: bool) -> None:
+def plot(rows: Sequence[Row], path: str, *, goodput: float, rate_bps: int, title: str, colocated: bool,
+         compression: float = 1.0) -> None:
     """algbw vs size (both implementations, with the line rate, G and the bounds), and the
     speedup vs n beside its theory when several n were run."""
     import matplotlib
@@ -222,8 +229,8 @@ def plot(rows: Sequence[Row], path: str, *, goodput: float, rate_bps: int, title
                    [max(0.0, (r.speedup_max or 0) - (r.speedup or 0)) for r in rs]]
             ax2.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[i % len(colors)], label=f"measured, {format_size(size)}")
         theory_rows = sorted({(r.n, r.m) for r in rows if r.impl == "redsrv"})
-        ax2.plot([n for n, _ in theory_rows], [theory_speedup(n, m, colocated) for n, m in theory_rows], "k--",
-                 label="theory 2(n-1)/n·min(1, m/n)")
+        ax2.plot([n for n, _ in theory_rows], [theory_speedup(n, m, colocated, compression) for n, m in theory_rows], "k--",
+                 label="theory 2(n-1)/n·min(1, m/n)" + (f"·{compression:g} (wire compression)" if compression != 1 else ""))
         ax2.axhline(1.0, color="gray", lw=0.8)
         ax2.set_xticks(ns)
         ax2.set_xlabel("workers n")

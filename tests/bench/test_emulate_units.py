@@ -37,6 +37,9 @@ def test_bounds_and_theory():
     assert report.server_bound(g, 4, 2) == pytest.approx(g / 2)
     assert report.theory_speedup(4, 4) == pytest.approx(1.5)
     assert report.theory_speedup(2, 2) == pytest.approx(1.0)
+    # bf16 on the wire halves every byte redsrv moves; gloo keeps float32.
+    assert report.theory_speedup(4, 4, compression=2.0) == pytest.approx(3.0)
+    assert report.server_bound(g, 4, 4, compression=2.0) == pytest.approx(2 * g)
     # Colocated reducers share the workers' links: no better than the ring.
     assert report.theory_speedup(4, 4, colocated=True) == pytest.approx(1.0)
 
