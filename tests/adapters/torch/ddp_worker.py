@@ -42,6 +42,7 @@ class Case:
     hook: str = "redsrv"  # "redsrv", "fp16", "bf16", or "none" (DDP over the redsrv group)
     no_sync: bool = False
     unused: bool = False
+    batchnorm: bool = False  # buffers DDP broadcasts from rank 0 before every forward
 
 
 # Small buckets: several per step, rebuilt after the first step (after the second with
@@ -62,18 +63,20 @@ CONFIGS = {
     "wire_bf16": Case(ddp=SMALL, hook="bf16"),
     "backend_ddp": Case(ddp=SMALL, hook="none"),
     "backend_ddp_unused": Case(ddp={**SMALL, "find_unused_parameters": True}, hook="none", unused=True),
+    "backend_ddp_buffers": Case(ddp=SMALL, hook="none", batchnorm=True),
 }
 
 
 class MLP(nn.Module):
-    def __init__(self, unused: bool) -> None:
+    def __init__(self, unused: bool, batchnorm: bool) -> None:
         super().__init__()
         self.l1, self.l2, self.l3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4)
         # Used on even steps only: DDP must find it unused on odd ones.
         self.extra = nn.Linear(32, 4) if unused else None
+        self.norm = nn.BatchNorm1d(32) if batchnorm else nn.Identity()
 
     def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        h = torch.tanh(self.l2(torch.tanh(self.l1(x))))
+        h = torch.tanh(self.l2(torch.tanh(self.norm(self.l1(x)))))
         out = self.l3(h)
         if self.extra is not None and step % 2 == 0:
             out = out + self.extra(h)
@@ -99,7 +102,7 @@ def build(case: Case) -> nn.Module:
     torch.manual_seed(0)
     if case.dtype is None:
         return Mixed()
-    return MLP(case.unused).to(case.dtype)
+    return MLP(case.unused, case.batchnorm).to(case.dtype)
 
 
 def batch(case_index: int, rank: int, step: int, micro: int, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,8 +128,9 @@ def train(model: nn.Module, ddp: DDP, case: Case, case_index: int, rank: int, st
 
 
 def params(model: nn.Module) -> list[np.ndarray]:
+    """Parameters, then buffers (BatchNorm statistics), as NumPy arrays."""
     out = []
-    for p in model.parameters():
+    for p in [*model.parameters(), *model.buffers()]:
         t = p.detach()
         out.append((t.float() if t.dtype in (torch.float16, torch.bfloat16) else t).numpy().copy())
     return out
@@ -166,7 +170,8 @@ def run_case(name: str, case_index: int, spec: dict, client: redsrv.Client, grou
         # One synchronised step per training step, micro-batches under no_sync() not counted.
         assert state.step == steps, f"hook counted {state.step} steps, expected {steps}"
 
-    report["dtypes"][name] = [str(p.dtype).removeprefix("torch.") for p in model.parameters()]
+    report["parameters"][name] = len(list(model.parameters()))
+    report["dtypes"][name] = [str(p.dtype).removeprefix("torch.") for p in [*model.parameters(), *model.buffers()]]
     for i, (a, b) in enumerate(zip(params(reference), params(model), strict=True)):
         out[f"{name}/gloo/{i}"] = a
         out[f"{name}/redsrv/{i}"] = b
@@ -284,7 +289,7 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     prefix = sys.argv[2]
     torch.set_num_threads(1)
-    report: dict = {"rank": spec["rank"], "errors": {}, "seconds": {}, "dtypes": {}}
+    report: dict = {"rank": spec["rank"], "errors": {}, "seconds": {}, "dtypes": {}, "parameters": {}}
     out: dict[str, np.ndarray] = {}
 
     def save() -> None:
