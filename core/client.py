@@ -451,7 +451,8 @@ class Client:
         if op is not None:
             self._fail_op(op, exc)
         else:
-            log.warning("reducer %s reported an error for no pending operation: %s", stream.peer, frame.message)
+            # Usually the other chunks of an operation that already failed: one error is enough.
+            log.debug("reducer %s reported an error for no pending operation: %s", stream.peer, frame.message)
 
     def _error_from_frame(self, stream: _Stream, frame: wire.Error) -> RedsrvError:
         with self._lock:

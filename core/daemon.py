@@ -324,11 +324,11 @@ class ReducerDaemon:
                     if conn is None or conn.sender is None:
                         action.release()
                         continue
-                    conn.sender.send(action.header, action.data, len(action.data), _ignore_ok(action.release))
+                    conn.sender.send(action.header, action.data, len(action.data), _ignore_ok(action.release), inline=True)
             elif isinstance(action, SendError):
                 conn = self._conns.get(action.conn)
                 if conn is not None and conn.sender is not None:
-                    conn.sender.send(wire.encode(action.frame))
+                    conn.sender.send(wire.encode(action.frame), inline=True)
                     if action.close_after:
                         conn.sender.close_after_drain()
             elif isinstance(action, CloseConnection):

@@ -3,12 +3,18 @@
 The only module besides the daemon and client entry points that touches the network. Every
 blocking call has a deadline: reads time out after the heartbeat bound (a silent peer is
 frozen), sends after the send timeout (a peer that stopped reading).
+
+Sockets stay in blocking mode with kernel timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``) rather than
+Python's poll-then-read timeouts, so a chunk's payload arrives in one ``recv_into(...,
+MSG_WAITALL)`` call and one thread wake-up instead of one per batch of network segments.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +24,7 @@ from . import wire
 from .constants import DEFAULT_MAX_FRAME_PAYLOAD
 from .errors import RemoteProtocolError
 
-__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket"]
+__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout"]
 
 
 class ConnectionBroken(Exception):
@@ -32,8 +38,21 @@ class ConnectionBroken(Exception):
 
 def configure_socket(sock: socket.socket) -> None:
     """TCP_NODELAY: small frames (heartbeats, headers, latency-bound reductions) must not wait
-    for Nagle's timer."""
+    for Nagle's timer. Blocking mode: deadlines come from kernel timeouts (see the module doc)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(None)
+
+
+def set_kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """``SO_RCVTIMEO`` / ``SO_SNDTIMEO``: a blocking call waits at most ``seconds``."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
+#: Largest piece received in one MSG_WAITALL call: bounds how long one call may run on a slow
+#: link, so a partial read is reported and the deadline re-armed, never a false "frozen peer".
+_RECV_PIECE = 4 * 1024 * 1024
+_TIMED_OUT = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 def peer_name(sock: socket.socket) -> str:
@@ -58,20 +77,23 @@ class FramedSocket:
         self._header_buf = bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE)
         self._header_view = memoryview(self._header_buf)
         self._discard = bytearray(256 * 1024)
-        sock.settimeout(read_timeout)
+        configure_socket(sock)
+        self.set_read_timeout(read_timeout)
+        # Handshake writes go straight to the socket; the Sender re-arms this for data.
+        set_kernel_timeout(sock, socket.SO_SNDTIMEO, read_timeout)
 
     def set_read_timeout(self, timeout: float) -> None:
-        self.sock.settimeout(timeout)
+        set_kernel_timeout(self.sock, socket.SO_RCVTIMEO, timeout)
 
     def _recv_into(self, view: memoryview, what: str) -> None:
         got = 0
         n = len(view)
         while got < n:
             try:
-                r = self.sock.recv_into(view[got:], n - got)
-            except TimeoutError:
-                raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}") from None
+                r = self.sock.recv_into(view[got:], min(n - got, _RECV_PIECE), socket.MSG_WAITALL)
             except OSError as exc:
+                if exc.errno in _TIMED_OUT:
+                    raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}") from None
                 raise ConnectionBroken("reset", f"connection to {self.peer} failed while reading {what}: {exc}") from None
             if r == 0:
                 raise ConnectionBroken("eof", f"{self.peer} closed the connection" + (f" in the middle of {what}" if got or what != "a frame" else ""))
@@ -122,6 +144,7 @@ class _Item:
     payload: memoryview | Callable[[], memoryview] | None
     nbytes: int
     done: Callable[[bool], None] | None
+    rest: list[memoryview] | None = None  # what an inline send left over, sent before anything else
 
 
 class Sender:
@@ -145,12 +168,15 @@ class Sender:
         # A duplicate descriptor carries its own timeout: long for sends (a peer applying
         # backpressure is legitimate for a while), short for the reader's heartbeat bound.
         self._sock = sock.dup()
-        self._sock.settimeout(send_timeout)
+        self._sock.settimeout(None)
+        set_kernel_timeout(self._sock, socket.SO_SNDTIMEO, send_timeout)
         self.peer = peer_name(sock)
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat = wire.encode(wire.Heartbeat())
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
+        self._busy = False  # a caller is writing inline; the thread must not interleave
+        self._last_send = time.monotonic()
         self._closing = False
         self._close_after_drain = False
         self._on_error = on_error
@@ -160,20 +186,62 @@ class Sender:
         self._thread.start()
 
     def send(self, header: bytes, payload: memoryview | Callable[[], memoryview] | None = None, nbytes: int = 0,
-             done: Callable[[bool], None] | None = None) -> None:
-        """Queue a frame. ``done(ok)`` runs on the sender thread once the payload is no longer
-        needed (``ok`` False when the connection failed first)."""
+             done: Callable[[bool], None] | None = None, *, inline: bool = False) -> None:
+        """Queue a frame. ``done(ok)`` runs once the payload is no longer needed (``ok`` False
+        when the connection failed first).
+
+        ``inline=True``: when nothing is queued, write from the calling thread without blocking
+        (``MSG_DONTWAIT``) and hand only a remainder to the sender thread. This saves a thread
+        hand-off per frame, which dominated the reducer's CPU time per chunk.
+        """
         item = _Item(header, payload, nbytes, done)
+        fast = False
         with self._cond:
             if self._closing or self.failed is not None:
                 failed = True
             else:
                 failed = False
-                self._queue.append(item)
+                if inline and not self._queue and not self._busy and not callable(payload):
+                    self._busy = fast = True
+                else:
+                    self._queue.append(item)
+                    self._cond.notify()
                 self.unsent_bytes += len(header) + nbytes
+        if failed:
+            if done is not None:
+                done(False)
+            return
+        if fast:
+            self._send_inline(item)
+
+    def _send_inline(self, item: _Item) -> None:
+        assert not callable(item.payload)
+        views = [memoryview(item.header).cast("B")] + ([] if item.payload is None else [memoryview(item.payload).cast("B")])
+        try:
+            rest = self._write(views, socket.MSG_DONTWAIT)
+        except ConnectionBroken as exc:
+            with self._cond:
+                self._busy = False
+                self.failed = exc
+                self._closing = True
                 self._cond.notify()
-        if failed and done is not None:
-            done(False)
+            if item.done is not None:
+                item.done(False)
+            self._on_error(exc)
+            return
+        with self._cond:
+            self._busy = False
+            self._last_send = time.monotonic()
+            if rest:
+                item.rest = rest
+                self._queue.appendleft(item)
+                self._cond.notify()
+            else:
+                self.unsent_bytes -= len(item.header) + item.nbytes
+                if self._queue or self._close_after_drain:
+                    self._cond.notify()  # frames queued meanwhile wait for us; otherwise let it sleep
+        if not rest and item.done is not None:
+            item.done(True)
 
     def close_after_drain(self) -> None:
         """Send what is queued, then stop (used for a final error frame)."""
@@ -195,15 +263,16 @@ class Sender:
             pass
 
     def _run(self) -> None:
-        last_send = time.monotonic()
         try:
             while True:
                 with self._cond:
-                    while not self._queue and not self._closing and not self._close_after_drain:
-                        remaining = last_send + self._heartbeat_interval - time.monotonic()
-                        if remaining <= 0:
+                    while (self._busy or not self._queue) and not self._closing:
+                        if self._close_after_drain and not self._busy:
                             break
-                        self._cond.wait(remaining)
+                        remaining = self._last_send + self._heartbeat_interval - time.monotonic()
+                        if remaining <= 0 and not self._busy:
+                            break
+                        self._cond.wait(remaining if remaining > 0 else self._heartbeat_interval)
                     if self._closing:
                         return
                     if not self._queue and self._close_after_drain:
@@ -215,15 +284,18 @@ class Sender:
                 else:
                     ok = False
                     try:
-                        payload = item.payload() if callable(item.payload) else item.payload
-                        self._sendall([item.header] if payload is None else [item.header, payload])
+                        if item.rest is not None:
+                            self._sendall(item.rest)
+                        else:
+                            payload = item.payload() if callable(item.payload) else item.payload
+                            self._sendall([item.header] if payload is None else [item.header, payload])
                         ok = True
                     finally:
                         with self._cond:
                             self.unsent_bytes -= len(item.header) + item.nbytes
                         if item.done is not None:
                             item.done(ok)
-                last_send = time.monotonic()
+                self._last_send = time.monotonic()
         except ConnectionBroken as exc:
             self.failed = exc
             self._on_error(exc)
@@ -244,13 +316,19 @@ class Sender:
             pass
 
     def _sendall(self, parts: list) -> None:  # type: ignore[type-arg]
-        views = [memoryview(p).cast("B") for p in parts]
+        self._write([memoryview(p).cast("B") for p in parts], 0)
+
+    def _write(self, views: list[memoryview], flags: int) -> list[memoryview]:
+        """Write ``views``; with ``MSG_DONTWAIT`` stop when the socket buffer is full and
+        return what is left (blocking writes return only when everything is written)."""
         while views:
             try:
-                sent = self._sock.sendmsg(views)
-            except TimeoutError:
-                raise ConnectionBroken("timeout", f"{self.peer} stopped reading: send timed out") from None
+                sent = self._sock.sendmsg(views, [], flags)
             except OSError as exc:
+                if exc.errno in _TIMED_OUT:
+                    if flags & socket.MSG_DONTWAIT:
+                        return views
+                    raise ConnectionBroken("timeout", f"{self.peer} stopped reading: send timed out") from None
                 raise ConnectionBroken("reset", f"sending to {self.peer} failed: {exc}") from None
             while sent:
                 if sent >= len(views[0]):
@@ -261,3 +339,4 @@ class Sender:
                     sent = 0
             if views and len(views[0]) == 0:
                 views.pop(0)
+        return views

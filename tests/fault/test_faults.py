@@ -46,7 +46,9 @@ def test_killed_reducer_makes_every_worker_raise_within_two_seconds(fleet, worke
     _, reports = run.wait(timeout=30)
     for report in reports:
         error = assert_typed(report, redsrv.PeerLostError)
-        assert error["peer"] == reducers[1].address, error
+        # Either this worker saw the reducer die, or the surviving reducer told it first that a
+        # rank which saw it die has gone.
+        assert error["peer"] == reducers[1].address or ("disconnected" in error["message"] and error["peer"] == reducers[0].address), error
         assert error["at"] - killed_at < 2.0, f"rank {report['rank']} took {error['at'] - killed_at:.2f}s"
         assert report.get("steps", 0) > 0
     if sig == signal.SIGTERM:
