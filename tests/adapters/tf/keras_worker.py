@@ -5,7 +5,8 @@
 SPEC: {"mode": "worker"|"reference", "devices": n, "seed": s (model init; workers add their index),
        "samples": n, "features": f, "batch_size": b, "epochs": e, "job": "...", "strategy": {...kwargs},
        "progress": bool (write OUT_PREFIX.progress after each epoch), "steps_per_execution": k,
-       "jit_compile": bool, "save": bool (worker 0 saves weights through strategy.chief_only)}
+       "jit_compile": bool, "save": bool (save weights to worker{index}.weights.h5 next to OUT_PREFIX each
+       epoch; ReductionServerStrategy workers pass the callback through strategy.chief_only)}
 
 "reference" is a single process with a stock MirroredStrategy over n logical CPUs; "worker" is one
 ReductionServerStrategy worker (its cluster from the strategy kwargs or TF_CONFIG). Writes
@@ -61,6 +62,7 @@ def main() -> int:
                           should_checkpoint=strategy.extended.should_checkpoint)
         report["num_replicas_in_sync"] = strategy.num_replicas_in_sync
         keras.utils.set_random_seed(spec.get("seed", 0) + index)  # workers differ on purpose
+        report["seed_probe"] = float(np.random.random())  # shows they do
         x, y = make_data(spec.get("samples", 96), spec.get("features", 6))
         with strategy.scope():
             model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(8, activation="tanh"),
@@ -77,7 +79,7 @@ def main() -> int:
 
         callbacks = [Progress()] if spec.get("progress") else []
         if spec.get("save"):
-            path = os.path.join(os.path.dirname(prefix), "chief.weights.h5")
+            path = os.path.join(os.path.dirname(prefix), f"worker{index}.weights.h5")
             saver = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
             callbacks += strategy.chief_only(saver) if spec["mode"] == "worker" else [saver]
         started = time.monotonic()

@@ -1,0 +1,131 @@
+"""Keras ``fit`` across processes: ReductionServerStrategy workers against real reducer processes,
+compared with one process running stock ``MirroredStrategy`` over all their devices (the reference).
+
+Workers are seeded differently on purpose (the initial weights must come from worker 0). Tolerances:
+float32 weights and losses differ from the reference only by summation order (1e-6); the workers
+agree with each other bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+import numpy as np  # noqa: E402
+
+pytestmark = [pytest.mark.tf, pytest.mark.slow]
+
+WORKER = os.path.join(os.path.dirname(__file__), "keras_worker.py")
+
+
+def start(procs, spec: dict, prefix: str, env: dict[str, str] | None = None) -> subprocess.Popen:  # type: ignore[no-untyped-def,type-arg]
+    from conftest import child_env  # the fast REDSRV_* timeouts, no inherited RANK/WORLD_SIZE
+
+    output = open(prefix + ".out", "w")  # a file, not a pipe: a chatty child never blocks
+    procs.files.append(output)
+    return procs.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(env), stdout=output,
+                       stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, prefix: str, timeout: float = 240) -> tuple[list[np.ndarray], dict]:  # type: ignore[type-arg]
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"Keras process pid {proc.pid} still running after {timeout}s: a hang") from None
+    with open(prefix + ".out") as f:
+        output = f.read()
+    assert proc.returncode == 0, f"exited with {proc.returncode}:\n{output[-4000:]}"
+    with open(prefix + ".json") as f:
+        report = json.load(f)
+    weights = []
+    if os.path.exists(prefix + ".npz"):
+        with np.load(prefix + ".npz") as data:
+            weights = [data[f"w{i}"] for i in range(len(data.files))]
+    return weights, report
+
+
+def tf_config(reducers: list[str], workers: int, index: int) -> dict[str, str]:
+    cluster = {"worker": [f"worker{i}:2222" for i in range(workers)], "reducer": reducers}
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+
+
+def train_and_compare(fleet, procs, tmp_path, *, devices: int, samples: int, **extra) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
+    """Two workers of ``devices`` devices and the 2 x ``devices`` reference; checks the common
+    expectations and returns the workers' reports."""
+    reducers = [r.address for r in fleet(2)]
+    base = {"samples": samples, "batch_size": 32, "epochs": 3, "seed": 5, **extra}
+    reference = start(procs, {**base, "mode": "reference", "devices": 2 * devices}, str(tmp_path / "ref"))
+    workers = [start(procs, {**base, "mode": "worker", "devices": devices, "job": f"keras-{devices}-{samples}"},
+                     str(tmp_path / f"w{i}"), tf_config(reducers, 2, i)) for i in range(2)]
+    results = [finish(w, str(tmp_path / f"w{i}")) for i, w in enumerate(workers)]
+    want, ref = finish(reference, str(tmp_path / "ref"))
+    assert ref["error"] is None, ref["error"]
+    reports = []
+    for i, (weights, report) in enumerate(results):
+        assert report["error"] is None, report["error"]
+        assert (report["worker_index"], report["num_workers"], report["num_replicas_in_sync"]) == (i, 2, 2 * devices)
+        assert report["initial"] == ref["initial"], "initial weights are not worker 0's"
+        for got, expected in zip(weights, want):
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+        for name, values in ref["history"].items():
+            np.testing.assert_allclose(report["history"][name], values, rtol=1e-6, err_msg=name)
+        for name, value in ref["evaluate"].items():
+            np.testing.assert_allclose(report["evaluate"][name], value, rtol=1e-6, err_msg=name)
+        reports.append(report)
+    assert reports[0]["seed_probe"] != reports[1]["seed_probe"], "the workers were meant to be seeded differently"
+    for a, b in zip(results[0][0], results[1][0]):
+        np.testing.assert_array_equal(a, b)  # the workers agree exactly
+    return reports
+
+
+def test_two_workers_of_two_devices_equal_one_process_of_four(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    reports = train_and_compare(fleet, procs, tmp_path, devices=2, samples=96, save=True)
+    assert [r["should_checkpoint"] for r in reports] == [True, False]
+    # ModelCheckpoint went through strategy.chief_only: worker 0 wrote, worker 1 did not.
+    assert (tmp_path / "worker0.weights.h5").exists() and not (tmp_path / "worker1.weights.h5").exists()
+
+
+def test_partial_last_batch_leaves_replicas_without_data(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # 98 = 3 x 32 + 2: the last global batch feeds two of the four replicas, one on each worker.
+    train_and_compare(fleet, procs, tmp_path, devices=2, samples=98)
+
+
+def test_one_device_per_worker(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # One replica per process: stock CrossDeviceOps would skip the reduction (nothing to add locally).
+    # 99 = 3 x 32 + 3 adds a partial batch (2 samples on one worker, 1 on the other). Not with
+    # steps_per_execution > 1: Keras 3.15 fails that with stock MirroredStrategy too.
+    train_and_compare(fleet, procs, tmp_path, devices=1, samples=99)
+
+
+def test_killed_reducer_makes_fit_raise_instead_of_hanging(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    reducers = fleet(2)
+    addresses = [r.address for r in reducers]
+    spec = {"mode": "worker", "devices": 1, "samples": 64, "batch_size": 16, "epochs": 100000, "progress": True,
+            "job": "keras-kill"}
+    prefixes = [str(tmp_path / f"w{i}") for i in range(2)]
+    workers = [start(procs, spec, prefixes[i], tf_config(addresses, 2, i)) for i in range(2)]
+    deadline = time.monotonic() + 180
+    while not all(os.path.exists(p + ".progress") for p in prefixes):  # both are in the training loop
+        assert time.monotonic() < deadline, "workers did not finish an epoch"
+        assert all(w.poll() is None for w in workers), "a worker exited before the reducer was killed"
+        time.sleep(0.2)
+    reducers[0].signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    for worker, prefix in zip(workers, prefixes):
+        _, report = finish(worker, prefix, timeout=60)
+        error = report["error"]
+        assert error is not None, "fit finished although a reducer was killed"
+        # Raised in a traced step it is TensorFlow's error quoting ours; in an eager reduction
+        # (the epoch's metrics) it is ours. strategy.check() gives ours either way.
+        assert error["type"] == "PeerLostError" or "PeerLostError" in error["message"], error
+        assert error["redsrv_type"] == "PeerLostError", error
+        assert addresses[0] in error["message"] or "disconnected" in error["message"], error
+    assert time.monotonic() - killed_at < 30, "workers took too long to notice the killed reducer"
