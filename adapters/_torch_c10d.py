@@ -47,7 +47,7 @@ class GroupSpec:
     group_name: str
 
 
-def settle(future: torch.futures.Future) -> torch.futures.Future:
+def settle(future: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
     """A future that is in torch's error state when ``future`` holds an exception.
 
     ``Future.set_exception`` from Python stores the exception as the future's *value* (only
@@ -58,7 +58,7 @@ def settle(future: torch.futures.Future) -> torch.futures.Future:
     return future.then(_value)
 
 
-def _value(future: torch.futures.Future) -> Any:
+def _value(future: torch.futures.Future[Any]) -> Any:
     return future.value()
 
 
@@ -70,7 +70,7 @@ class FutureWork(dist.Work):
     future DDP chains on.
     """
 
-    def __init__(self, future: torch.futures.Future, describe: Callable[[], str]) -> None:
+    def __init__(self, future: torch.futures.Future[Any], describe: Callable[[], str]) -> None:
         super().__init__()
         self._raw = future
         self._settled = settle(future)
@@ -87,7 +87,7 @@ class FutureWork(dist.Work):
         self._raw.wait()  # raises the operation's error, with its type
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._settled
 
     def is_completed(self) -> bool:

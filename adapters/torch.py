@@ -198,7 +198,7 @@ class HookState:
                 f"reducers={len(cfg.reducers)}, step={self.step}, wire_dtype={self.wire_dtype or cfg.wire_dtype})")
 
 
-def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
     """DDP communication hook: the mean of the bucket over the ranks that contributed.
 
     Hands the bucket's memory to the core without copying and returns at once; the future is
@@ -206,6 +206,8 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     last, so keys stay aligned across ranks through bucket rebuilds and ``no_sync()``.
     """
     index = bucket.index()
+    # DDP launches a step's buckets in index order under its reducer's lock, the last one
+    # flagged, so a plain counter advanced there is race-free and the same on every rank.
     step = state._progress.step
     if bucket.is_last():
         state._progress.step = step + 1
@@ -216,7 +218,7 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
                                                wire_dtype=state.wire_dtype, timeout=state.timeout)
     except Exception as exc:
         # A broken client (lost reducer, closed) fails this step's backward(), not the hook.
-        future.set_exception(exc)
+        future.set_exception(exc)  # type: ignore[arg-type]  # torch's stub says T
         return _torch_c10d.settle(future)
     device = buffer.device
 
@@ -225,7 +227,7 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
             result = _tensor(done.result())
             future.set_result(result if device.type == "cpu" else result.to(device))
         except BaseException as exc:
-            future.set_exception(exc)
+            future.set_exception(exc)  # type: ignore[arg-type]
 
     reduced.add_done_callback(complete)
     return _torch_c10d.settle(future)
@@ -240,7 +242,7 @@ def _wire_wrapper(wire_dtype: str, name: str, hook: Callable[..., Any]) -> Calla
     # DDP requires a __name__ and rejects the names of torch's own bf16 hooks on CPU ("needs
     # NCCL"), so ours get names of their own.
     wrapped.__name__ = wrapped.__qualname__ = name
-    wrapped.__doc__ = f"{hook.__name__} with {wire_dtype} on the wire (see {name.replace('_hook', '')})."
+    wrapped.__doc__ = f"{getattr(hook, '__name__', 'hook')} with {wire_dtype} on the wire."
     return wrapped
 
 
@@ -326,7 +328,7 @@ def _reduce_op(opts: Any) -> str:
     raise ValueError(f"the redsrv backend reduces with SUM or AVG only, got {name}: reducers add, they do not compare")
 
 
-class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,valid-type]
+class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     """A c10d process group whose collectives go through the reducers.
 
     Made by ``dist.init_process_group("redsrv")`` / ``dist.new_group(backend="redsrv")`` after
@@ -339,7 +341,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,val
     """
 
     def __init__(self, client: Client, *, rank: int, size: int) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # the Python trampoline's constructor
         self.client = client
         self._sequence = itertools.count()
         self._sequence_lock = threading.Lock()
@@ -355,7 +357,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,val
         cfg = self.client.config
         return seq, _Join(f"redsrv {what} #{seq} (job {cfg.job!r}, rank {cfg.rank})", parts, value)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         op = "sum" if opts is None else _reduce_op(opts)
         for tensor in tensors:
             _check_dtype(tensor, "all_reduce")
@@ -369,7 +371,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,val
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         root = int(opts.rootRank)
         seq, join = self._join("broadcast", len(tensors), tensors)
         for i, tensor in enumerate(tensors):
@@ -383,7 +385,8 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,val
                 join.add(reduced, _copy_into(tensor) if native else _copy_words_into(tensor))
         return join.work()
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> Any:
         for outputs, tensor in zip(output_tensors, input_tensors, strict=True):
             if len(outputs) != self.size():
                 raise ValueError(f"all_gather needs {self.size()} output tensors, got {len(outputs)}")
@@ -405,7 +408,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):  # type: ignore[misc,val
         join.add(self._gather_words(tensor, ("c10d", seq, 0)), _split_into(list(output.view(self.size(), -1))))
         return join.work()
 
-    _allgather_base = all_gather_single  # the name older torch releases call
+    _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
 
     def _gather_words(self, tensor: torch.Tensor, key: Any) -> ReduceFuture:
         # A sum to which every other rank contributes zeros gathers exactly: each rank's words

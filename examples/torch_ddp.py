@@ -33,64 +33,58 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import redsrv.torch
 
 FEATURES, HIDDEN, CLASSES, ROWS_PER_WORKER = 64, 256, 10, 256
 LEARNING_RATE = 0.5
 
 
-def make_data(world_size: int):  # type: ignore[no-untyped-def]
+def make_data(world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole data set, identical in every process (fixed seed); worker r uses shard r."""
-    import torch
-
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(world_size * ROWS_PER_WORKER, FEATURES, generator=g)
     teacher = torch.randn(FEATURES, CLASSES, generator=g)
     return x, (x @ teacher).argmax(dim=1)
 
 
-def make_model():  # type: ignore[no-untyped-def]
-    import torch
-    from torch import nn
-
+def make_model() -> nn.Module:
     torch.manual_seed(99)
     return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
 
 
-def flat_weights(model) -> np.ndarray:  # type: ignore[no-untyped-def]
-    import torch
-
+def flat_weights(model: nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().astype(np.float32)
 
 
-def _shard(world_size: int, rank: int):  # type: ignore[no-untyped-def]
+def _shard(world_size: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = make_data(world_size)
     rows = slice(rank * ROWS_PER_WORKER, (rank + 1) * ROWS_PER_WORKER)
     return x[rows], y[rows]
 
 
 def train_worker(*, rank: int, world_size: int, reducers: list[str] | None, job: str | None, steps: int,
-                 wire_dtype: str | None = None, backend: str = "redsrv") -> dict:
+                 wire_dtype: str | None = None, backend: str = "redsrv") -> dict[str, Any]:
     """Train on shard ``rank``; returns the final weights and figures for the summary.
 
     ``reducers``/``job`` given as ``None`` come from ``REDSRV_REDUCERS``/``REDSRV_JOB``. With
     ``backend="redsrv"`` the process group needs no rendezvous (each worker passes its own
     in-memory store); ``"gloo"`` rendezvouses through torchrun's ``MASTER_ADDR``/``MASTER_PORT``.
     """
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import redsrv.torch
-
     # Two cores per machine in CI; one thread also keeps each rank's arithmetic identical to the
     # single-process reference.
     torch.set_num_threads(1)
     if backend == "redsrv":
         redsrv.torch.register_backend(reducers, job=job)
         # Nothing to rendezvous: every collective of this group goes through the reducers.
-        dist.init_process_group("redsrv", store=dist.HashStore(), rank=rank, world_size=world_size)
+        dist.init_process_group("redsrv", store=dist.HashStore(), rank=rank, world_size=world_size)  # type: ignore[attr-defined]
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
@@ -109,7 +103,7 @@ def train_worker(*, rank: int, world_size: int, reducers: list[str] | None, job:
             for _ in range(steps):
                 optimizer.zero_grad()
                 loss = torch.nn.functional.cross_entropy(ddp(x), y)
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]
                 optimizer.step()
                 mean_loss = loss.detach().clone()
                 dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG if backend == "redsrv" else dist.ReduceOp.SUM)
@@ -130,8 +124,6 @@ def train_reference(*, world_size: int, steps: int) -> np.ndarray:
     float32, then divided by the number of ranks), so with float32 on the wire the distributed
     run matches to the last bit or close to it.
     """
-    import torch
-
     torch.set_num_threads(1)
     model = make_model()
     shards = [_shard(world_size, r) for r in range(world_size)]
@@ -140,8 +132,8 @@ def train_reference(*, world_size: int, steps: int) -> np.ndarray:
         total = None
         for x, y in shards:
             model.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            grads = [p.grad.detach().clone() for p in model.parameters()]
+            torch.nn.functional.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
             total = grads if total is None else [t.add_(g) for t, g in zip(total, grads, strict=True)]
         assert total is not None
         for p, t in zip(model.parameters(), total, strict=True):
