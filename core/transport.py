@@ -39,7 +39,8 @@ class ConnectionBroken(Exception):
 def configure_socket(sock: socket.socket) -> None:
     """TCP_NODELAY: small frames (heartbeats, headers, latency-bound reductions) must not wait
     for Nagle's timer. Blocking mode: deadlines come from kernel timeouts (see the module doc)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(None)
 
 
@@ -57,9 +58,12 @@ _TIMED_OUT = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 def peer_name(sock: socket.socket) -> str:
     try:
-        host, port = sock.getpeername()[:2]
+        address = sock.getpeername()
     except OSError:
         return "?"
+    if not isinstance(address, tuple):  # a Unix socket (tests use socket pairs)
+        return str(address) or "local"
+    host, port = address[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
@@ -175,7 +179,7 @@ class Sender:
         self._heartbeat = wire.encode(wire.Heartbeat())
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
-        self._busy = False  # a caller is writing inline; the thread must not interleave
+        self._writing = False  # someone (the thread, or a caller inline) owns the socket's write side
         self._last_send = time.monotonic()
         self._closing = False
         self._close_after_drain = False
@@ -201,8 +205,8 @@ class Sender:
                 failed = True
             else:
                 failed = False
-                if inline and not self._queue and not self._busy and not callable(payload):
-                    self._busy = fast = True
+                if inline and not self._queue and not self._writing and not callable(payload):
+                    self._writing = fast = True
                 else:
                     self._queue.append(item)
                     self._cond.notify()
@@ -221,7 +225,7 @@ class Sender:
             rest = self._write(views, socket.MSG_DONTWAIT)
         except ConnectionBroken as exc:
             with self._cond:
-                self._busy = False
+                self._writing = False
                 self.failed = exc
                 self._closing = True
                 self._cond.notify()
@@ -230,7 +234,7 @@ class Sender:
             self._on_error(exc)
             return
         with self._cond:
-            self._busy = False
+            self._writing = False
             self._last_send = time.monotonic()
             if rest:
                 item.rest = rest
@@ -266,11 +270,11 @@ class Sender:
         try:
             while True:
                 with self._cond:
-                    while (self._busy or not self._queue) and not self._closing:
-                        if self._close_after_drain and not self._busy:
+                    while (self._writing or not self._queue) and not self._closing:
+                        if self._close_after_drain and not self._writing:
                             break
                         remaining = self._last_send + self._heartbeat_interval - time.monotonic()
-                        if remaining <= 0 and not self._busy:
+                        if remaining <= 0 and not self._writing:
                             break
                         self._cond.wait(remaining if remaining > 0 else self._heartbeat_interval)
                     if self._closing:
@@ -279,8 +283,11 @@ class Sender:
                         self._shutdown_write()
                         return
                     item = self._queue.popleft() if self._queue else None
+                    self._writing = True  # from here until the frame is out, no inline writer
                 if item is None:
                     self._sendall([self._heartbeat])
+                    with self._cond:
+                        self._writing = False
                 else:
                     ok = False
                     try:
@@ -292,6 +299,7 @@ class Sender:
                         ok = True
                     finally:
                         with self._cond:
+                            self._writing = False
                             self.unsent_bytes -= len(item.header) + item.nbytes
                         if item.done is not None:
                             item.done(ok)

@@ -1,0 +1,77 @@
+"""The transport over a socket pair: frames from many threads, inline and queued, never interleave."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from redsrv.core import wire
+from redsrv.core.transport import ConnectionBroken, FramedSocket, Sender
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_concurrent_inline_and_queued_frames_arrive_whole_and_in_order_per_thread() -> None:
+    a, b = socket.socketpair()
+    errors: list[ConnectionBroken] = []
+    sender = Sender(a, name="redsrv-test-send", heartbeat_interval=0.05, send_timeout=10, on_error=errors.append)
+    reader = FramedSocket(b, read_timeout=10)
+    threads, per_thread, size = 4, 150, 20_000
+
+    def produce(t: int) -> None:
+        for i in range(per_thread):
+            data = np.full(size + (i % 7), t * 1000 + i, dtype=np.int32)
+            result = wire.Result(t, i, data.size, 0, wire.DType.INT32, 1, b"\x01")
+            sender.send(wire.result_header(result, data.nbytes), data.view(np.uint8).data, data.nbytes, inline=bool(i % 2))
+
+    producers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
+    for p in producers:
+        p.start()
+    seen = {t: 0 for t in range(threads)}
+    received = 0
+    while received < threads * per_thread:
+        header = reader.read_header()
+        if header.type is wire.FrameType.HEARTBEAT:
+            continue
+        frame = wire.parse_payload(header, reader.read_bytes(header.payload_len))
+        assert isinstance(frame, wire.Result)
+        values = np.frombuffer(bytes(frame.payload), dtype=np.int32)
+        assert values.size == size + frame.offset % 7
+        assert (values == frame.key * 1000 + frame.offset).all(), "a frame was torn"
+        assert frame.offset == seen[frame.key], "frames of one thread were reordered"
+        seen[frame.key] += 1
+        received += 1
+    for p in producers:
+        p.join()
+    sender.stop()
+    sender.join(5)
+    a.close()
+    b.close()
+    assert not errors
+
+
+def test_a_silent_peer_times_out_and_a_closed_one_is_eof() -> None:
+    a, b = socket.socketpair()
+    reader = FramedSocket(b, read_timeout=0.3)
+    with pytest.raises(ConnectionBroken) as info:
+        reader.read_header()
+    assert info.value.kind == "timeout"
+    a.close()
+    with pytest.raises(ConnectionBroken) as info:
+        reader.read_header()
+    assert info.value.kind == "eof"
+    b.close()
+
+
+def test_sender_sends_heartbeats_when_idle() -> None:
+    a, b = socket.socketpair()
+    sender = Sender(a, name="redsrv-test-hb", heartbeat_interval=0.05, send_timeout=5, on_error=lambda e: None)
+    reader = FramedSocket(b, read_timeout=1)
+    assert reader.read_header().type is wire.FrameType.HEARTBEAT
+    sender.stop()
+    sender.join(5)
+    a.close()
+    b.close()
