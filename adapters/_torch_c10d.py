@@ -80,7 +80,7 @@ class FutureWork(dist.Work):
 
     def wait(self, timeout: Any = None) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 0)
-        if seconds > 0 and not self._done.wait(seconds):
+        if seconds > 0 and not self._done.wait(seconds) and not self._raw.done():
             from ..core.errors import PeerTimeoutError
 
             raise PeerTimeoutError(f"{self._describe()} did not complete", phase="Work.wait", timeout=seconds)
@@ -91,7 +91,8 @@ class FutureWork(dist.Work):
         return self._settled
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        # The future itself, not the event: its callbacks run after waiters are released.
+        return bool(self._raw.done())
 
 
 def register(name: str, create: Callable[[GroupSpec], ProcessGroupBase]) -> None:

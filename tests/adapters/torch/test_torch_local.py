@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
@@ -256,13 +257,13 @@ def test_backend_collective_raises_redsrv_error_on_timeout(redsrv_group) -> None
         dist.all_reduce(torch.ones(3))
     assert time.monotonic() - started < 0.5 + 2.0
     work = dist.broadcast(torch.ones(3), src=0, async_op=True)
+    with pytest.raises(redsrv.PeerTimeoutError, match="broadcast #1.*did not complete"):
+        work.wait(timeout=timedelta(seconds=0.1))  # c10d's own bound on the wait
     with pytest.raises(RuntimeError, match="PeerTimeoutError"):
         work.get_future().wait()  # C++ consumers (DDP) see a failed future
 
 
 @pytest.mark.parametrize(("group_timeout", "expected"), [(7.0, 7.0), (600.0, 30.0)])
 def test_backend_uses_the_stricter_of_the_two_timeouts(redsrv_group, group_timeout: float, expected: float) -> None:  # type: ignore[no-untyped-def]
-    from datetime import timedelta
-
     redsrv_group(op_timeout=30.0, timeout=timedelta(seconds=group_timeout))
     assert dist.group.WORLD.client.config.op_timeout == expected
