@@ -21,7 +21,8 @@ pytest.importorskip("tensorflow")
 
 import numpy as np  # noqa: E402
 
-pytestmark = [pytest.mark.tf, pytest.mark.slow]
+# Three TensorFlow processes share this machine's cores: a run takes about a minute, more when busy.
+pytestmark = [pytest.mark.tf, pytest.mark.slow, pytest.mark.timeout(360)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "keras_worker.py")
 
