@@ -34,9 +34,11 @@ def bound(kind: str, target: str, phase: str) -> float:
         # One worker never joined (its connection died mid-handshake); the others can only
         # learn that by timing out while they wait for its contribution.
         return OP_TIMEOUT + 2.5
-    if kind == "stop":
+    if kind == "stop" or target == "worker":
+        # A frozen peer is found by heartbeats; a worker's fault reaches the others through the
+        # reducers, after the faulty worker (or its reducer) noticed it.
         return HEARTBEAT_BOUND + 2.5
-    return 2.5
+    return 2.5  # a reducer that died or misbehaved: every worker within ~2 s
 
 
 @pytest.fixture(scope="module", autouse=True)
