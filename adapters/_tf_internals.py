@@ -91,12 +91,12 @@ def local_values(value: Any) -> tuple[Any, ...]:
 
 def signature_of(name: str) -> tuple[str, ...]:
     """Parameter names of ``MirroredExtended.<name>`` in the installed TensorFlow."""
-    member = inspect.getattr_static(_mirrored_strategy.MirroredExtended, name)
-    function = member.fget if isinstance(member, property) else member
+    member: Any = inspect.getattr_static(_mirrored_strategy.MirroredExtended, name)
+    function: Any = member.fget if isinstance(member, property) else member
     return tuple(inspect.signature(function).parameters)
 
 
-class CrossDeviceOpsBase(tf.distribute.CrossDeviceOps):
+class CrossDeviceOpsBase(tf.distribute.CrossDeviceOps):  # type: ignore[misc]
     """:class:`tf.distribute.CrossDeviceOps` that never takes TensorFlow's one-replica shortcut.
 
     ``CrossDeviceOps.reduce``/``batch_reduce`` return a value unchanged, without calling the

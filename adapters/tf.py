@@ -299,11 +299,12 @@ def _broadcast_exact(client: Client, array: np.ndarray, *, key: Any, timeout: fl
     shape = array.shape  # np.ascontiguousarray makes scalars 1-d
     flat = np.ascontiguousarray(array).reshape(-1)
     if tf.as_dtype(array.dtype) in SUPPORTED_DTYPES:
-        return client.broadcast(flat, root=0, key=key, timeout=timeout).reshape(shape)
+        same: np.ndarray = client.broadcast(flat, root=0, key=key, timeout=timeout)
+        return same.reshape(shape)
     raw = flat.view(np.uint8)
     padded = np.zeros(-(-raw.size // 4) * 4, dtype=np.uint8)
     padded[: raw.size] = raw
-    words = client.broadcast(padded.view(np.int32), root=0, key=key, timeout=timeout)
+    words: np.ndarray = client.broadcast(padded.view(np.int32), root=0, key=key, timeout=timeout)
     return words.view(np.uint8)[: raw.size].view(array.dtype).reshape(shape)
 
 
@@ -312,7 +313,7 @@ def _call_site() -> str:
     generated code, as ``innermost frame#digest of all frames``. Identical on every worker running
     the same program, and across retraces of one function."""
     frames = []
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         module = str(frame.f_globals.get("__name__", ""))
         if not (module.startswith(_SITE_SKIPPED) or module.partition(".")[0] in sys.stdlib_module_names):

@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{out['epochs']} epochs on {out['replicas']} replicas in {out['seconds']:.1f}s: validation loss "
           f"{out['first_loss']:.4f} -> {out['last_loss']:.4f}, accuracy {out['val_accuracy']:.3f}", flush=True)
     if args.out:
-        np.savez(args.out, **{k: np.asarray(v) for k, v in out.items()})
+        np.savez(args.out, **{k: np.asarray(v) for k, v in out.items()})  # type: ignore[arg-type]
     if args.compare:
         with np.load(args.compare) as other:
             print(f"largest weight difference from {args.compare}: {np.abs(other['weights'] - out['weights']).max():.3e}")

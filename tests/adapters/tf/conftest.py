@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep C++ INFO/WARNING lines out of test output
 
 try:
@@ -24,14 +22,3 @@ if tf is not None:
     if len(tf.config.get_logical_device_configuration(_cpu) or ()) != LOCAL_DEVICES:
         tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * LOCAL_DEVICES)
 
-
-@pytest.fixture
-def daemon():  # type: ignore[no-untyped-def]
-    """An in-process reducer on a free loopback port: its address."""
-    import redsrv
-
-    reducer = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, heartbeat_interval=0.2,
-                                                         close_timeout=3))
-    host, port = reducer.start()
-    yield f"{host}:{port}"
-    reducer.stop()
