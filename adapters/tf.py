@@ -49,7 +49,10 @@ start-up) and run the same number of steps. In-memory arrays passed to ``fit(shu
 shuffled before sharding: give every worker the same shuffle seed (``keras.utils.set_random_seed``)
 or pass a ``tf.data.Dataset``. ``predict`` returns each worker's own shard; per-batch logs (the
 progress bar) are the worker's own, epoch logs (``History``, ``on_epoch_end``) are global.
-IndexedSlices gradients are summed densely.
+IndexedSlices gradients are summed densely. Variables that each replica updates on its own, without
+aggregation (Keras 3 ``BatchNormalization``'s moving statistics), stay per replica as under
+``MirroredStrategy``; worker 0, which writes the checkpoints, holds what a single-process
+``MirroredStrategy``'s first replica would.
 """
 
 from __future__ import annotations

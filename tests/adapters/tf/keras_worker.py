@@ -5,7 +5,7 @@
 SPEC: {"mode": "worker"|"reference", "devices": n, "seed": s (model init; workers add their index),
        "samples": n, "features": f, "batch_size": b, "epochs": e, "job": "...", "strategy": {...kwargs},
        "progress": bool (write OUT_PREFIX.progress after each epoch), "steps_per_execution": k,
-       "jit_compile": bool, "save": bool (save weights to worker{index}.weights.h5 next to OUT_PREFIX each
+       "jit_compile": bool, "model": "mlp" (default) | "bn" (BatchNormalization and Dropout), "save": bool (save weights to worker{index}.weights.h5 next to OUT_PREFIX each
        epoch; ReductionServerStrategy workers pass the callback through strategy.chief_only)}
 
 "reference" is a single process with a stock MirroredStrategy over n logical CPUs; "worker" is one
@@ -65,8 +65,12 @@ def main() -> int:
         report["seed_probe"] = float(np.random.random())  # shows they do
         x, y = make_data(spec.get("samples", 96), spec.get("features", 6))
         with strategy.scope():
-            model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(8, activation="tanh"),
-                                      keras.layers.Dense(1)])
+            if spec.get("model") == "bn":  # statistics synchronised across replicas, dropout masks from a seed
+                layers = [keras.layers.Dense(8), keras.layers.BatchNormalization(), keras.layers.Activation("tanh"),
+                          keras.layers.Dropout(0.25)]
+            else:
+                layers = [keras.layers.Dense(8, activation="tanh")]
+            model = keras.Sequential([keras.Input((x.shape[1],)), *layers, keras.layers.Dense(1)])
             model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.5), loss="mse", metrics=["mae"],
                           steps_per_execution=spec.get("steps_per_execution", 1),
                           jit_compile=spec.get("jit_compile", False))
@@ -88,6 +92,7 @@ def main() -> int:
         report["fit_seconds"] = time.monotonic() - started
         report["history"] = history.history
         report["evaluate"] = model.evaluate(x, y, batch_size=spec.get("batch_size", 32), verbose=0, return_dict=True)
+        report["weights"] = [w.path for w in model.weights]
         np.savez(prefix + ".npz", **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
     except Exception as exc:  # the test reads the type and message
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}

@@ -69,21 +69,26 @@ def train_and_compare(fleet, procs, tmp_path, *, devices: int, samples: int, **e
     results = [finish(w, str(tmp_path / f"w{i}")) for i, w in enumerate(workers)]
     want, ref = finish(reference, str(tmp_path / "ref"))
     assert ref["error"] is None, ref["error"]
+    # Variables each replica updates on its own (BatchNormalization's moving statistics) stay per
+    # replica, as under MirroredStrategy: the reference reports its replica 0's, which is worker 0's.
+    per_replica = {i for i, name in enumerate(ref["weights"]) if "moving_" in name}
     reports = []
     for i, (weights, report) in enumerate(results):
         assert report["error"] is None, report["error"]
         assert (report["worker_index"], report["num_workers"], report["num_replicas_in_sync"]) == (i, 2, 2 * devices)
         assert report["initial"] == ref["initial"], "initial weights are not worker 0's"
-        for got, expected in zip(weights, want):
-            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
+        for k, (got, expected) in enumerate(zip(weights, want)):
+            if i == 0 or k not in per_replica:
+                np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6, err_msg=ref["weights"][k])
         for name, values in ref["history"].items():
             np.testing.assert_allclose(report["history"][name], values, rtol=1e-6, err_msg=name)
         for name, value in ref["evaluate"].items():
             np.testing.assert_allclose(report["evaluate"][name], value, rtol=1e-6, err_msg=name)
         reports.append(report)
     assert reports[0]["seed_probe"] != reports[1]["seed_probe"], "the workers were meant to be seeded differently"
-    for a, b in zip(results[0][0], results[1][0]):
-        np.testing.assert_array_equal(a, b)  # the workers agree exactly
+    for k, (a, b) in enumerate(zip(results[0][0], results[1][0])):
+        if k not in per_replica:
+            np.testing.assert_array_equal(a, b, err_msg=ref["weights"][k])  # the workers agree exactly
     return reports
 
 
@@ -101,9 +106,10 @@ def test_partial_last_batch_leaves_replicas_without_data(fleet, procs, tmp_path)
 
 def test_one_device_per_worker(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     # One replica per process: stock CrossDeviceOps would skip the reduction (nothing to add locally).
-    # 99 = 3 x 32 + 3 adds a partial batch (2 samples on one worker, 1 on the other). Not with
-    # steps_per_execution > 1: Keras 3.15 fails that with stock MirroredStrategy too.
-    train_and_compare(fleet, procs, tmp_path, devices=1, samples=99)
+    # 99 = 3 x 32 + 3 adds a partial batch (2 samples on one worker, 1 on the other); the model adds
+    # BatchNormalization and Dropout. Not steps_per_execution > 1: Keras 3.15 fails that with stock
+    # MirroredStrategy too.
+    train_and_compare(fleet, procs, tmp_path, devices=1, samples=99, model="bn")
 
 
 def test_killed_reducer_makes_fit_raise_instead_of_hanging(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
