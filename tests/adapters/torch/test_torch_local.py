@@ -1,7 +1,7 @@
 """The PyTorch adapter in this process: tensor views, the hook's bookkeeping, its acceptance by
 DDP's checks, wrappers, configuration, the backend on a one- or two-rank group, and the canary
 for the private torch APIs the backend needs. The multi-process behaviour is tested against gloo
-in test_ddp_differential.py."""
+in test_ddp_differential.py. ``daemon`` (an in-process reducer) comes from tests/adapters/conftest.py."""
 
 from __future__ import annotations
 
@@ -25,15 +25,6 @@ from redsrv.adapters import _torch_c10d  # noqa: E402
 from redsrv.adapters import torch as adapter  # noqa: E402
 
 pytestmark = [pytest.mark.torch, pytest.mark.timeout(60)]
-
-
-@pytest.fixture
-def daemon():  # type: ignore[no-untyped-def]
-    """An in-process reducer on a free loopback port: its address."""
-    reducer = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, heartbeat_interval=0.2, close_timeout=3))
-    host, port = reducer.start()
-    yield f"{host}:{port}"
-    reducer.stop()
 
 
 @pytest.fixture
