@@ -48,10 +48,12 @@ from redsrv.bench.netns import (
     format_rate,
     our_namespaces,
     parse_rate,
+    readline_within,
     remove_namespaces,
     signals_deferred,
     tcp_goodput_bps,
 )
+from redsrv.examples.launcher import stop_processes
 
 __all__ = ["add_parser", "Options", "run_emulate"]
 
@@ -406,7 +408,7 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
             procs.append(p)
             reducers.append(p)
         for j, p in enumerate(reducers):
-            line = _readline(p, 30.0)
+            line = readline_within(p, 30.0)
             if "listening on" not in line:
                 raise EmulationError(f"reducer {j} on h{reducer_hosts[j]} did not start: printed {line!r}, exit code "
                                      f"{p.poll()}; {_tail(os.path.join(tmp, f'reducer{n}-{j}.log'))}")
@@ -441,15 +443,7 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
 def _terminate_and_drain(cluster: Cluster, procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> None:  # type: ignore[type-arg]
     """Stop the processes, let the readers reach end-of-file, then close the pipes."""
     with signals_deferred():
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, timeout=5)
         for t in pumps:
             t.join(5)
         cluster.stop(procs)
@@ -545,14 +539,6 @@ def _tail(path: str, chars: int = 600) -> str:
         return "(no log)"
     text = text.strip()
     return ("..." + text[-chars:]) if len(text) > chars else (text or "(empty log)")
-
-
-def _readline(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
-    box: list[str] = []
-    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
-    t.start()
-    t.join(timeout)
-    return box[0] if box else ""
 
 
 def _measure_goodput(cluster: Cluster, tmp: str, seconds: float = 3.0) -> float:

@@ -25,14 +25,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from redsrv.examples.launcher import stop_processes
+
 __all__ = ["Cluster", "Host", "EmulationError", "parse_rate", "format_rate", "tcp_goodput_bps", "our_namespaces",
-           "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET"]
+           "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET", "readline_within", "close_pipes", "signals_deferred"]
 
 #: Namespaces are named PREFIX-h0, PREFIX-h1, ... and PREFIX-sw. Distinct from other tools'
 #: defaults so that a hand-made cluster and a benchmark can coexist.
@@ -247,7 +250,7 @@ class Cluster:
         self._forwarder = subprocess.Popen(
             [self.python, "-m", "redsrv.bench.tapdelay", str(self.delay_us), *(h.ns for h in self.hosts)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        line = _readline(self._forwarder, 20.0)
+        line = readline_within(self._forwarder, 20.0)
         if not line.startswith("ready"):
             err = ""
             if self._forwarder.poll() is not None and self._forwarder.stderr is not None:
@@ -290,7 +293,7 @@ class Cluster:
 
     def stop(self, procs: Sequence[subprocess.Popen], timeout: float = 5.0) -> None:  # type: ignore[type-arg]
         """SIGTERM, then SIGKILL after ``timeout``; by pid."""
-        _terminate(procs, timeout)
+        stop_processes(list(procs), timeout)
         close_pipes(procs)
         self._procs = [p for p in self._procs if p not in procs]
 
@@ -298,13 +301,13 @@ class Cluster:
         """End every process we started and every process left in our namespaces, delete the
         namespaces; returns their names. Idempotent; signals wait until it is done."""
         with signals_deferred():
-            _terminate(self._procs, 5.0)
+            stop_processes(self._procs, 5.0)
             close_pipes(self._procs)
             self._procs = []
             removed = remove_namespaces(list(reversed(self._created)))
             self._created = []
             if self._forwarder is not None:
-                _terminate([self._forwarder], 5.0)
+                stop_processes([self._forwarder], 5.0)
                 close_pipes([self._forwarder])
                 self._forwarder = None
         return removed
@@ -355,20 +358,6 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
-def _terminate(procs: Sequence[subprocess.Popen], timeout: float) -> None:  # type: ignore[type-arg]
-    for p in procs:
-        if p.poll() is None:
-            _kill(p.pid, signal.SIGCONT)
-            _kill(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def close_pipes(procs: Sequence[subprocess.Popen]) -> None:  # type: ignore[type-arg]
     """Close our ends of the pipes of processes that have exited."""
     for p in procs:
@@ -380,9 +369,8 @@ def close_pipes(procs: Sequence[subprocess.Popen]) -> None:  # type: ignore[type
                     pass
 
 
-def _readline(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
-    import threading
-
+def readline_within(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
+    """The first line ``proc`` prints, or "" if none within ``timeout`` seconds."""
     box: list[str] = []
     t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
     t.start()
