@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import importlib.util
 import json
 import os
@@ -35,7 +36,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -352,7 +353,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
 def _redsrv_version() -> str:
     from redsrv import __version__
 
-    return __version__
+    return str(__version__)
 
 
 def _source_revision() -> str | None:
@@ -640,6 +641,7 @@ class _Gloo:
         self.dist, self.torch = dist, torch
 
     def reset(self, b: _Buffers) -> None:
+        assert b.tensor is not None
         b.tensor.copy_(b.tensor_base)  # all_reduce works in place: repeated sums would overflow
 
     def barrier(self) -> None:
@@ -724,14 +726,14 @@ def _worker(spec_json: str) -> int:
     client = redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"], wire_dtype=spec["wire_dtype"],
                            **options)
     impls: list[_Gloo | _Redsrv] = []
-    dist = torch = None
+    dist: Any = None
+    torch: Any = None
     try:
         if "gloo" in spec["impls"]:
             import datetime as dt
 
-            import torch
-            import torch.distributed as dist
-
+            torch = importlib.import_module("torch")
+            dist = importlib.import_module("torch.distributed")
             torch.set_num_threads(1)
             dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=rank, world_size=n,
                                     timeout=dt.timedelta(seconds=300))
@@ -785,7 +787,8 @@ def _as_tensor(torch: Any, arr: Any) -> Any:
 
 
 if __name__ == "__main__":
-    commands = {"worker": _worker, "goodput-recv": _goodput_recv, "goodput-send": _goodput_send}
+    commands: dict[str, Callable[..., int]] = {"worker": _worker, "goodput-recv": _goodput_recv,
+                                               "goodput-send": _goodput_send}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
         sys.exit("usage: redsrv bench emulate (this module's worker modes are started by it)")
     sys.exit(commands[sys.argv[1]](*sys.argv[2:]))

@@ -223,7 +223,7 @@ def plot(rows: Sequence[Row], path: str, *, goodput: float, rate_bps: int, title
         for i, size in enumerate(sizes):
             rs = sorted((r for r in rows if r.size_bytes == size and r.speedup is not None), key=lambda r: r.n)
             xs = [r.n for r in rs]
-            ys = [r.speedup for r in rs]
+            ys = [r.speedup or 0.0 for r in rs]
             # The speed-up is the ratio of pooled medians, so it may sit outside the per-round range.
             err = [[max(0.0, (r.speedup or 0) - (r.speedup_min or 0)) for r in rs],
                    [max(0.0, (r.speedup_max or 0) - (r.speedup or 0)) for r in rs]]
