@@ -6,6 +6,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -79,8 +80,28 @@ def _reducer(args: argparse.Namespace) -> int:
     print(f"redsrv reducer listening on {shown}:{port} incarnation={daemon.incarnation:#x}", flush=True)
     while not stop.wait(0.5):
         pass
+    # The bound on shutdown holds even if something in it were stuck: past the close timeout
+    # (plus a grace second) dump every thread's stack for diagnosis and exit anyway.
+    watchdog = threading.Timer(settings.close_timeout + 1.0, _force_exit, args=(settings.close_timeout,))
+    watchdog.daemon = True
+    watchdog.start()
     daemon.stop(f"reducer received {received[0] if received else 'stop'}")
-    return 0
+    # Nothing is left to save: leave now rather than risk interpreter finalisation waiting on a
+    # thread still inside a system call (a soak run once saw a reducer outlive its SIGTERM).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _force_exit(close_timeout: float) -> None:
+    import faulthandler
+
+    logging.getLogger("redsrv.reducer").error("shutdown took longer than the close timeout (%.1fs); exiting now. "
+                                               "Thread stacks follow.", close_timeout)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -107,7 +107,7 @@ def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: i
             if fault:
                 time.sleep(rng.uniform(0.05, 0.5))
                 totals.faults[fault] = totals.faults.get(fault, 0) + 1
-                last_fault = _inject(fault, rng, fleet, ports, worker_procs, env)
+                last_fault = _inject(fault, rng, fleet, ports, worker_procs, env, totals)
             replies = _collect(worker_procs, last_fault + HANG_AFTER_S)
             for reply in replies:
                 if reply is None:
@@ -149,15 +149,21 @@ def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: i
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
-    return 0 if totals.hangs == 0 and totals.wrong_sums == 0 else 1
+    return 0 if totals.hangs == 0 and totals.wrong_sums == 0 and not totals.faults.get("reducer_did_not_exit") else 1
 
 
-def _inject(fault: str, rng: random.Random, fleet, ports: list[int], worker_procs: list, env: dict) -> float:  # type: ignore[no-untyped-def,type-arg]
+def _inject(fault: str, rng: random.Random, fleet, ports: list[int], worker_procs: list, env: dict,  # type: ignore[no-untyped-def,type-arg]
+            totals: _Totals) -> float:
     if fault in ("kill_reducer", "term_reducer"):
         i = rng.randrange(len(fleet.procs))
         proc = fleet.procs[i]
         proc.send_signal(signal.SIGKILL if fault == "kill_reducer" else signal.SIGTERM)
-        proc.wait(15)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:  # a reducer that does not stop is a finding, not a crash
+            totals.faults["reducer_did_not_exit"] = totals.faults.get("reducer_did_not_exit", 0) + 1
+            proc.kill()
+            proc.wait(5)
         fleet.procs[i] = _restart_reducer(ports[i], env)
     else:
         victim = rng.choice(worker_procs)
