@@ -59,6 +59,10 @@ PRIVATE_API: tuple[tuple[Any, str, str], ...] = (
     (_distribute_lib.Strategy, "__init__", "build a MirroredStrategy subclass around our extended object"),
 )
 
+#: Private attributes of CollectiveAllReduceExtended that Keras 2 (the tf_keras package) reads from
+#: a multi-worker strategy's extended object; ReductionServerExtended provides them.
+KERAS2_READS = ("_task_id",)
+
 # Parameters of the private methods we override, as TensorFlow TESTED_TF declares them: if one
 # changes, our override would be called wrongly, so the canary test compares them.
 OVERRIDDEN_SIGNATURES: dict[str, tuple[str, ...]] = {
@@ -130,6 +134,10 @@ class ReductionServerExtended(_mirrored_strategy.MirroredExtended):  # type: ign
     def __init__(self, container_strategy: Any, hooks: Hooks, devices: Sequence[str] | None) -> None:
         self._redsrv = hooks
         super().__init__(container_strategy, devices=devices, cross_device_ops=hooks.cross_device_ops)
+        # Attributes of CollectiveAllReduceExtended that Keras 2 (tf_keras) reads: its
+        # ModelCheckpoint sends a non-chief's file to "workertemp_<_task_id>" (KERAS2_READS).
+        self._task_type = "worker"
+        self._task_id = hooks.worker_index
 
     # --- one worker of many ---
 

@@ -401,14 +401,18 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
         return self.worker_index == 0
 
     def chief_only(self, *callbacks: Any) -> list[Any]:
-        """``callbacks`` on worker 0, ``[]`` elsewhere: for Keras callbacks that only write
-        (``ModelCheckpoint``, ``TensorBoard``, ``CSVLogger``), which Keras 3 runs on every worker.
-        Callbacks that steer training (``EarlyStopping``, ``ReduceLROnPlateau``) must run
-        everywhere: they see the same global epoch logs, so every worker decides alike."""
+        """``callbacks`` (or lists of them) on worker 0, ``[]`` elsewhere: for Keras 3 callbacks that
+        only write (``ModelCheckpoint``, ``TensorBoard``, ``CSVLogger``), which Keras 3 runs on every
+        worker. Callbacks that steer training (``EarlyStopping``, ``ReduceLROnPlateau``) must run
+        everywhere: they see the same global epoch logs, so every worker decides alike.
+
+        Keras 2 (``tf_keras``) callbacks are kept on every worker: Keras 2 consults
+        ``should_checkpoint`` itself, has the other workers write to a temporary directory, and its
+        saving reduces over every worker, so it must not run on worker 0 alone."""
         flat: list[Any] = []
         for c in callbacks:
             flat.extend(c if isinstance(c, Iterable) else [c])
-        return flat if self.is_chief else []
+        return [c for c in flat if self.is_chief or type(c).__module__.startswith("tf_keras.")]
 
     def check(self) -> None:
         """Raise the first exchange error as its :class:`redsrv.RedsrvError` (after ``fit`` raised

@@ -5,7 +5,7 @@
 SPEC: {"mode": "worker"|"reference", "devices": n, "seed": s (model init; workers add their index),
        "samples": n, "features": f, "batch_size": b, "epochs": e, "job": "...", "strategy": {...kwargs},
        "progress": bool (write OUT_PREFIX.progress after each epoch), "steps_per_execution": k,
-       "jit_compile": bool, "model": "mlp" (default) | "bn" (BatchNormalization and Dropout), "save": bool (save weights to worker{index}.weights.h5 next to OUT_PREFIX each
+       "jit_compile": bool, "keras": "keras" (Keras 3, default) | "tf_keras" (Keras 2), "model": "mlp" (default) | "bn" (BatchNormalization and Dropout), "save": bool (save weights to worker{index}.weights.h5 or reference.weights.h5 next to OUT_PREFIX each
        epoch; ReductionServerStrategy workers pass the callback through strategy.chief_only)}
 
 "reference" is a single process with a stock MirroredStrategy over n logical CPUs; "worker" is one
@@ -44,7 +44,10 @@ def main() -> int:
     tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * spec["devices"])
     devices = [f"/cpu:{i}" for i in range(spec["devices"])]
 
-    import keras
+    if spec.get("keras") == "tf_keras":  # Keras 2, the tf-keras package
+        import tf_keras as keras
+    else:
+        import keras
 
     import redsrv.tf
 
@@ -83,7 +86,8 @@ def main() -> int:
 
         callbacks = [Progress()] if spec.get("progress") else []
         if spec.get("save"):
-            path = os.path.join(os.path.dirname(prefix), f"worker{index}.weights.h5")
+            name = "reference" if spec["mode"] == "reference" else f"worker{index}"
+            path = os.path.join(os.path.dirname(prefix), f"{name}.weights.h5")
             saver = keras.callbacks.ModelCheckpoint(path, save_weights_only=True)
             callbacks += strategy.chief_only(saver) if spec["mode"] == "worker" else [saver]
         started = time.monotonic()
@@ -92,7 +96,8 @@ def main() -> int:
         report["fit_seconds"] = time.monotonic() - started
         report["history"] = history.history
         report["evaluate"] = model.evaluate(x, y, batch_size=spec.get("batch_size", 32), verbose=0, return_dict=True)
-        report["weights"] = [w.path for w in model.weights]
+        report["predict_rows"] = int(model.predict(x, batch_size=spec.get("batch_size", 32), verbose=0).shape[0])
+        report["weights"] = [getattr(w, "path", w.name) for w in model.weights]
         np.savez(prefix + ".npz", **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
     except Exception as exc:  # the test reads the type and message
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}

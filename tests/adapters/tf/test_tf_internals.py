@@ -7,6 +7,7 @@ moved and what the adapter needed it for; fix ``_tf_internals.py`` (only) and re
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 
@@ -59,3 +60,11 @@ def test_tensorflow_is_the_tested_minor() -> None:
     assert minor == _tf_internals.TESTED_TF, (
         f"TensorFlow {tf.__version__} is installed; the adapter is tested on {_tf_internals.TESTED_TF}.x "
         "(pyproject's tf extra pins it)")
+
+
+def test_keras_2_still_reads_only_the_attributes_we_provide() -> None:
+    utils = pytest.importorskip("tf_keras.src.distribute.distributed_file_utils")
+    source = inspect.getsource(utils)
+    read = set(re.findall(r"extended\.(_[a-z_]+)\b(?!\()", source))
+    assert read <= {"_in_multi_worker_mode", *_tf_internals.KERAS2_READS}, (
+        f"tf_keras's distributed_file_utils now reads {sorted(read)} from the strategy's extended object")

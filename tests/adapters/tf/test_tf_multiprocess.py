@@ -8,6 +8,7 @@ agree with each other bit for bit.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -86,6 +87,8 @@ def train_and_compare(fleet, procs, tmp_path, *, devices: int, samples: int, **e
             np.testing.assert_allclose(report["evaluate"][name], value, rtol=1e-6, err_msg=name)
         reports.append(report)
     assert reports[0]["seed_probe"] != reports[1]["seed_probe"], "the workers were meant to be seeded differently"
+    # predict returns each worker's own shard (Keras gathers only for its MultiWorkerMirroredStrategy).
+    assert ref["predict_rows"] == samples == sum(r["predict_rows"] for r in reports)
     for k, (a, b) in enumerate(zip(results[0][0], results[1][0])):
         if k not in per_replica:
             np.testing.assert_array_equal(a, b, err_msg=ref["weights"][k])  # the workers agree exactly
@@ -110,6 +113,15 @@ def test_one_device_per_worker(fleet, procs, tmp_path) -> None:  # type: ignore[
     # BatchNormalization and Dropout. Not steps_per_execution > 1: Keras 3.15 fails that with stock
     # MirroredStrategy too.
     train_and_compare(fleet, procs, tmp_path, devices=1, samples=99, model="bn")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras is not installed (tox -e tf-keras2)")
+def test_tf_keras_2_fit_equals_its_reference(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The same strategy under Keras 2 (the tf-keras package), with a partial last batch. Keras 2's
+    # ModelCheckpoint consults should_checkpoint itself (chief_only keeps it on every worker: its
+    # saving reduces over all of them) and writes worker 1's copy to a temporary directory.
+    train_and_compare(fleet, procs, tmp_path, devices=2, samples=98, keras="tf_keras", save=True)
+    assert (tmp_path / "worker0.weights.h5").exists() and not (tmp_path / "worker1.weights.h5").exists()
 
 
 def test_killed_reducer_makes_fit_raise_instead_of_hanging(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
