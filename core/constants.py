@@ -26,9 +26,11 @@ DEFAULT_BIND_HOST = "127.0.0.1"
 #: Python overhead (~30 us) stays below 1% of the transfer time up to ~10 Gbit/s.
 DEFAULT_CHUNK_BYTES = 512 * 1024
 
-#: TCP connections per reducer. Two streams let one drain while the other's sender blocks in
-#: the kernel; more streams added nothing measurable on an emulated 1 Gbit/s link.
-DEFAULT_STREAMS_PER_REDUCER = 2
+#: TCP connections per reducer. One: on the emulated 1 Gbit/s cluster two streams per reducer
+#: reached 0.667 G at 4.28 CPU-s/GB and one stream 0.740 G at 3.44 (fewer flows sharing each
+#: link unevenly, half the threads and sockets). More streams help only where one TCP flow
+#: cannot fill a link.
+DEFAULT_STREAMS_PER_REDUCER = 1
 
 #: Connect (with retries while reducers are still starting) and handshake deadlines.
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
