@@ -28,13 +28,20 @@ pytestmark = [pytest.mark.tf, pytest.mark.slow, pytest.mark.timeout(360)]
 WORKER = os.path.join(os.path.dirname(__file__), "keras_worker.py")
 
 
+# The shared fast timeouts, except the operation timeout: between two synchronising exchanges a
+# worker may trace tf.data and Keras functions for many seconds on a busy machine, and the first
+# exchange after that waits for the slowest worker. Failures are still detected within a second or
+# two (heartbeats, closed connections), which is what the killed-reducer test measures.
+KERAS_ENV = {"REDSRV_OP_TIMEOUT": "120"}
+
+
 def start(procs, spec: dict, prefix: str, env: dict[str, str] | None = None) -> subprocess.Popen:  # type: ignore[no-untyped-def,type-arg]
     from conftest import child_env  # the fast REDSRV_* timeouts, no inherited RANK/WORLD_SIZE
 
     output = open(prefix + ".out", "w")  # a file, not a pipe: a chatty child never blocks
     procs.files.append(output)
-    return procs.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(env), stdout=output,
-                       stderr=subprocess.STDOUT)
+    return procs.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env({**KERAS_ENV, **(env or {})}),
+                       stdout=output, stderr=subprocess.STDOUT)
 
 
 def finish(proc: subprocess.Popen, prefix: str, timeout: float = 240) -> tuple[list[np.ndarray], dict]:  # type: ignore[type-arg]
