@@ -62,7 +62,7 @@ def test_tensorflow_is_the_tested_minor() -> None:
         "(pyproject's tf extra pins it)")
 
 
-def test_keras_2_still_reads_only_the_attributes_we_provide() -> None:
+def test_tf_keras_reads_only_the_attributes_we_provide() -> None:
     utils = pytest.importorskip("tf_keras.src.distribute.distributed_file_utils")
     source = inspect.getsource(utils)
     read = set(re.findall(r"extended\.(_[a-z_]+)\b(?!\()", source))
