@@ -207,3 +207,17 @@ def test_strategy_reads_tf_config_and_refuses_conflicting_sources(daemon) -> Non
         strategy.close()  # idempotent
     with pytest.raises(redsrv.ConfigError, match="conflicting reducers"):
         redsrv.tf.ReductionServerStrategy(devices=DEVICES, environ={"TF_CONFIG": tf_config, "REDSRV_REDUCERS": "elsewhere:1"})
+
+
+def test_workers_with_different_device_counts_are_refused_at_start_up(daemon) -> None:  # type: ignore[no-untyped-def]
+    def start(rank: int) -> BaseException | None:
+        try:
+            redsrv.tf.ReductionServerStrategy([daemon], 2, rank, DEVICES[: 2 - rank], job="tf-devices", environ={}).close()
+        except redsrv.ConfigError as exc:
+            return exc
+        return None
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(start, (0, 1)))
+    for error in errors:
+        assert error is not None and "worker 0: 2, worker 1: 1" in str(error)
