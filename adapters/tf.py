@@ -61,7 +61,7 @@ import functools
 import hashlib
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -354,7 +354,8 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
     ``secret=...``); ``timeout`` and ``wire_dtype`` as for :class:`ReductionServerCrossDeviceOps`.
 
     Construction connects to the reducers and waits for every worker (a barrier that also checks
-    they all have the same number of devices). Call :meth:`close` when done.
+    they all have the same number of devices). Call :meth:`close` when done. One strategy per job
+    at a time: keys restart with each strategy, so start another under a new job name.
     """
 
     def __init__(self, reducers: Sequence[str] | str | None = None, num_workers: int | None = None,
@@ -411,7 +412,7 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
         saving reduces over every worker, so it must not run on worker 0 alone."""
         flat: list[Any] = []
         for c in callbacks:
-            flat.extend(c if isinstance(c, Iterable) else [c])
+            flat.extend(c if isinstance(c, (list, tuple)) else [c])
         return [c for c in flat if self.is_chief or type(c).__module__.startswith("tf_keras.")]
 
     def check(self) -> None:
