@@ -149,9 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=3, help="worker processes (default 3)")
     p.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--framework", choices=["auto", "numpy", "torch", "jax"], default="auto",
+    p.add_argument("--framework", choices=["auto", "numpy", "torch", "jax", "tf"], default="auto",
                    help="model framework: PyTorch DDP with the redsrv hook when torch is installed, else NumPy "
-                   "(default auto); jax trains with optax through redsrv.jax")
+                   "(default auto); jax trains with optax through redsrv.jax, tf with Keras fit and "
+                   "ReductionServerStrategy")
     p.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress gradients on the wire")
     p.set_defaults(func=_demo)
 

@@ -134,15 +134,18 @@ def train(*, reference: bool = False, devices: int | None = None, epochs: int = 
 def train_worker(*, rank: int, world_size: int, reducers: list[str], job: str, steps: int,
                  wire_dtype: str | None = None) -> dict[str, Any]:
     """One worker of ``redsrv demo`` (the local launcher's interface): one CPU device, ``steps``
-    global batches of 64 in one epoch."""
-    return train(devices=1, epochs=1, batch_size=64, samples=64 * steps * 8 // 7, verbose=0, reducers=reducers,
+    global batches of 32 per worker in one epoch (a global batch the replicas divide evenly:
+    Keras builds differently shaped state on replicas given uneven shares)."""
+    batch = 32 * world_size
+    return train(devices=1, epochs=1, batch_size=batch, samples=batch * steps * 8 // 7, verbose=0, reducers=reducers,
                  num_workers=world_size, worker_index=rank, job=job, wire_dtype=wire_dtype)
 
 
 def train_reference(*, world_size: int, steps: int) -> np.ndarray:
     """The weights of :func:`train_worker`'s workers, computed in this process with stock
     MirroredStrategy over ``world_size`` logical CPUs (call before anything starts TensorFlow)."""
-    return np.asarray(train(reference=True, devices=world_size, epochs=1, batch_size=64, samples=64 * steps * 8 // 7,
+    batch = 32 * world_size
+    return np.asarray(train(reference=True, devices=world_size, epochs=1, batch_size=batch, samples=batch * steps * 8 // 7,
                             verbose=0)["weights"])
 
 

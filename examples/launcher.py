@@ -26,7 +26,8 @@ import numpy as np
 _LISTEN = re.compile(r"listening on (\S+):(\d+)")
 
 #: Framework -> module with train_worker(...) and train_reference(...).
-FRAMEWORKS = {"numpy": "redsrv.examples.numpy_sgd", "torch": "redsrv.examples.torch_ddp", "jax": "redsrv.examples.jax_optax"}
+FRAMEWORKS = {"numpy": "redsrv.examples.numpy_sgd", "torch": "redsrv.examples.torch_ddp", "jax": "redsrv.examples.jax_optax",
+              "tf": "redsrv.examples.keras_fit"}
 
 #: How close the distributed weights must be to the single-process reference, relative to the
 #: largest weight. float32 on the wire sums in the same order as the reference (rank order), so
