@@ -30,9 +30,11 @@ MATRIX: dict[tuple[str, str, str], str] = {}
 
 def bound(kind: str, target: str, phase: str) -> float:
     """How soon every surviving worker must have raised, in seconds after the fault."""
-    if phase == "handshake" and (target == "worker" or kind in ("close", "garbage")):
-        # One worker never joined (its connection died mid-handshake); the others can only
-        # learn that by timing out while they wait for its contribution.
+    if kind in ("close", "garbage") or (phase == "handshake" and target == "worker"):
+        # One connection breaks, not a process. The worker on it raises at once; the others
+        # learn through the reducers that it left, and, when it broke before joining (handshake),
+        # only by timing out while they wait for its contribution. Under load the first path has
+        # been seen to take as long as the second, so both are bounded by the operation timeout.
         return OP_TIMEOUT + 2.5
     if kind == "stop" or target == "worker":
         # A frozen peer is found by heartbeats; a worker's fault reaches the others through the

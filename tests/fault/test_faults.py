@@ -214,7 +214,8 @@ def test_restarted_reducer_fails_the_step_in_flight_then_new_clients_succeed(pro
         reducers[1].proc.wait(5)
         with pytest.raises(redsrv.PeerLostError) as info:
             pending.result(timeout=5)
-        assert reducers[1].address in str(info.value)
+        # the killed reducer, or the survivor reporting that rank 1 (which saw it die) has gone
+        assert reducers[1].address in str(info.value) or "rank 1" in str(info.value)
         with pytest.raises(redsrv.PeerLostError):  # the broken client says so on the next call
             clients[0].allreduce(x)
         with pytest.raises(redsrv.PeerLostError):
