@@ -3,45 +3,10 @@
 Imports NumPy (and ml_dtypes for bfloat16) and the standard library only.
 """
 
+from . import errors
 from .client import Client, Contributors, ReduceFuture
 from .config import Config
 from .daemon import DaemonSettings, ReducerDaemon
-from .errors import (
-    AuthenticationError,
-    ClientClosedError,
-    ConfigError,
-    ContributionMismatchError,
-    JobMismatchError,
-    LocalProtocolError,
-    PeerError,
-    PeerLostError,
-    PeerTimeoutError,
-    ProtocolError,
-    RedsrvError,
-    ReducerShutdownError,
-    RemoteProtocolError,
-    StaleContributionError,
-)
+from .errors import *  # noqa: F403 - the exception hierarchy is public; errors.__all__ lists it once
 
-__all__ = [
-    "Client",
-    "Config",
-    "Contributors",
-    "ReduceFuture",
-    "ReducerDaemon",
-    "DaemonSettings",
-    "RedsrvError",
-    "ConfigError",
-    "ProtocolError",
-    "LocalProtocolError",
-    "RemoteProtocolError",
-    "PeerError",
-    "PeerTimeoutError",
-    "PeerLostError",
-    "ReducerShutdownError",
-    "JobMismatchError",
-    "ContributionMismatchError",
-    "StaleContributionError",
-    "AuthenticationError",
-    "ClientClosedError",
-]
+__all__ = ["Client", "Config", "Contributors", "ReduceFuture", "ReducerDaemon", "DaemonSettings", *errors.__all__]

@@ -464,7 +464,7 @@ class Client:
         code = frame.code
         text = f"reducer {stream.peer}: {frame.message}"
         if code is wire.ErrorCode.TIMEOUT:
-            return PeerTimeoutError(text, phase="wait for contributions", elapsed=elapsed, **ctx)
+            return PeerTimeoutError(text, phase="wait for contributions", elapsed=elapsed, timeout=self.config.op_timeout, **ctx)
         if code is wire.ErrorCode.PEER_LOST:
             return PeerLostError(text, phase="wait for contributions", elapsed=elapsed, **ctx)
         if code is wire.ErrorCode.SHUTDOWN:

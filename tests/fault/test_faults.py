@@ -16,7 +16,7 @@ import pytest
 import redsrv
 from redsrv.core import wire
 
-from tests_support import make_input, rank_order_sum
+from tests_support import make_input, rank_order_sum, read_frames
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,26 +131,6 @@ def _raw_hello(job: str = "rogue", rank: int = 0, world: int = 1) -> bytes:
     return wire.encode(wire.Hello(job, rank, world, 1, bytes(32)))
 
 
-def _read_frames(sock: socket.socket, timeout: float = 5.0) -> list[wire.Frame]:
-    sock.settimeout(timeout)
-    decoder = wire.FrameDecoder()
-    frames: list[wire.Frame] = []
-    while True:
-        try:
-            data = sock.recv(65536)
-        except (TimeoutError, ConnectionResetError):
-            break
-        decoder.receive_data(data)
-        try:
-            while (f := decoder.next_frame()) is not None:
-                frames.append(f)
-        except redsrv.RemoteProtocolError:
-            break
-        if not data:
-            break
-    return frames
-
-
 GARBAGE = {
     "http request": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
     "bad version": struct.pack("<4sBBHI", b"RDSV", 9, 1, 60, 0) + bytes(60),
@@ -166,7 +146,7 @@ def test_garbage_gets_an_error_frame_and_only_that_connection_closes(fleet, name
         x = np.arange(1000, dtype=np.float32)
         with socket.create_connection((reducer.host, reducer.port), timeout=5) as rogue:
             rogue.sendall(GARBAGE[name])
-            frames = _read_frames(rogue)
+            frames = read_frames(rogue)
         errors = [f for f in frames if isinstance(f, wire.Error)]
         assert errors and errors[-1].fatal, frames
         assert client.allreduce(x).tobytes() == x.tobytes()  # the daemon and the healthy job carry on
@@ -185,7 +165,7 @@ def test_malformed_push_after_a_valid_handshake_closes_only_that_connection(flee
             assert isinstance(_read_one(rogue), wire.Welcome)
             # a push whose header claims 4 float32 but whose dtype code is unknown
             rogue.sendall(struct.pack("<4sBBHI", b"RDSV", 1, 5, 44, 16) + struct.pack("<QQQQIIBBH", 1, challenge.incarnation, 4, 0, 4, 0, 99, 0, 0) + bytes(16))
-            frames = _read_frames(rogue)
+            frames = read_frames(rogue)
             assert any(isinstance(f, wire.Error) and f.code is wire.ErrorCode.PROTOCOL for f in frames), frames
         for step in range(20):
             xs = [make_input(step, r, 3000, "float32") for r in range(2)]

@@ -16,6 +16,7 @@ import redsrv
 from redsrv.core import auth, wire
 
 from conftest import child_env
+from tests_support import read_frames
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,26 +56,6 @@ def read_frame(sock: socket.socket, timeout: float = 5.0) -> wire.Frame | None:
         if not data:
             return None
         decoder.receive_data(data)
-
-
-def read_frames(sock: socket.socket, timeout: float = 5.0) -> list[wire.Frame]:
-    """Every frame until the peer closes (one decoder: frames may share a read)."""
-    sock.settimeout(timeout)
-    decoder = wire.FrameDecoder()
-    frames: list[wire.Frame] = []
-    while True:
-        try:
-            data = sock.recv(65536)
-        except OSError:
-            return frames
-        try:
-            decoder.receive_data(data)
-            while (frame := decoder.next_frame()) is not None:
-                frames.append(frame)
-        except redsrv.RemoteProtocolError:
-            return frames
-        if not data:
-            return frames
 
 
 MALFORMED = [

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -21,15 +19,3 @@ def xla_flags(devices: int) -> str:
 
 if DEVICE_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = xla_flags(2)
-
-
-@pytest.fixture
-def daemon():  # type: ignore[no-untyped-def]
-    """An in-process reducer on a free loopback port: its address."""
-    import redsrv
-
-    reducer = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, heartbeat_interval=0.2,
-                                                         close_timeout=3))
-    host, port = reducer.start()
-    yield f"{host}:{port}"
-    reducer.stop()
