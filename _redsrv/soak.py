@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from redsrv.examples.launcher import start_reducers, stop_processes
+from redsrv.examples.launcher import readline_within, start_reducers, stop_processes
 
 #: Element counts the workers cycle through (4 KiB .. 4 MiB of float32).
 SIZES = (1024, 16_384, 262_144, 1_048_576)
@@ -178,8 +178,7 @@ def _restart_reducer(port: int, env: dict) -> subprocess.Popen:  # type: ignore[
     while True:
         proc = subprocess.Popen([sys.executable, "-m", "redsrv", "reducer", "--host", "127.0.0.1", "--port", str(port),
                                  "--log-level", "error"], stdout=subprocess.PIPE, text=True, env=env)
-        assert proc.stdout is not None
-        if "listening" in proc.stdout.readline():
+        if "listening" in readline_within(proc, 20.0):
             return proc
         proc.wait(5)
         if time.monotonic() > deadline:

@@ -79,6 +79,7 @@ class _Op:
     future: ReduceFuture
     deadline: float
     started: float
+    shape: tuple[int, ...] = ()  # the caller's shape, restored on the result
     min_count: int = 1 << 30
     max_count: int = 0
     all_ranks: int = -1  # intersection of contributor bitmaps
@@ -323,18 +324,12 @@ class Client:
         plan = chunker.plan(arr.size, self.num_reducers, chunk_elements)
         now = time.monotonic()
         timeout = self.config.op_timeout if timeout is None else timeout
-        op = _Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now)
+        op = _Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now,
+                 shape)
         if not plan:
             future.contributors = Contributors(self.world_size, self.world_size, tuple(range(self.world_size)))
             future.set_result(out.reshape(shape))
             return future
-        op_shape = shape
-
-        def finish(result: np.ndarray) -> np.ndarray:
-            return result.reshape(op_shape)
-
-        op.out = out
-        op.future._redsrv_finish = finish  # type: ignore[attr-defined]
         with self._lock:
             if self._closed:
                 raise ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} is closed")
@@ -439,7 +434,7 @@ class Client:
             op.future.contributors = Contributors(
                 op.min_count, op.max_count, tuple(r for r in range(self.world_size) if op.all_ranks >> r & 1))
             if op.future.set_running_or_notify_cancel():
-                op.future.set_result(op.future._redsrv_finish(op.out))  # type: ignore[attr-defined]
+                op.future.set_result(op.out.reshape(op.shape))
 
     def _on_error_frame(self, stream: _Stream, frame: wire.Error) -> None:
         exc = self._error_from_frame(stream, frame)

@@ -51,7 +51,7 @@ def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None
                 stdout=subprocess.PIPE, stderr=None, text=True, env=env,
             )
             fleet.procs.append(proc)
-            line = _readline(proc, timeout)
+            line = readline_within(proc, timeout)
             match = _LISTEN.search(line)
             if not match:
                 raise RuntimeError(f"reducer failed to start (printed {line!r}, exit code {proc.poll()})")
@@ -62,7 +62,8 @@ def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None
     return fleet
 
 
-def _readline(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
+def readline_within(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
+    """The first line ``proc`` prints, or "" if none within ``timeout`` seconds."""
     box: list[str] = []
     t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
     t.start()

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from redsrv.examples.launcher import readline_within
+
 LISTEN_RE = re.compile(r"listening on (\S+):(\d+) incarnation=(0x[0-9a-f]+)")
 
 #: Timeouts shrunk for tests (RELIABILITY: tests shrink defaults 10-100x).
@@ -77,16 +79,7 @@ class ProcessTracker:
         args = [sys.executable, "-m", "redsrv", "reducer", "--host", "127.0.0.1", "--port", str(port), *extra]
         full_env = child_env(env)
         proc = self.popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env)
-        line_box: list[str] = []
-
-        def read_first_line() -> None:
-            assert proc.stdout is not None
-            line_box.append(proc.stdout.readline())
-
-        reader = threading.Thread(target=read_first_line, daemon=True)
-        reader.start()
-        reader.join(timeout)
-        line = line_box[0] if line_box else ""
+        line = readline_within(proc, timeout)
         match = LISTEN_RE.search(line)
         if not match:
             proc.kill()

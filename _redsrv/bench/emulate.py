@@ -49,12 +49,11 @@ from redsrv.bench.netns import (
     format_rate,
     our_namespaces,
     parse_rate,
-    readline_within,
     remove_namespaces,
     signals_deferred,
     tcp_goodput_bps,
 )
-from redsrv.examples.launcher import stop_processes
+from redsrv.examples.launcher import readline_within, stop_processes
 
 __all__ = ["add_parser", "Options", "run_emulate"]
 

@@ -75,7 +75,7 @@ def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps
                     reports.append(json.load(f))
             for i, size in enumerate(sizes_mib):
                 times = [max(rep["sizes"][i]["times"][k] for rep in reports) for k in range(reps)]
-                cpu = sum(rep["sizes"][i]["reducer_cpu"] for rep in reports[:1])
+                cpu = reports[0]["sizes"][i]["reducer_cpu"]  # only rank 0 measures the reducers
                 nbytes = int(size * 2**20) // 4 * 4
                 reduced_gb = nbytes * workers * reps / 1e9
                 median = statistics.median(times)

@@ -25,17 +25,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from redsrv.examples.launcher import stop_processes
+from redsrv.examples.launcher import readline_within, stop_processes
 
 __all__ = ["Cluster", "Host", "EmulationError", "parse_rate", "format_rate", "tcp_goodput_bps", "our_namespaces",
-           "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET", "readline_within", "close_pipes", "signals_deferred"]
+           "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET", "close_pipes", "signals_deferred"]
 
 #: Namespaces are named PREFIX-h0, PREFIX-h1, ... and PREFIX-sw. Distinct from other tools'
 #: defaults so that a hand-made cluster and a benchmark can coexist.
@@ -367,12 +366,3 @@ def close_pipes(procs: Sequence[subprocess.Popen]) -> None:  # type: ignore[type
                     stream.close()
                 except OSError:
                     pass
-
-
-def readline_within(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
-    """The first line ``proc`` prints, or "" if none within ``timeout`` seconds."""
-    box: list[str] = []
-    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
-    t.start()
-    t.join(timeout)
-    return box[0] if box else ""
