@@ -356,9 +356,15 @@ class ReducerCore:
             failed += self._fail(job, chunk_key, ErrorCode.PEER_LOST, f"{why}; chunk cannot complete", now)
         actions.append(Log("warning" if failed else "info", why))
         actions += failed
-        if not job.members:
+        if not job.members and not self._keeps_results(job):
             self._drop_job(job)
         return actions
+
+    @staticmethod
+    def _keeps_results(job: _Job) -> bool:
+        """Results still kept for ranks that have not collected them (a straggler may connect
+        after the others have finished and left)."""
+        return any(closed.result is not None for closed in job.closed.values())
 
     def _can_still_close(self, job: _Job, chunk: _OpenChunk) -> bool:
         if job.params.mode is StragglerMode.ALL:
@@ -638,6 +644,8 @@ class ReducerCore:
             for closed in job.closed.values():
                 if closed.result is not None and now >= closed.expires_at:
                     self._drop_retained(closed)
+            if not job.members and not self._keeps_results(job):
+                self._drop_job(job)  # everyone left and nothing is kept for a late rank
         return actions
 
     @staticmethod

@@ -111,7 +111,7 @@ def test_first_m_mode_excludes_the_straggler_and_averages_over_contributors(flee
     spec = ops({"size": 20_000, "seed": 9, "op": "mean"})
     spec.update(config={"straggler_mode": "first_m", "min_contributors": 3}, start_delay={"3": 2.0})
     results, reports = workers(fleet(2), n, spec).wait()
-    assert all(r["error"] is None for r in reports), reports
+    assert all(r["error"] is None for r in reports), [r["error"] for r in reports]
     expected = rank_order_sum([make_input(9, r, 20_000, "float32") for r in range(3)]) / np.float32(3)
     for rank in range(n):  # the straggler receives the same average, without its own data
         assert results[rank]["r0"].tobytes() == expected.tobytes()

@@ -306,3 +306,21 @@ def test_memory_is_released_for_every_outcome() -> None:
     assert core.bytes_held("j") > 0
     core.tick(5.0)
     assert core.bytes_held("j") == 0
+
+
+def test_a_straggler_connecting_after_the_others_left_still_gets_the_result() -> None:
+    core = ReducerCore(INC)
+    for r in range(3):
+        core.join(conn_id("j", r), hello(r, 4, mode=wire.StragglerMode.FIRST_M, min_contributors=3))
+    for r in range(3):
+        actions = push(core, r, np.full(2, r + 1, np.float32))
+    first, _, _ = result_of(actions, np.dtype(np.float32))
+    for r in range(3):
+        core.leave(conn_id("j", r), "finished", 1.0)
+    # rank 3 connects only now: the job (and the result kept for it) must still be there
+    core.join(conn_id("j", 3), hello(3, 4, mode=wire.StragglerMode.FIRST_M, min_contributors=3))
+    late, ranks, _ = result_of(push(core, 3, np.full(2, 9, np.float32)), np.dtype(np.float32))
+    assert late.tobytes() == first.tobytes() and ranks == [0, 1, 2]
+    core.leave(conn_id("j", 3), "finished", 2.0)
+    core.tick(2.0)
+    assert core.job_names() == []  # nothing left to keep: the job is gone
