@@ -25,9 +25,7 @@ import importlib
 import importlib.util
 import json
 import os
-import platform
 import queue
-import signal
 import socket
 import statistics
 import subprocess
@@ -36,32 +34,16 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redsrv.bench import report
-from redsrv.bench.netns import (
-    DEFAULT_PREFIX,
-    Cluster,
-    EmulationError,
-    format_rate,
-    our_namespaces,
-    parse_rate,
-    remove_namespaces,
-    signals_deferred,
-    tcp_goodput_bps,
-)
-from redsrv.examples.launcher import readline_within, stop_processes
+from redsrv.bench import harness, report
+from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
 
 __all__ = ["add_parser", "Options", "run_emulate"]
 
-_MARK = "@@redsrv-bench "
 _DTYPES = ("float32", "float64", "float16", "bfloat16")
-#: Port of gloo's rendezvous store on worker host 0. Fixed on purpose: the namespace was created
-#: for this run, so nothing else can hold it, and reducers use ephemeral ports.
-_GLOO_PORT = 29500
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -167,7 +149,8 @@ class Options:
 def _main(a: argparse.Namespace) -> int:
     try:
         if a.cleanup:
-            return _cleanup(a.prefix)
+            status: int = harness.cleanup(a.prefix)
+            return status
         if a.report:
             return _rereport(a.report)
         opts = Options(
@@ -181,9 +164,9 @@ def _main(a: argparse.Namespace) -> int:
     except EmulationError as exc:
         print(f"redsrv bench emulate: error: {exc}", file=sys.stderr)
         return 2
-    except _Terminated as exc:
+    except harness.Terminated as exc:
         print(f"redsrv bench emulate: stopped by {exc.name}; cluster removed", file=sys.stderr)
-        return 128 + exc.signum
+        return 128 + int(exc.signum)
 
 
 def _rereport(path: str) -> int:
@@ -220,47 +203,8 @@ def _title(opts: dict[str, Any], day: str, cpus: int | None) -> str:
             + (", reducers colocated" if opts["colocate"] else "") + f", {day}, {cpus} CPUs")
 
 
-def _cleanup(prefix: str) -> int:
-    probe = Cluster(2, 0, prefix=prefix)
-    if os.geteuid() != 0:
-        raise EmulationError("removing network namespaces needs root")
-    names = our_namespaces(probe.prefix)
-    if not names:
-        print(f"no namespaces with prefix {prefix!r}")
-        return 0
-    removed = remove_namespaces(sorted(names, key=lambda ns: ns.endswith("-sw")))
-    print(f"removed {len(removed)} namespace(s): {', '.join(removed)}")
-    return 0 if len(removed) == len(names) else 1
-
-
-class _Terminated(BaseException):
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-        super().__init__(self.name)
-
-
-@contextmanager
-def _raise_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP unwind like Ctrl-C, so every ``finally`` (the cluster's teardown) runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, _frame: object) -> None:
-        raise _Terminated(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def _say(opts: Options, text: str) -> None:
-    if not opts.quiet:
-        print(text, flush=True)
+    harness.say(opts.quiet, text)
 
 
 def run_emulate(opts: Options) -> dict[str, Any]:
@@ -277,7 +221,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                        "(install redsrv[torch] for it)")
         else:
             impls = ["gloo", "redsrv"]
-            torch_version = _torch_version()
+            torch_version = harness.torch_version()
     if opts.delay_us and max(opts.sizes_bytes) > 2**20:
         _say(opts, "note: the delay forwarder is Python: above ~1 MiB it, not the rate limit, bounds the throughput")
     assumed = tcp_goodput_bps(opts.rate_bps, opts.mtu) / 8 / 1e9 if opts.rate_bps else 0.0
@@ -292,7 +236,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
                + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else ""))
-    with _raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
+    with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
         try:
             t0 = time.monotonic()
             cluster.up()
@@ -305,9 +249,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                 goodput, goodput_source = measured, "measured: one TCP stream h0 -> h1, 3 s"
             else:
                 _say(opts, f"  G = {goodput:.4f} GB/s ({goodput_source})")
-            secret = os.path.join(tmp, "secret")
-            with open(os.open(secret, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
-                f.write(uuid.uuid4().hex + uuid.uuid4().hex)
+            secret = harness.write_secret(tmp)
             for n in opts.workers:
                 blocks += _run_config(cluster, opts, n, impls, goodput, tmp, secret)
         finally:
@@ -319,10 +261,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     doc = {
         "benchmark": "redsrv bench emulate",
         "started": started.isoformat(timespec="seconds"),
-        "command": " ".join(["redsrv", "bench", "emulate", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "emulate"] else None,
-        "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
-                    "python": platform.python_version(), "torch": torch_version},
-        "redsrv": {"version": _redsrv_version(), "source": _source_revision()},
+        "command": harness.command_line("emulate"),
+        **harness.provenance(torch_version),
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
         "rows": [r.as_dict() for r in rows],
@@ -349,171 +289,60 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     return doc
 
 
-def _redsrv_version() -> str:
-    from redsrv import __version__
-
-    return str(__version__)
-
-
-def _source_revision() -> str | None:
-    """The git commit of an editable checkout (``+dirty`` with local changes); None otherwise."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        if rev.returncode != 0:
-            return None
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-        return rev.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _torch_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("torch")
-    except Exception:
-        return None
-
-
-def _child_env(secret: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSRV_") and k not in ("RANK", "WORLD_SIZE")}
-    # One compute thread each: n workers and m reducers share the machine's cores, and both
-    # implementations get the same treatment.
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", REDSRV_SECRET_FILE=secret)
-    return env
-
-
 def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodput: float, tmp: str,
                 secret: str) -> list[dict[str, Any]]:
     m = opts.m_for(n)
     nmax = max(opts.workers)
-    env = _child_env(secret)
+    env = harness.child_env(secret)
     reducer_hosts = [j % n for j in range(m)] if opts.colocate else [nmax + j for j in range(m)]
     _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
                + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
     pumps: list[threading.Thread] = []
     try:
-        addresses = []
-        reducers = []
-        for j, h in enumerate(reducer_hosts):
-            log = open(os.path.join(tmp, f"reducer{n}-{j}.log"), "w")
-            p = cluster.spawn(h, [sys.executable, "-m", "redsrv", "reducer", "--host", cluster.hosts[h].ip, "--port", "0",
-                                  "--log-level", "warning"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                              env=env, text=True)
-            log.close()
-            procs.append(p)
-            reducers.append(p)
-        for j, p in enumerate(reducers):
-            line = readline_within(p, 30.0)
-            if "listening on" not in line:
-                raise EmulationError(f"reducer {j} on h{reducer_hosts[j]} did not start: printed {line!r}, exit code "
-                                     f"{p.poll()}; {_tail(os.path.join(tmp, f'reducer{n}-{j}.log'))}")
-            addresses.append(line.split("listening on ", 1)[1].split()[0])
+        reducers, addresses = harness.start_reducers(cluster, reducer_hosts, env=env, logdir=tmp, tag=str(n), procs=procs)
         spec_base = {
             "world": n, "impls": impls, "sizes": list(opts.sizes_bytes), "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
             "warmup": opts.warmup, "rounds": opts.rounds, "dtype": opts.dtype, "wire_dtype": opts.wire_dtype,
             "chunk_bytes": opts.chunk_bytes, "streams": opts.streams, "reducers": addresses,
-            "master": f"{cluster.hosts[0].ip}:{_GLOO_PORT}", "job": f"bench-emulate-n{n}-{uuid.uuid4().hex[:8]}",
+            "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-emulate-n{n}-{uuid.uuid4().hex[:8]}",
         }
+        specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
         events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
-        workers = []
-        logs = []
-        for rank in range(n):
-            spec = dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else [])
-            path = os.path.join(tmp, f"worker{n}-{rank}.log")
-            logs.append(path)
-            log = open(path, "w")
-            p = cluster.spawn(rank, [sys.executable, "-m", "redsrv.bench.emulate", "worker", json.dumps(spec)],
-                              stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env, text=True)
-            log.close()
-            procs.append(p)
-            workers.append(p)
-            pump = threading.Thread(target=_pump, args=(p, rank, events), name=f"bench-pump-{rank}", daemon=True)
-            pump.start()
-            pumps.append(pump)
+        workers, logs = harness.spawn_workers(cluster, "redsrv.bench.emulate", specs, env=env, logdir=tmp, tag=str(n),
+                                              procs=procs, pumps=pumps, events=events)
         return _collect(opts, n, m, impls, workers, logs, events, goodput)
     finally:
-        _terminate_and_drain(cluster, procs, pumps)
-
-
-def _terminate_and_drain(cluster: Cluster, procs: list[subprocess.Popen], pumps: list[threading.Thread]) -> None:  # type: ignore[type-arg]
-    """Stop the processes, let the readers reach end-of-file, then close the pipes."""
-    with signals_deferred():
-        stop_processes(procs, timeout=5)
-        for t in pumps:
-            t.join(5)
-        cluster.stop(procs)
-
-
-def _pump(proc: subprocess.Popen, rank: int, events: queue.Queue) -> None:  # type: ignore[type-arg]
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith(_MARK):
-            events.put((rank, json.loads(line[len(_MARK):])))
-    events.put((rank, None))
+        harness.terminate_and_drain(cluster, procs, pumps)
 
 
 def _collect(opts: Options, n: int, m: int, impls: list[str], workers: list[subprocess.Popen], logs: list[str],  # type: ignore[type-arg]
              events: queue.Queue, goodput: float) -> list[dict[str, Any]]:  # type: ignore[type-arg]
     """Gather each block from every rank, print it, and stop on a failed or silent worker."""
-    pending: dict[tuple[int, int, str], dict[int, dict[str, Any]]] = {}
+    gather = harness.RankGather(n)
     blocks: list[dict[str, Any]] = []
-    done: set[int] = set()
-    ready: set[int] = set()
     total = opts.rounds * len(opts.sizes_bytes) * len(impls)
     speed = goodput * 1e9 * 0.1 if goodput else 1e8  # a pessimistic 10% of G
     slowest = max(2 * s / speed * (opts.warmup + opts.reps_for(s)) for s in opts.sizes_bytes)
-    stall = 120.0 + slowest
-    phase = "start-up (connect to the reducers, gloo rendezvous)"
-    while len(done) < n:
-        try:
-            rank, msg = events.get(timeout=stall)
-        except queue.Empty:
-            missing = sorted(set(range(n)) - done)
-            raise EmulationError(f"n={n}: no progress for {stall:.0f}s during {phase}; ranks {missing} still running. "
-                                 + " | ".join(f"rank {r}: {_tail(logs[r])}" for r in missing[:2])) from None
-        if msg is None:
-            rc = workers[rank].wait(timeout=30)
-            if rank not in done or rc != 0:
-                raise EmulationError(f"n={n}: worker rank {rank} exited with code {rc} during {phase}: {_tail(logs[rank])}")
-            continue
-        event = msg["event"]
-        if event == "ready":
-            ready.add(rank)
-            if len(ready) == n:
-                phase = "the first block"
-        elif event == "done":
-            done.add(rank)
-        elif event == "block":
-            key = (msg["round"], msg["size_bytes"], msg["impl"])
-            got = pending.setdefault(key, {})
-            got[rank] = msg
-            if len(got) == n:
-                del pending[key]
-                block = _merge(n, m, got)
-                blocks.append(block)
-                phase = f"the block after round {key[0] + 1} {report.format_size(key[1])} {key[2]}"
-                _say(opts, _progress(block, len(blocks), total, goodput, opts))
+
+    def on_block(rank: int, msg: dict[str, Any]) -> str | None:
+        key = (msg["round"], msg["size_bytes"], msg["impl"])
+        got = gather.add(key, rank, msg)
+        if got is None:
+            return None
+        block = _merge(n, m, got)
+        blocks.append(block)
+        _say(opts, _progress(block, len(blocks), total, goodput, opts))
+        return f"the block after round {key[0] + 1} {report.format_size(key[1])} {key[2]}"
+
+    harness.collect(workers, logs, events, stall_s=120.0 + slowest, label=f"n={n}", on_message=on_block)
     return blocks
 
 
 def _merge(n: int, m: int, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
     r0 = got[0]
-    reps = len(r0["times"])
-    times = [max(got[r]["times"][k] for r in range(n)) for k in range(reps)]
-    cpu = sum(got[r]["cpu_s"] for r in range(n)) + (r0["reducer_cpu_s"] if r0["impl"] == "redsrv" else 0.0)
-    busy_total = r0["stat_total"]
-    return {
-        "n": n, "m": m, "round": r0["round"], "size_bytes": r0["size_bytes"], "impl": r0["impl"], "times": times,
-        "rank_times": [got[r]["times"] for r in range(n)], "correct": all(got[r]["correct"] for r in range(n)),
-        "cpu_busy": r0["stat_busy"] / busy_total if busy_total else 0.0,
-        "cpu_steal": r0.get("stat_steal", 0) / busy_total if busy_total else 0.0, "cpu_s": cpu, "wall_s": sum(times),
-        "worker_cpu_s": [got[r]["cpu_s"] for r in range(n)], "reducer_cpu_s": r0["reducer_cpu_s"], "cores": r0["cores"],
-    }
+    return {"n": n, "m": m, "round": r0["round"], "size_bytes": r0["size_bytes"], "impl": r0["impl"],
+            **harness.merge_ranks(got, count_reducers=r0["impl"] == "redsrv")}
 
 
 def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: Options) -> str:
@@ -529,16 +358,6 @@ def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: O
             f"median {med * 1000:9.2f} ms  ({min(block['times']) * 1000:.2f}-{max(block['times']) * 1000:.2f})  "
             f"{size / med / 1e9:.4f} GB/s {frac}  CPU busy {block['cpu_busy']:.0%} (ours {ours:.0%}, steal "
             f"{block['cpu_steal']:.0%}){flag}{wrong}")
-
-
-def _tail(path: str, chars: int = 600) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return "(no log)"
-    text = text.strip()
-    return ("..." + text[-chars:]) if len(text) > chars else (text or "(empty log)")
 
 
 def _measure_goodput(cluster: Cluster, tmp: str, seconds: float = 3.0) -> float:
@@ -612,22 +431,12 @@ def _goodput_send(ip: str, port: str, seconds: str) -> int:
     return 0
 
 
-def _cpu_stat() -> tuple[int, int, int]:
-    """(busy, total, steal) jiffies of the whole machine; namespaces do not hide other load.
-    Steal (time the hypervisor gave to other machines) counts as busy: we could not use it."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]] + [0] * 8
-    idle = fields[3] + fields[4]
-    total = sum(fields[:8])
-    return total - idle, total, fields[7]
-
-
 class _Buffers:
     """One size's buffers on one rank: the input, the exact expected sum, and gloo's in-place
     tensor with the copy it is reset from."""
 
     def __init__(self, np: Any, torch: Any, dtype: Any, size: int, rank: int, n: int) -> None:
-        self.base, self.expected = _data(np, dtype, size, rank, n)
+        self.base, self.expected = harness.exact_data(dtype, size, rank, n)
         self.expected_bytes = self.expected.view(np.uint8)
         self.tensor = _as_tensor(torch, self.base) if torch is not None else None
         self.tensor_base = _as_tensor(torch, self.base) if torch is not None else None
@@ -679,34 +488,24 @@ class _Redsrv:
 
 def _block(impl: _Gloo | _Redsrv, b: _Buffers, warmup: int, reps: int, reducer_pids: list[int]) -> dict[str, Any]:
     """Warm-up, then ``reps`` timed all-reduces; CPU is counted over the timed calls only."""
-    from redsrv.bench.local import cpu_seconds
-
     times: list[float] = []
     correct = True
-    own_cpu = red_cpu = 0.0
-    busy = total = steal = 0
+    meter = harness.CpuMeter(reducer_pids)
     for i in range(warmup + reps):
         impl.reset(b)
         impl.barrier()
         timed = i >= warmup
         if timed:
-            s0, c0 = _cpu_stat(), time.process_time()
-            r0 = sum(cpu_seconds(p) for p in reducer_pids)
+            meter.start()
         t0 = time.perf_counter()
         result = impl.reduce(b)
         elapsed = time.perf_counter() - t0
         if timed:
-            s1, c1 = _cpu_stat(), time.process_time()
-            red_cpu += sum(cpu_seconds(p) for p in reducer_pids) - r0
-            own_cpu += c1 - c0
-            busy += s1[0] - s0[0]
-            total += s1[1] - s0[1]
-            steal += s1[2] - s0[2]
+            meter.stop()
             times.append(elapsed)
         correct = impl.correct(b, result) and correct
         del result
-    return {"times": times, "correct": correct, "cpu_s": own_cpu, "reducer_cpu_s": red_cpu, "stat_busy": busy,
-            "stat_total": total, "stat_steal": steal, "cores": os.cpu_count()}
+    return {"times": times, "correct": correct, **meter.fields()}
 
 
 def _worker(spec_json: str) -> int:
@@ -716,9 +515,6 @@ def _worker(spec_json: str) -> int:
 
     spec = json.loads(spec_json)
     rank, n = spec["rank"], spec["world"]
-
-    def emit(**fields: Any) -> None:
-        print(_MARK + json.dumps(fields), flush=True)
 
     np_dtype = _numpy_dtype(spec["dtype"])
     options = {k: v for k, v in (("chunk_bytes", spec["chunk_bytes"]), ("streams_per_reducer", spec["streams"])) if v}
@@ -738,7 +534,7 @@ def _worker(spec_json: str) -> int:
                                     timeout=dt.timedelta(seconds=300))
             impls.append(_Gloo(dist, torch))
         impls.append(_Redsrv(client))
-        emit(event="ready")
+        harness.emit(event="ready")
         buffers: _Buffers | None = None
         for rnd in range(spec["rounds"]):
             for size, reps in zip(spec["sizes"], spec["reps"], strict=True):
@@ -747,8 +543,8 @@ def _worker(spec_json: str) -> int:
                     buffers = _Buffers(np, torch, np_dtype, size, rank, n)
                 for impl in impls:
                     result = _block(impl, buffers, spec["warmup"], reps, spec["reducer_pids"])
-                    emit(event="block", round=rnd, size_bytes=size, impl=impl.name, **result)
-        emit(event="done")
+                    harness.emit(event="block", round=rnd, size_bytes=size, impl=impl.name, **result)
+        harness.emit(event="done")
     finally:
         client.close()
         if dist is not None and dist.is_initialized():
@@ -764,17 +560,6 @@ def _numpy_dtype(name: str) -> Any:
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
-
-
-def _data(np: Any, dtype: Any, size: int, rank: int, n: int) -> tuple[Any, Any]:
-    """Small integers, so every sum is exact in every dtype and on 16-bit wires (for n <= 42):
-    results can be compared bit for bit."""
-    count = size // dtype.itemsize
-    pattern = np.arange(4096, dtype=np.float32) % 4
-    reps = -(-count // pattern.size)
-    base = np.tile(pattern + rank % 4, reps)[:count].astype(dtype)
-    expected = np.tile(pattern * n + sum(r % 4 for r in range(n)), reps)[:count].astype(dtype)
-    return base, expected
 
 
 def _as_tensor(torch: Any, arr: Any) -> Any:

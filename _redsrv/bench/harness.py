@@ -1,0 +1,364 @@
+"""What the emulated-cluster benchmarks (``redsrv bench emulate``, ``redsrv bench train``) share.
+
+Parent side: signals that unwind into the cluster's teardown, the children's environment and
+secret, reducer start-up, worker processes whose stdout carries one JSON object per marked line,
+the collection loop with its deadline, the merge of every rank's block into one (slowest rank per
+timed rep), the teardown that stops processes and drains their pipes, and the provenance written
+into every result file. Worker side: :func:`emit` and :class:`CpuMeter`.
+
+Everything the parent starts is tracked by pid in a list the caller owns, so the caller's
+``finally`` (:func:`terminate_and_drain`, then :meth:`Cluster.down`) ends it on every exit path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from redsrv.bench.local import cpu_seconds
+from redsrv.bench.netns import Cluster, EmulationError, our_namespaces, remove_namespaces, signals_deferred
+from redsrv.examples.launcher import readline_within, stop_processes
+
+__all__ = ["MARK", "GLOO_PORT", "Terminated", "raise_on_signals", "say", "cleanup", "write_secret", "child_env",
+           "start_reducers", "spawn_workers", "terminate_and_drain", "collect", "RankGather", "merge_ranks", "tail",
+           "cpu_stat", "CpuMeter", "emit", "exact_data", "provenance", "command_line", "torch_version"]
+
+#: Prefix of the lines on a worker's stdout that carry results (anything else is ignored).
+MARK = "@@redsrv-bench "
+
+#: Port of gloo's rendezvous store on worker host 0. Fixed on purpose: the namespace was created
+#: for this run, so nothing else can hold it, and reducers use ephemeral ports.
+GLOO_PORT = 29500
+
+#: Seconds a reducer may take to print its address (a busy 2-core machine imports slowly).
+REDUCER_START_TIMEOUT = 30.0
+
+#: Seconds a worker has to exit once it closed its stdout.
+WORKER_EXIT_TIMEOUT = 30.0
+
+#: Seconds each process gets between SIGTERM and SIGKILL at teardown, and each pump to reach EOF.
+STOP_TIMEOUT = 5.0
+
+Pumps = list[threading.Thread]
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like KeyboardInterrupt so every teardown runs."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+@contextmanager
+def raise_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP unwind like Ctrl-C, so every ``finally`` (the cluster's teardown) runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def say(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, flush=True)
+
+
+def cleanup(prefix: str) -> int:
+    """Remove the namespaces a killed run left under ``prefix``; the exit status for the CLI."""
+    probe = Cluster(2, 0, prefix=prefix)
+    if os.geteuid() != 0:
+        raise EmulationError("removing network namespaces needs root")
+    names = our_namespaces(probe.prefix)
+    if not names:
+        print(f"no namespaces with prefix {prefix!r}")
+        return 0
+    removed = remove_namespaces(sorted(names, key=lambda ns: ns.endswith("-sw")))
+    print(f"removed {len(removed)} namespace(s): {', '.join(removed)}")
+    return 0 if len(removed) == len(names) else 1
+
+
+def write_secret(folder: str) -> str:
+    """A fresh shared secret in ``folder`` (mode 0600); returns its path."""
+    path = os.path.join(folder, "secret")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(uuid.uuid4().hex + uuid.uuid4().hex)
+    return path
+
+
+def child_env(secret: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSRV_") and k not in ("RANK", "WORLD_SIZE")}
+    # One compute thread each: n workers and m reducers share the machine's cores, and both
+    # implementations get the same treatment.
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0", REDSRV_SECRET_FILE=secret)
+    return env
+
+
+def start_reducers(cluster: Cluster, hosts: Sequence[int], *, env: dict[str, str], logdir: str, tag: str,
+                   procs: list[subprocess.Popen]) -> tuple[list[subprocess.Popen], list[str]]:  # type: ignore[type-arg]
+    """One ``redsrv reducer`` on each of ``hosts``, on an ephemeral port; returns the processes and
+    their ``host:port`` addresses once every one is listening. Each process joins ``procs`` as
+    soon as it exists, so the caller's teardown stops it whatever fails next."""
+    reducers = []
+    logs = []
+    for j, h in enumerate(hosts):
+        path = os.path.join(logdir, f"reducer{tag}-{j}.log")
+        logs.append(path)
+        with open(path, "w") as log:
+            p = cluster.spawn(h, [sys.executable, "-m", "redsrv", "reducer", "--host", cluster.hosts[h].ip, "--port", "0",
+                                  "--log-level", "warning"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                              env=env, text=True)
+        procs.append(p)
+        reducers.append(p)
+    addresses = []
+    for j, p in enumerate(reducers):
+        line = readline_within(p, REDUCER_START_TIMEOUT)
+        if "listening on" not in line:
+            raise EmulationError(f"reducer {j} on h{hosts[j]} did not start within {REDUCER_START_TIMEOUT:.0f}s: printed "
+                                 f"{line!r}, exit code {p.poll()}; {tail(logs[j])}")
+        addresses.append(line.split("listening on ", 1)[1].split()[0])
+    return reducers, addresses
+
+
+def spawn_workers(cluster: Cluster, module: str, specs: Sequence[dict[str, Any]], *, env: dict[str, str], logdir: str,
+                  tag: str, procs: list[subprocess.Popen], pumps: Pumps,  # type: ignore[type-arg]
+                  events: queue.Queue) -> tuple[list[subprocess.Popen], list[str]]:  # type: ignore[type-arg]
+    """Rank r runs ``python -m MODULE worker SPEC_JSON`` on host r; a pump thread per rank puts
+    its marked lines on ``events`` as ``(rank, message)`` and ``(rank, None)`` at end of file.
+    Returns the processes and the paths of their stderr logs."""
+    workers = []
+    logs = []
+    for rank, spec in enumerate(specs):
+        path = os.path.join(logdir, f"worker{tag}-{rank}.log")
+        logs.append(path)
+        with open(path, "w") as log:
+            p = cluster.spawn(rank, [sys.executable, "-m", module, "worker", json.dumps(spec)], stdout=subprocess.PIPE,
+                              stderr=log, stdin=subprocess.DEVNULL, env=env, text=True)
+        procs.append(p)
+        workers.append(p)
+        pump = threading.Thread(target=_pump, args=(p, rank, events), name=f"bench-pump-{rank}", daemon=True)
+        pump.start()
+        pumps.append(pump)
+    return workers, logs
+
+
+def _pump(proc: subprocess.Popen, rank: int, events: queue.Queue) -> None:  # type: ignore[type-arg]
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(MARK):
+            events.put((rank, json.loads(line[len(MARK):])))
+    events.put((rank, None))
+
+
+def terminate_and_drain(cluster: Cluster, procs: list[subprocess.Popen], pumps: Pumps) -> None:  # type: ignore[type-arg]
+    """Stop the processes, let the readers reach end-of-file, then close the pipes."""
+    with signals_deferred():
+        stop_processes(procs, timeout=STOP_TIMEOUT)
+        for t in pumps:
+            t.join(STOP_TIMEOUT)
+        cluster.stop(procs)
+
+
+def collect(workers: Sequence[subprocess.Popen], logs: Sequence[str], events: queue.Queue, *,  # type: ignore[type-arg]
+            stall_s: float, label: str, on_message: Callable[[int, dict[str, Any]], str | None]) -> None:
+    """Hand every rank's messages other than ``ready``/``done`` to ``on_message`` until each rank
+    said ``done`` and exited 0. ``on_message`` may return a new description of where the run
+    is, for the errors. Raises :class:`EmulationError` on a worker that exits early or fails, and
+    when no rank reports anything for ``stall_s`` seconds."""
+    n = len(workers)
+    done: set[int] = set()
+    ready: set[int] = set()
+    phase = "start-up (connect to the reducers, gloo rendezvous)"
+    while len(done) < n:
+        try:
+            rank, msg = events.get(timeout=stall_s)
+        except queue.Empty:
+            missing = sorted(set(range(n)) - done)
+            raise EmulationError(f"{label}: no progress for {stall_s:.0f}s during {phase}; ranks {missing} still running. "
+                                 + " | ".join(f"rank {r}: {tail(logs[r])}" for r in missing[:2])) from None
+        if msg is None:
+            rc = workers[rank].wait(timeout=WORKER_EXIT_TIMEOUT)
+            if rank not in done or rc != 0:
+                raise EmulationError(f"{label}: worker rank {rank} exited with code {rc} during {phase}: {tail(logs[rank])}")
+            continue
+        event = msg["event"]
+        if event == "ready":
+            ready.add(rank)
+            if len(ready) == n:
+                phase = "the first block"
+        elif event == "done":
+            done.add(rank)
+        else:
+            phase = on_message(rank, msg) or phase
+
+
+class RankGather:
+    """Holds each rank's message under a key until all ``n`` ranks sent theirs."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._pending: dict[Any, dict[int, dict[str, Any]]] = {}
+
+    def add(self, key: Any, rank: int, msg: dict[str, Any]) -> dict[int, dict[str, Any]] | None:
+        """Every rank's message for ``key`` once this one completed the set, else None."""
+        got = self._pending.setdefault(key, {})
+        got[rank] = msg
+        if len(got) < self.n:
+            return None
+        del self._pending[key]
+        return got
+
+
+def merge_ranks(got: dict[int, dict[str, Any]], *, count_reducers: bool) -> dict[str, Any]:
+    """One block from every rank's: per timed rep the slowest rank's time (the operation is done
+    when the last rank is), CPU summed over the workers (plus the reducers', read by rank 0, when
+    ``count_reducers``), and the whole-machine CPU busy rank 0 saw."""
+    n = len(got)
+    r0 = got[0]
+    reps = len(r0["times"])
+    times = [max(got[r]["times"][k] for r in range(n)) for k in range(reps)]
+    cpu = sum(got[r]["cpu_s"] for r in range(n)) + (r0["reducer_cpu_s"] if count_reducers else 0.0)
+    busy_total = r0["stat_total"]
+    return {
+        "times": times, "rank_times": [got[r]["times"] for r in range(n)], "correct": all(got[r]["correct"] for r in range(n)),
+        "cpu_busy": r0["stat_busy"] / busy_total if busy_total else 0.0,
+        "cpu_steal": r0.get("stat_steal", 0) / busy_total if busy_total else 0.0, "cpu_s": cpu, "wall_s": sum(times),
+        "worker_cpu_s": [got[r]["cpu_s"] for r in range(n)], "reducer_cpu_s": r0["reducer_cpu_s"], "cores": r0["cores"],
+    }
+
+
+def tail(path: str, chars: int = 600) -> str:
+    """The end of a child's log, for error messages."""
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return "(no log)"
+    text = text.strip()
+    return ("..." + text[-chars:]) if len(text) > chars else (text or "(empty log)")
+
+
+def provenance(torch: str | None) -> dict[str, Any]:
+    """``machine`` and ``redsrv`` entries of a result file: where and with what it ran."""
+    from redsrv import __version__
+
+    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
+                        "python": platform.python_version(), "torch": torch},
+            "redsrv": {"version": str(__version__), "source": _source_revision()}}
+
+
+def command_line(name: str) -> str | None:
+    """The ``redsrv bench NAME ...`` command this process runs, when it was started that way."""
+    return " ".join(["redsrv", "bench", name, *sys.argv[3:]]) if sys.argv[1:3] == ["bench", name] else None
+
+
+def _source_revision() -> str | None:
+    """The git commit of an editable checkout (``+dirty`` with local changes); None otherwise."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+        return rev.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def torch_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:
+        return None
+
+
+# --- inside the worker processes -----------------------------------------------------------
+
+
+def emit(**fields: Any) -> None:
+    """One result line for the parent's pump."""
+    print(MARK + json.dumps(fields), flush=True)
+
+
+def cpu_stat() -> tuple[int, int, int]:
+    """(busy, total, steal) jiffies of the whole machine; namespaces do not hide other load.
+    Steal (time the hypervisor gave to other machines) counts as busy: we could not use it."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]] + [0] * 8
+    idle = fields[3] + fields[4]
+    total = sum(fields[:8])
+    return total - idle, total, fields[7]
+
+
+class CpuMeter:
+    """CPU spent during the timed parts of a block only: whole-machine busy, total and steal
+    jiffies, this process's CPU seconds (every thread: gloo's and redsrv's transport included)
+    and, where ``reducer_pids`` are given (rank 0), the reducers' CPU seconds."""
+
+    def __init__(self, reducer_pids: Sequence[int]) -> None:
+        self.reducer_pids = list(reducer_pids)
+        self.own_s = self.reducers_s = 0.0
+        self.busy = self.total = self.steal = 0
+        self._start: tuple[tuple[int, int, int], float, float] | None = None
+
+    def start(self) -> None:
+        self._start = (cpu_stat(), time.process_time(), sum(cpu_seconds(p) for p in self.reducer_pids))
+
+    def stop(self) -> None:
+        assert self._start is not None, "CpuMeter.stop() without start()"
+        (busy, total, steal), own, reducers = self._start
+        s1 = cpu_stat()
+        self.own_s += time.process_time() - own
+        self.reducers_s += sum(cpu_seconds(p) for p in self.reducer_pids) - reducers
+        self.busy += s1[0] - busy
+        self.total += s1[1] - total
+        self.steal += s1[2] - steal
+        self._start = None
+
+    def fields(self) -> dict[str, Any]:
+        """The block fields :func:`merge_ranks` reads."""
+        return {"cpu_s": self.own_s, "reducer_cpu_s": self.reducers_s, "stat_busy": self.busy, "stat_total": self.total,
+                "stat_steal": self.steal, "cores": os.cpu_count()}
+
+
+def exact_data(dtype: np.dtype, size: int, rank: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s input of ``size`` bytes and the sum over ``n`` ranks. Small integers, so every
+    sum is exact in every dtype and on 16-bit wires (for n <= 42): results can be compared bit
+    for bit.
+
+    >>> base, total = exact_data(np.dtype("float32"), 16, rank=1, n=2)
+    >>> base.tolist(), total.tolist()
+    ([1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 5.0, 7.0])
+    """
+    count = size // dtype.itemsize
+    pattern = np.arange(4096, dtype=np.float32) % 4
+    reps = -(-count // pattern.size)
+    base = np.tile(pattern + rank % 4, reps)[:count].astype(dtype)
+    expected = np.tile(pattern * n + sum(r % 4 for r in range(n)), reps)[:count].astype(dtype)
+    return base, expected
