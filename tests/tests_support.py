@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import subprocess
+import sys
 
 import numpy as np
 
@@ -11,7 +15,7 @@ from redsrv.core import wire
 
 from worker_main import make_input
 
-__all__ = ["make_input", "rank_order_sum", "read_frames"]
+__all__ = ["make_input", "rank_order_sum", "read_frames", "why_no_namespaces"]
 
 
 def read_frames(sock: socket.socket, timeout: float = 5.0) -> list[wire.Frame]:
@@ -41,3 +45,21 @@ def rank_order_sum(arrays: list[np.ndarray]) -> np.ndarray:
     for x in arrays[1:]:
         total += x
     return total
+
+
+def why_no_namespaces() -> str | None:
+    """Why the emulated-cluster benchmarks cannot run here (a skip reason), or None when they can:
+    Linux, root, iproute2, and ``ip netns add`` actually working (containers may forbid it)."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    for binary in ("ip", "tc"):
+        if shutil.which(binary) is None:
+            return f"`{binary}` (iproute2) is not installed"
+    probe = f"rsprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+    if made.returncode != 0:
+        return f"`ip netns add` failed here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+    return None

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import subprocess
-import sys
 
 import psutil
 import pytest
@@ -21,26 +18,11 @@ import pytest
 from redsrv.bench.emulate import Options, run_emulate
 from redsrv.bench.netns import our_namespaces
 
+from tests_support import why_no_namespaces
+
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(100)]
 
-
-def _why_no_namespaces() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "creating network namespaces needs root"
-    for binary in ("ip", "tc"):
-        if shutil.which(binary) is None:
-            return f"`{binary}` (iproute2) is not installed"
-    probe = f"rsprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"`ip netns add` failed here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-REASON = _why_no_namespaces()
+REASON = why_no_namespaces()
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 

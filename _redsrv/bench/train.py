@@ -1,0 +1,773 @@
+"""``redsrv bench train``: DDP training steps with the redsrv hook against gloo DDP, on the emulated
+cluster of ``redsrv bench emulate``.
+
+Every worker process holds two DDP wrappers of identically initialised models, a stack of square
+``nn.Linear`` layers with tens of millions of parameters fed a batch of a few rows, so that a step
+is bound by communication, not arithmetic. One reduces its gradients with gloo's ring all-reduce
+(the baseline), the other through ``redsrv.torch.redsrv_hook`` (gloo carries only DDP's control
+traffic there). Both use ``gradient_as_bucket_view=True`` and the same bucket cap, and train with
+SGD on the same generated data (fixed seeds, nothing downloaded). Each round runs four blocks:
+
+  gloo     DDP steps, gradients all-reduced by gloo
+  hook     DDP steps, gradients all-reduced by the reducers through the hook
+  raw      no DDP and no torch: the client's allreduce_async of arrays with exactly the sizes and
+           dtypes of the buckets DDP handed the hook, all issued back to back, then waited
+  compute  forward, backward and SGD step under no_sync(): no communication at all
+
+Every step is timed on every rank after a barrier; a step takes as long as its slowest rank.
+Reported per mode: median and min-max step time, steps per second, gradient bytes per step /
+step time as a fraction of G. Then the speedup gloo step / hook step beside the all-reduce theory
+2(n-1)/n·min(1, m/n), and the hook's overhead hook step / raw step - 1: an upper bound of what
+the hook and DDP add, since it also contains the compute that DDP could not hide behind
+communication (the compute step is printed beside it). After each gloo and hook block the
+parameters are compared: identical on every rank, and (float32 wire) the hook-trained model
+equal to the gloo-trained one within float32 rounding.
+
+Needs root, iproute2 and torch; removes every namespace and process it created on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from redsrv.bench import harness, report
+from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
+
+__all__ = ["add_parser", "Options", "run_train", "model_shape", "summarise", "Summary", "ModeRow", "format_summary"]
+
+#: Frameworks with a worker here. ``--framework`` exists so that JAX and TensorFlow can follow.
+FRAMEWORKS = ("torch",)
+PLANNED_FRAMEWORKS = ("jax", "tf")
+
+#: Blocks of a round, in the order they run. "gloo" is left out with --no-baseline.
+MODES = ("gloo", "hook", "raw", "compute")
+
+#: Layer width: wide enough that a layer is one large matrix (few, big gradient tensors, as in
+#: the large layers that make real models communication-bound) and a batch of a few rows costs
+#: little arithmetic.
+DEFAULT_WIDTH = 2048
+#: At least two layers, so that backward produces gradients while earlier buckets are in flight.
+MIN_LAYERS = 2
+MIN_PARAMS = 10_000
+
+#: SGD on loss = sum of squared errors / batch: measured stable over 30 steps at 25M parameters,
+#: with parameter updates of about 1% of the largest weight, large enough that a wrong
+#: all-reduce (a sum instead of a mean, a missing bucket) shows in the comparison.
+LEARNING_RATE = 1e-3
+
+#: Largest |hook model - gloo model| over the largest |gloo model - initial model| that still
+#: counts as the same training. Float32 wire: both sum 4-byte floats, in a different order
+#: (ring vs rank order), ~1e-7 relative per step. 16-bit wires round every gradient (bf16 keeps
+#: 8 significant bits, fp16 11): the bounds are that rounding with a margin.
+MATCH_TOLERANCE: dict[str | None, float] = {None: 1e-4, "fp16": 1e-2, "bf16": 5e-2}
+
+#: Redsrv and gloo deadline for one operation inside the workers: minutes above any step here,
+#: so that a hung peer fails the run instead of stalling it.
+OP_TIMEOUT_S = 120.0
+
+#: The issue's targets for this benchmark.
+SPEEDUP_TARGET = 1.3
+OVERHEAD_TARGET = 0.05
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    b = subparsers.add_parser(
+        "train", help="DDP steps/s with the redsrv hook vs gloo DDP on an emulated rate-limited cluster (root)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--framework", default="torch",
+                   help=f"training framework: {', '.join(FRAMEWORKS)} (default torch; "
+                        f"{' and '.join(PLANNED_FRAMEWORKS)} are planned)")
+    b.add_argument("--workers", type=int, default=4, metavar="N", help="worker count n (default 4)")
+    b.add_argument("--reducers", type=int, default=None, metavar="M",
+                   help="reducer count m, each on its own host (default: m = n)")
+    b.add_argument("--rate", default="1gbit", help="per-host line rate, both directions, e.g. 1gbit, 500mbit, none (default 1gbit)")
+    b.add_argument("--params", type=float, default=25.0, metavar="MILLIONS",
+                   help=f"model size in millions of parameters (default 25: {DEFAULT_WIDTH}-wide layers)")
+    b.add_argument("--batch", type=int, default=8, help="rows per worker per step (default 8)")
+    b.add_argument("--steps", type=int, default=5, help="timed steps per block (default 5)")
+    b.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps before each block (default 2; at least 1: DDP rebuilds its buckets after the first)")
+    b.add_argument("--rounds", type=int, default=3, help="rounds of gloo/hook/raw/compute blocks (default 3)")
+    b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None,
+                   help="the hook compresses float32 gradients to this on the wire (gloo keeps float32)")
+    b.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb, for both models (default 25)")
+    b.add_argument("--no-baseline", action="store_true", help="leave out the gloo DDP blocks")
+    b.add_argument("--out", default="bench-results", help="folder for the JSON and PNG files (default ./bench-results)")
+    b.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"namespace name prefix (default {DEFAULT_PREFIX})")
+    b.add_argument("--cleanup", action="store_true",
+                   help="only remove namespaces left with this prefix (after a run was killed with SIGKILL)")
+    b.add_argument("--report", metavar="JSON", help="only print the table and redraw the plot of an earlier run's JSON")
+    b.set_defaults(func=_main)
+
+
+@dataclass(frozen=True)
+class Options:
+    framework: str = "torch"
+    workers: int = 4
+    reducers: int | None = None
+    rate_bps: int = 10**9
+    params: int = 25_000_000
+    batch: int = 8
+    steps: int = 5
+    warmup: int = 2
+    rounds: int = 3
+    wire_dtype: str | None = None
+    bucket_cap_mb: float = 25.0
+    baseline: bool = True
+    out: str = "bench-results"
+    prefix: str = DEFAULT_PREFIX
+    quiet: bool = False
+
+    @property
+    def m(self) -> int:
+        return self.reducers if self.reducers is not None else self.workers
+
+    @property
+    def hosts(self) -> int:
+        return self.workers + self.m
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return MODES if self.baseline else tuple(m for m in MODES if m != "gloo")
+
+    def validate(self) -> None:
+        if self.framework not in FRAMEWORKS:
+            planned = " (planned)" if self.framework in PLANNED_FRAMEWORKS else ""
+            raise EmulationError(f"--framework {self.framework}{planned}: only {', '.join(FRAMEWORKS)} is implemented so far")
+        if self.workers < 2:
+            raise EmulationError("--workers: need at least 2 workers")
+        if self.reducers is not None and self.reducers < 1:
+            raise EmulationError("--reducers must be >= 1")
+        if self.params < MIN_PARAMS:
+            raise EmulationError(f"--params: at least {MIN_PARAMS / 1e6:g} million parameters")
+        for name in ("batch", "steps", "rounds", "warmup"):
+            if getattr(self, name) < 1:
+                why = " (DDP rebuilds its buckets after the first step, which must not be timed)" if name == "warmup" else ""
+                raise EmulationError(f"--{name} must be >= 1{why}")
+        if not self.bucket_cap_mb > 0:
+            raise EmulationError("--bucket-cap-mb must be positive")
+        if self.wire_dtype not in MATCH_TOLERANCE:
+            raise EmulationError(f"--wire-dtype {self.wire_dtype}: use bf16 or fp16")
+        # Per worker, in units of the gradient size: two models, their gradients (the buckets),
+        # the initial and the saved parameters, the raw block's inputs and results, the hook's
+        # results in flight.
+        need = self.workers * 9 * 4 * self.params
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else need
+        if need > 0.8 * avail:
+            raise EmulationError(f"{self.workers} workers with {self.params / 1e6:g}M parameters need about "
+                                 f"{need / 2**30:.1f} GiB of memory; {avail / 2**30:.1f} GiB is free")
+
+
+def model_shape(params: int, max_width: int = DEFAULT_WIDTH) -> tuple[int, int]:
+    """(layers, width) of a stack of square Linear layers (weight and bias) with about ``params``
+    parameters: ``max_width`` wide with as many layers as fit, or narrower layers for small models.
+
+    >>> model_shape(25_000_000), model_shape(2_000_000)
+    ((6, 2048), (2, 992))
+    """
+    width = max_width
+    if params < MIN_LAYERS * width * (width + 1):
+        # Multiples of 16 keep the matrices friendly to vectorised kernels.
+        width = max(16, math.isqrt(params // MIN_LAYERS) // 16 * 16)
+    layers = max(MIN_LAYERS, round(params / (width * (width + 1))))
+    return layers, width
+
+
+def _main(a: argparse.Namespace) -> int:
+    try:
+        if a.cleanup:
+            status: int = harness.cleanup(a.prefix)
+            return status
+        if a.report:
+            return _rereport(a.report)
+        opts = Options(
+            framework=a.framework, workers=a.workers, reducers=a.reducers, rate_bps=parse_rate(a.rate),
+            params=int(a.params * 1e6), batch=a.batch, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
+            wire_dtype=a.wire_dtype, bucket_cap_mb=a.bucket_cap_mb, baseline=not a.no_baseline, out=a.out, prefix=a.prefix)
+        result = run_train(opts)
+        return 0 if result["ok"] else 1
+    except EmulationError as exc:
+        print(f"redsrv bench train: error: {exc}", file=sys.stderr)
+        return 2
+    except harness.Terminated as exc:
+        print(f"redsrv bench train: stopped by {exc.name}; cluster removed", file=sys.stderr)
+        return 128 + int(exc.signum)
+
+
+def _say(opts: Options, text: str) -> None:
+    harness.say(opts.quiet, text)
+
+
+# --- report maths: pure functions of the merged blocks -----------------------------------------
+
+
+@dataclass
+class ModeRow:
+    mode: str
+    steps: int  # timed steps over every round
+    median_s: float
+    min_s: float
+    max_s: float
+    round_medians_s: list[float]
+    steps_per_s: float
+    grad_gbps: float | None  # gradient bytes per step / step time; None for compute (nothing sent)
+    of_goodput: float | None  # grad_gbps / G; None without a rate limit or for compute
+    cpu_busy: float  # whole machine, median over the blocks
+    cpu_busy_max: float
+    own_cpu_share: float  # our processes' CPU time / (wall time x cores)
+    correct: bool
+
+    @property
+    def cpu_bound(self) -> bool:
+        return bool(self.cpu_busy > report.CPU_BOUND_BUSY)
+
+
+@dataclass
+class Summary:
+    rows: list[ModeRow]
+    n: int
+    m: int
+    grad_bytes: int
+    goodput: float
+    theory: float  # all-reduce speedup at the bounds, 2(n-1)/n·min(1, m/n)·compression
+    speedup: float | None = None  # gloo median step / hook median step
+    speedup_rounds: list[float] = field(default_factory=list)
+    overhead: float | None = None  # hook median step / raw median step - 1
+    overhead_rounds: list[float] = field(default_factory=list)
+    compute_s: float | None = None
+    correct: bool = True
+
+    @property
+    def speedup_met(self) -> bool | None:
+        return None if self.speedup is None else self.speedup >= SPEEDUP_TARGET
+
+    @property
+    def overhead_met(self) -> bool | None:
+        return None if self.overhead is None else self.overhead <= OVERHEAD_TARGET
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["rows"] = [dict(asdict(r), cpu_bound=r.cpu_bound) for r in self.rows]
+        d.update(speedup_target=SPEEDUP_TARGET, speedup_met=self.speedup_met, overhead_target=OVERHEAD_TARGET,
+                 overhead_met=self.overhead_met)
+        return d
+
+
+def summarise(blocks: Sequence[dict[str, Any]], *, n: int, m: int, grad_bytes: int, goodput: float,
+              compression: float = 1.0) -> Summary:
+    """One row per mode in :data:`MODES` order, and the speedup and overhead as ratios of medians
+    (with the same ratio per round, for the spread). ``compression``: the hook's wire
+    compression factor, for the theory (gloo always sends float32)."""
+    rows = []
+    for mode in MODES:
+        bs = sorted((b for b in blocks if b["mode"] == mode), key=lambda b: b["round"])
+        if not bs:
+            continue
+        times = [t for b in bs for t in b["times"]]
+        med = statistics.median(times)
+        busy = [b["cpu_busy"] for b in bs]
+        wall = sum(b["wall_s"] for b in bs)
+        cpu = sum(b["cpu_s"] for b in bs)
+        sends = mode != "compute"
+        grad_gbps = grad_bytes / med / 1e9 if sends else None
+        rows.append(ModeRow(
+            mode=mode, steps=len(times), median_s=med, min_s=min(times), max_s=max(times),
+            round_medians_s=[statistics.median(b["times"]) for b in bs], steps_per_s=1.0 / med, grad_gbps=grad_gbps,
+            of_goodput=grad_gbps / goodput if grad_gbps is not None and goodput else None,
+            cpu_busy=statistics.median(busy), cpu_busy_max=max(busy),
+            own_cpu_share=cpu / (wall * bs[0].get("cores", 1)) if wall else 0.0, correct=all(b["correct"] for b in bs)))
+    by_mode = {r.mode: r for r in rows}
+    summary = Summary(rows=rows, n=n, m=m, grad_bytes=grad_bytes, goodput=goodput,
+                      theory=report.theory_speedup(n, m, compression=compression), correct=all(r.correct for r in rows))
+    gloo, hook, raw, compute = (by_mode.get(k) for k in MODES)
+    if gloo and hook:
+        summary.speedup = gloo.median_s / hook.median_s
+        summary.speedup_rounds = [g / h for g, h in zip(gloo.round_medians_s, hook.round_medians_s, strict=False)]
+    if hook and raw:
+        summary.overhead = hook.median_s / raw.median_s - 1
+        summary.overhead_rounds = [h / r - 1 for h, r in zip(hook.round_medians_s, raw.round_medians_s, strict=False)]
+    if compute:
+        summary.compute_s = compute.median_s
+    return summary
+
+
+def _time(s: float) -> str:
+    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.3f} s"
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    return f"{fmt.format(min(values))}-{fmt.format(max(values))}" if values else "-"
+
+
+_WHAT = {"gloo": "gloo DDP", "hook": "redsrv hook DDP", "raw": "raw allreduce", "compute": "compute only"}
+
+
+def format_summary(s: Summary) -> str:
+    """The terminal table, then the speedup and the overhead against their targets."""
+    head = (f"{'mode':<16} {'median step':>11} {'min-max':>19} {'steps/s':>8} {'grad GB/s':>9} {'of G':>6} "
+            f"{'CPU busy/ours':>13}  note")
+    lines = [head, "-" * len(head)]
+    for r in s.rows:
+        notes = []
+        if r.cpu_bound:
+            notes.append(f"CPU-bound (max {r.cpu_busy_max:.0%})")
+        if not r.correct:
+            notes.append("WRONG RESULTS")
+        lines.append(
+            f"{_WHAT[r.mode]:<16} {_time(r.median_s):>11} {_time(r.min_s) + '-' + _time(r.max_s):>19} {r.steps_per_s:>8.3f} "
+            f"{'-' if r.grad_gbps is None else f'{r.grad_gbps:.4f}':>9} "
+            f"{'-' if r.of_goodput is None else f'{r.of_goodput:.3f}':>6} "
+            f"{f'{r.cpu_busy:.0%}/{r.own_cpu_share:.0%}':>13}  {'; '.join(notes)}")
+    lines.append("")
+    if s.speedup is not None:
+        met = "met" if s.speedup_met else "NOT met"
+        lines.append(f"speedup, hook DDP over gloo DDP: {s.speedup:.2f}x (theory {s.theory:.2f}x for the all-reduce alone "
+                     f"at its bounds; rounds {_spread(s.speedup_rounds, '{:.2f}')}x). Target >= {SPEEDUP_TARGET:.1f}x: {met}")
+    if s.overhead is not None:
+        met = "met" if s.overhead_met else "NOT met"
+        compute = f"; compute-only step {_time(s.compute_s)}" if s.compute_s is not None else ""
+        lines.append(f"hook overhead over a raw allreduce of the same buckets: {s.overhead:+.1%} (rounds "
+                     f"{_spread([100 * o for o in s.overhead_rounds], '{:+.1f}')}%). An upper bound: it includes compute DDP "
+                     f"did not hide behind communication{compute}. Target <= {OVERHEAD_TARGET:.0%}: {met}")
+    return "\n".join(lines)
+
+
+def plot(s: Summary, path: str, *, title: str) -> None:
+    """Median step time per mode with its min-max, the speedup and overhead in the legend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    xs = list(range(len(s.rows)))
+    meds = [r.median_s for r in s.rows]
+    err = [[r.median_s - r.min_s for r in s.rows], [r.max_s - r.median_s for r in s.rows]]
+    bars = ax.bar(xs, meds, yerr=err, capsize=4, color=[colors[i % len(colors)] for i in xs])
+    for bar, r in zip(bars, s.rows, strict=True):
+        # Above the error bar, not inside it.
+        ax.annotate(f"{_time(r.median_s)}\n{r.steps_per_s:.2f} steps/s", (bar.get_x() + bar.get_width() / 2, r.max_s),
+                    ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+    ax.set_xticks(xs, [_WHAT[r.mode] for r in s.rows])
+    ax.set_ylabel("step time, slowest rank (s)")
+    notes = []
+    if s.speedup is not None:
+        notes.append(f"speedup hook vs gloo {s.speedup:.2f}x (all-reduce theory {s.theory:.2f}x)")
+    if s.overhead is not None:
+        notes.append(f"hook over raw {s.overhead:+.1%} (upper bound)")
+    ax.set_title(title + ("\n" + "; ".join(notes) if notes else ""), fontsize=9)
+    ax.set_ylim(top=max(r.max_s for r in s.rows) * 1.25)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _compression(wire_dtype: str | None) -> float:
+    """Gradient bytes per wire byte for the hook (the gradients are float32)."""
+    return 2.0 if wire_dtype else 1.0
+
+
+def _title(opts: dict[str, Any], model: dict[str, Any], day: str, cpus: int | None) -> str:
+    return (f"DDP, {model['params'] / 1e6:.1f}M params ({model['layers']} x {model['width']}^2 Linear), "
+            f"n={opts['workers']} m={opts['reducers'] or opts['workers']}, {format_rate(opts['rate_bps'])} per host"
+            + (f", {opts['wire_dtype']} on the redsrv wire" if opts["wire_dtype"] else "") + f", {day}, {cpus} CPUs")
+
+
+def _rereport(path: str) -> int:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        blocks, opts, model = doc["blocks"], doc["options"], doc["model"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise EmulationError(f"cannot read results from {path}: {exc}") from None
+    s = summarise(blocks, n=opts["workers"], m=opts["reducers"] or opts["workers"], grad_bytes=model["grad_bytes"],
+                  goodput=doc["goodput_gbps"], compression=_compression(opts["wire_dtype"]))
+    print(format_summary(s))
+    png = os.path.splitext(path)[0] + ".png"
+    plot(s, png, title=_title(opts, model, doc["started"][:10], doc["machine"]["cpus"]))
+    print(f"\n  wrote {png}")
+    return 0
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def run_train(opts: Options) -> dict[str, Any]:
+    """Build the cluster, run every round, write the JSON and PNG, remove the cluster. Returns the
+    result document (also written to ``opts.out``)."""
+    opts.validate()
+    if importlib.util.find_spec(opts.framework) is None:
+        raise EmulationError(f"--framework {opts.framework}: {opts.framework} is not installed (pip install 'redsrv[torch]')")
+    cluster = Cluster(opts.hosts, opts.rate_bps, prefix=opts.prefix)
+    cluster.check()
+    layers, width = model_shape(opts.params)
+    goodput = tcp_goodput_bps(opts.rate_bps) / 8 / 1e9 if opts.rate_bps else 0.0
+    started = datetime.datetime.now()
+    stamp = started.strftime("%Y%m%d-%H%M%S")
+    os.makedirs(opts.out, exist_ok=True)
+    json_path = os.path.join(opts.out, f"train-{stamp}.json")
+    png_path = os.path.join(opts.out, f"train-{stamp}.png")
+    n, m = opts.workers, opts.m
+    _say(opts, f"redsrv bench train --framework {opts.framework}: n={n} workers on h0..h{n - 1}, m={m} reducers on "
+               f"h{n}..h{n + m - 1}, {format_rate(opts.rate_bps)} per link (both directions); model {layers} x "
+               f"{width}x{width} Linear, batch {opts.batch}; DDP gradient_as_bucket_view=True, bucket_cap_mb "
+               f"{opts.bucket_cap_mb:g}" + (f"; {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
+               + f"; {opts.rounds} round(s) of {' / '.join(opts.modes)}, {opts.warmup} warm-up + {opts.steps} timed steps each")
+    if goodput:
+        _say(opts, f"  G = {goodput:.4f} GB/s (assumed: rate x (MTU-52)/(MTU+14))")
+    with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-train-") as tmp:
+        try:
+            t0 = time.monotonic()
+            cluster.up()
+            _say(opts, f"  cluster up in {time.monotonic() - t0:.1f}s: {', '.join(f'{h.ns}={h.ip}' for h in cluster.hosts)}")
+            blocks, built = _run_cluster(cluster, opts, layers, width, goodput, tmp)
+        finally:
+            removed = cluster.down()
+            _say(opts, f"  cluster removed ({len(removed)} namespaces)")
+    model = {"layers": layers, "width": width, "params": built["params"], "grad_bytes": built["grad_bytes"],
+             "buckets": next((b["buckets"] for b in blocks if b["mode"] == "raw"), None)}
+    summary = summarise(blocks, n=n, m=m, grad_bytes=model["grad_bytes"], goodput=goodput,
+                        compression=_compression(opts.wire_dtype))
+    doc: dict[str, Any] = {
+        "benchmark": "redsrv bench train",
+        "started": started.isoformat(timespec="seconds"),
+        "command": harness.command_line("train"),
+        **harness.provenance(harness.torch_version()),
+        "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
+        "model": model,
+        "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": opts.bucket_cap_mb, "optimizer": "SGD",
+                "learning_rate": LEARNING_RATE, "zero_grad": "set_to_none=False"},
+        "goodput_gbps": goodput,
+        "summary": summary.as_dict(),
+        "blocks": blocks,
+        "ok": summary.correct and bool(summary.rows),
+    }
+    with open(json_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    _say(opts, "\n" + format_summary(summary))
+    if any(r.cpu_bound for r in summary.rows):
+        _say(opts, f"\n  rows flagged CPU-bound ran with the machine over {report.CPU_BOUND_BUSY:.0%} busy: they measure the "
+                   "CPU, not the network (other load, or too many processes for the cores)")
+    if not summary.correct:
+        _say(opts, "\n  WRONG RESULTS: see 'correct' and 'checks' of the blocks in the JSON")
+    try:
+        plot(summary, png_path, title=_title(doc["options"], model, f"{started:%Y-%m-%d}", os.cpu_count()))
+        doc["plot"] = png_path
+    except ImportError:
+        _say(opts, "  matplotlib is not installed: no plot (install redsrv[bench])")
+    _say(opts, f"\n  wrote {json_path}" + (f" and {png_path}" if "plot" in doc else ""))
+    doc["json"] = json_path
+    return doc
+
+
+def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodput: float,
+                 tmp: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Reducers, workers, and every block merged over the ranks; also what rank 0 built (the
+    parameter count and gradient bytes)."""
+    n, m = opts.workers, opts.m
+    env = harness.child_env(harness.write_secret(tmp))
+    procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
+    pumps: list[threading.Thread] = []
+    try:
+        reducers, addresses = harness.start_reducers(cluster, range(n, n + m), env=env, logdir=tmp, tag="", procs=procs)
+        spec_base = {
+            "framework": opts.framework, "world": n, "modes": list(opts.modes), "layers": layers, "width": width,
+            "batch": opts.batch, "steps": opts.steps, "warmup": opts.warmup, "rounds": opts.rounds,
+            "wire_dtype": opts.wire_dtype, "bucket_cap_mb": opts.bucket_cap_mb, "reducers": addresses,
+            "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-train-{uuid.uuid4().hex[:8]}",
+            "op_timeout": OP_TIMEOUT_S, "tolerance": MATCH_TOLERANCE[opts.wire_dtype],
+        }
+        specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
+        events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
+        workers, logs = harness.spawn_workers(cluster, "redsrv.bench.train", specs, env=env, logdir=tmp, tag="",
+                                              procs=procs, pumps=pumps, events=events)
+        gather = harness.RankGather(n)
+        blocks: list[dict[str, Any]] = []
+        built: dict[str, Any] = {}
+        total = opts.rounds * len(opts.modes)
+
+        def on_message(rank: int, msg: dict[str, Any]) -> str | None:
+            if msg["event"] == "model":
+                if rank == 0:
+                    built.update(params=msg["params"], grad_bytes=msg["grad_bytes"])
+                return None
+            got = gather.add((msg["round"], msg["mode"]), rank, msg)
+            if got is None:
+                return None
+            block = _merge(got)
+            blocks.append(block)
+            _say(opts, _progress(block, len(blocks), total, built["grad_bytes"], goodput))
+            return f"the block after round {block['round'] + 1} {block['mode']}"
+
+        # A hang detector, not a prediction: float32 gradients at 10% of G, a second of compute a step.
+        speed = goodput * 1e9 * 0.1 if goodput else 1e8
+        stall = 120.0 + (opts.warmup + opts.steps) * (2 * 4 * layers * width * (width + 1) / speed + 1.0)
+        harness.collect(workers, logs, events, stall_s=stall, label=f"n={n}", on_message=on_message)
+        return blocks, built
+    finally:
+        harness.terminate_and_drain(cluster, procs, pumps)
+
+
+def _merge(got: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Slowest rank per step; a block is correct when every rank's check passed. The hook's and
+    the raw block's CPU include the reducers'."""
+    r0 = got[0]
+    block = {"round": r0["round"], "mode": r0["mode"],
+             **harness.merge_ranks(got, count_reducers=r0["mode"] in ("hook", "raw")),
+             "checks": [got[r]["check"] for r in sorted(got)]}
+    if "buckets" in r0:
+        block["buckets"] = r0["buckets"]
+    return block
+
+
+def _progress(block: dict[str, Any], k: int, total: int, grad_bytes: int, goodput: float) -> str:
+    med = statistics.median(block["times"])
+    rate = ""
+    if block["mode"] != "compute":
+        rate = f"  {grad_bytes / med / 1e9:.4f} GB/s of gradients" + (f" ({grad_bytes / med / 1e9 / goodput:.3f} G)" if goodput else "")
+    flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
+    wrong = f" WRONG: {block['checks'][0]}" if not block["correct"] else ""
+    return (f"  [{k:>2}/{total}] round {block['round'] + 1} {_WHAT[block['mode']]:<16} median {_time(med):>9}  "
+            f"({_time(min(block['times']))}-{_time(max(block['times']))}){rate}  CPU busy {block['cpu_busy']:.0%}"
+            f"{flag}{wrong}")
+
+
+# --- inside the worker processes -------------------------------------------------------------
+
+
+def _worker(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    workers: dict[str, Callable[[dict[str, Any]], int]] = {"torch": _torch_worker}
+    return workers[spec["framework"]](spec)
+
+
+class _BucketRecorder:
+    """Notes each bucket's element count and dtype as DDP hands it to the hook; ``layout`` is the
+    last complete step's, which the raw block replays. Left on in every hook step: a dict write
+    per bucket (microseconds against a step of ~a second) counts against the hook, not for it."""
+
+    def __init__(self) -> None:
+        self.layout: list[tuple[int, str]] = []
+        self._current: dict[int, tuple[int, str]] = {}
+
+    def wrap(self, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def recording_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations against real torch types
+            buffer = bucket.buffer()
+            self._current[bucket.index()] = (buffer.numel(), str(buffer.dtype).removeprefix("torch."))
+            if bucket.is_last():
+                self.layout = [self._current[i] for i in sorted(self._current)]
+                self._current = {}
+            return hook(state, bucket)
+
+        return recording_hook
+
+
+def _digest(params: Sequence[Any]) -> str:
+    """A hash of the parameters' bytes: equal on two ranks only if the models are identical."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in params:
+        h.update(p.detach().contiguous().view(-1).numpy().data)
+    return h.hexdigest()
+
+
+def _torch_worker(spec: dict[str, Any]) -> int:
+    worker = _TorchWorker(spec)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+    return 0
+
+
+class _TorchWorker:
+    """One rank: the two DDP models, the generated batch, the redsrv client; runs the blocks and
+    emits one ``block`` line per block."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import datetime as dt
+
+        import torch
+        import torch.distributed as dist
+
+        import redsrv
+
+        self.torch, self.dist = torch, dist
+        self.spec = spec
+        self.rank, self.n = spec["rank"], spec["world"]
+        self.timeout = spec["op_timeout"]
+        # One compute thread each: the workers and reducers share the machine's cores.
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=self.rank, world_size=self.n,
+                                timeout=dt.timedelta(seconds=self.timeout))
+        self.client = redsrv.Client(spec["reducers"], rank=self.rank, world_size=self.n, job=spec["job"],
+                                    op_timeout=self.timeout)
+        self.recorder = _BucketRecorder()
+        self.models: dict[str, Any] = {}
+        self.optimizers: dict[str, Any] = {}
+        self.raw_inputs: list[Any] = []
+        self.raw_expected: list[Any] = []
+
+    def close(self) -> None:
+        self.client.close()
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+    def _build(self) -> None:
+        import redsrv.torch as rtorch
+
+        torch, spec = self.torch, self.spec
+        if "gloo" in spec["modes"]:
+            self.models["gloo"] = self._ddp()
+        self.models["hook"] = self._ddp()
+        hook = rtorch.redsrv_hook
+        if spec["wire_dtype"] == "bf16":
+            hook = rtorch.bf16_compress_wrapper(hook)
+        elif spec["wire_dtype"] == "fp16":
+            hook = rtorch.fp16_compress_wrapper(hook)
+        state = rtorch.HookState(client=self.client, key_prefix="hook", timeout=self.timeout)
+        self.models["hook"].register_comm_hook(state, self.recorder.wrap(hook))
+        for name, ddp in self.models.items():
+            self.optimizers[name] = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE)
+        self.initial = [p.detach().clone() for p in self.models["hook"].parameters()]
+        self.params = sum(p.numel() for p in self.initial)
+        g = torch.Generator().manual_seed(1000 + self.rank)  # every rank its own data, as in data parallelism
+        self.x = torch.randn(spec["batch"], spec["width"], generator=g)
+        self.y = torch.randn(spec["batch"], spec["width"], generator=g)
+
+    def _ddp(self) -> Any:
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        self.torch.manual_seed(1234)  # identical on every rank and for both wrappers
+        stack: list[nn.Module] = []
+        for i in range(self.spec["layers"]):
+            stack.append(nn.Linear(self.spec["width"], self.spec["width"]))
+            if i < self.spec["layers"] - 1:
+                stack.append(nn.ReLU())
+        return DDP(nn.Sequential(*stack), gradient_as_bucket_view=True, bucket_cap_mb=self.spec["bucket_cap_mb"])
+
+    def run(self) -> None:
+        self._build()
+        harness.emit(event="ready")
+        harness.emit(event="model", params=self.params, grad_bytes=sum(p.numel() * p.element_size() for p in self.initial))
+        blocks = {"gloo": self._ddp_block, "hook": self._ddp_block, "raw": self._raw_block, "compute": self._compute_block}
+        for rnd in range(self.spec["rounds"]):
+            for mode in self.spec["modes"]:
+                harness.emit(event="block", round=rnd, mode=mode, **blocks[mode](mode, rnd))
+        harness.emit(event="done")
+
+    def _timed(self, step: Callable[[int], None]) -> tuple[list[float], harness.CpuMeter]:
+        """Warm-up, then the timed steps, each after a barrier; CPU counted over the timed ones."""
+        meter = harness.CpuMeter(self.spec["reducer_pids"])
+        times: list[float] = []
+        for i in range(self.spec["warmup"] + self.spec["steps"]):
+            self.dist.barrier()
+            timed = i >= self.spec["warmup"]
+            if timed:
+                meter.start()
+            t0 = time.perf_counter()
+            step(i)
+            elapsed = time.perf_counter() - t0
+            if timed:
+                meter.stop()
+                times.append(elapsed)
+        return times, meter
+
+    def _train_step(self, name: str) -> None:
+        opt = self.optimizers[name]
+        # set_to_none=False keeps each gradient a view of its DDP bucket: with None, autograd
+        # allocates fresh gradients that DDP copies into the buckets every step, the copies
+        # gradient_as_bucket_view exists to avoid.
+        opt.zero_grad(set_to_none=False)
+        loss = ((self.models[name](self.x) - self.y) ** 2).sum() / self.x.shape[0]
+        loss.backward()
+        opt.step()
+
+    def _ddp_block(self, mode: str, rnd: int) -> dict[str, Any]:
+        times, meter = self._timed(lambda _i: self._train_step(mode))
+        same = self._ranks_identical(list(self.models[mode].parameters()))
+        check: dict[str, Any] = {"ranks_identical": same}
+        correct = same
+        if mode == "hook" and "gloo" in self.models:
+            # The gloo block of this round ran first: both models took the same steps on the same data.
+            check.update(self._hook_vs_gloo())
+            correct = correct and check["match"]
+        return {"times": times, "correct": correct, "check": check, **meter.fields()}
+
+    def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
+        import numpy as np
+
+        layout = self.recorder.layout
+        if [(a.size, a.dtype.name) for a in self.raw_inputs] != layout:
+            self.raw_inputs, self.raw_expected = [], []
+            for numel, dtype in layout:
+                np_dtype = np.dtype(dtype)
+                base, total = harness.exact_data(np_dtype, numel * np_dtype.itemsize, self.rank, self.n)
+                self.raw_inputs.append(base)
+                self.raw_expected.append(total / self.n)
+        results: list[Any] = []
+
+        def step(i: int) -> None:
+            futures = [self.client.allreduce_async(a, op="mean", key=("raw", rnd, i, b), wire_dtype=self.spec["wire_dtype"],
+                                                   timeout=self.timeout) for b, a in enumerate(self.raw_inputs)]
+            results[:] = [self.client.wait(f, timeout=self.timeout) for f in futures]
+
+        times, meter = self._timed(step)
+        sizes_ok = sum(numel for numel, _ in layout) == self.params
+        values_ok = all(np.allclose(r, e, rtol=1e-6, atol=0) for r, e in zip(results, self.raw_expected, strict=True))
+        return {"times": times, "correct": sizes_ok and values_ok, **meter.fields(), "buckets": layout,
+                "check": {"bucket_elements_equal_params": sizes_ok, "results_exact": values_ok}}
+
+    def _compute_block(self, mode: str, rnd: int) -> dict[str, Any]:
+        ddp = self.models["hook"]
+        saved = [p.detach().clone() for p in ddp.parameters()]
+        with ddp.no_sync():
+            times, meter = self._timed(lambda _i: self._train_step("hook"))
+        with self.torch.no_grad():
+            for p, s in zip(ddp.parameters(), saved, strict=True):
+                p.copy_(s)  # no_sync steps trained each rank on its own gradients: undo them
+        return {"times": times, "correct": True, "check": {"parameters_restored": True}, **meter.fields()}
+
+    def _ranks_identical(self, params: Sequence[Any]) -> bool:
+        """Bit-identical models on every rank: a gloo all_gather of each rank's digest."""
+        torch = self.torch
+        mine = torch.frombuffer(bytearray(bytes.fromhex(_digest(params))), dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(self.n)]
+        self.dist.all_gather(gathered, mine)
+        return all(torch.equal(t, mine) for t in gathered)
+
+    def _hook_vs_gloo(self) -> dict[str, Any]:
+        """Largest |hook - gloo| parameter difference over the largest distance training moved the
+        gloo model from the initial parameters."""
+        diff = moved = 0.0
+        for ph, pg, p0 in zip(self.models["hook"].parameters(), self.models["gloo"].parameters(), self.initial, strict=True):
+            diff = max(diff, float((ph.detach() - pg.detach()).abs().max()))
+            moved = max(moved, float((pg.detach() - p0).abs().max()))
+        relative = diff / moved if moved else math.inf
+        tolerance = self.spec["tolerance"]
+        return {"hook_vs_gloo": relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "worker":
+        sys.exit("usage: redsrv bench train (this module's worker mode is started by it)")
+    sys.exit(_worker(sys.argv[2]))

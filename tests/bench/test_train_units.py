@@ -1,0 +1,201 @@
+"""``redsrv bench train`` without a cluster: option checks, the model's shape, the report maths,
+the bucket recorder, and the command line's refusals (which must create nothing)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from redsrv.bench import train
+from redsrv.bench.netns import EmulationError
+from redsrv.bench.train import Options, format_summary, model_shape, summarise
+
+G = 0.1196  # GB/s, TCP goodput at 1 Gbit/s
+
+
+@pytest.mark.parametrize("framework", ["jax", "tf"])
+def test_planned_frameworks_are_refused_clearly(framework):
+    with pytest.raises(EmulationError, match=rf"--framework {framework} \(planned\): only torch is implemented"):
+        Options(framework=framework).validate()
+
+
+def test_unknown_framework_is_refused():
+    with pytest.raises(EmulationError, match="--framework mxnet: only torch"):
+        Options(framework="mxnet").validate()
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"workers": 1}, "at least 2 workers"),
+    ({"reducers": 0}, "--reducers must be >= 1"),
+    ({"params": 100}, "--params: at least"),
+    ({"steps": 0}, "--steps must be >= 1"),
+    ({"rounds": 0}, "--rounds must be >= 1"),
+    ({"batch": 0}, "--batch must be >= 1"),
+    ({"warmup": 0}, "rebuilds its buckets"),
+    ({"bucket_cap_mb": 0}, "--bucket-cap-mb must be positive"),
+    ({"wire_dtype": "int8"}, "use bf16 or fp16"),
+    ({"params": 10**12}, "GiB of memory"),
+])
+def test_options_validation(change, message):
+    with pytest.raises(EmulationError, match=message):
+        Options(**change).validate()
+
+
+def test_defaults_are_valid_and_place_reducers_on_their_own_hosts():
+    opts = Options()
+    opts.validate()
+    assert (opts.workers, opts.m, opts.hosts) == (4, 4, 8)
+    assert Options(workers=4, reducers=2).hosts == 6
+    assert opts.modes == ("gloo", "hook", "raw", "compute")
+    assert Options(baseline=False).modes == ("hook", "raw", "compute")
+
+
+@pytest.mark.parametrize("params", [25_000_000, 2_000_000, 50_000_000, 100_000])
+def test_model_shape_comes_close_to_the_asked_size(params):
+    layers, width = model_shape(params)
+    assert layers >= train.MIN_LAYERS and width <= train.DEFAULT_WIDTH and width % 16 == 0
+    assert layers * width * (width + 1) == pytest.approx(params, rel=0.15)
+
+
+def test_default_model_is_six_wide_layers():
+    assert model_shape(25_000_000) == (6, 2048)
+
+
+def _block(mode, rnd, times, busy=0.5, correct=True):
+    return {"round": rnd, "mode": mode, "times": times, "correct": correct, "cpu_busy": busy, "cpu_s": 1.0,
+            "wall_s": sum(times), "cores": 2}
+
+
+def _blocks():
+    return [_block("gloo", 0, [1.3, 1.3, 1.3]), _block("hook", 0, [1.0, 1.0, 1.0]), _block("raw", 0, [0.9, 0.9, 0.9]),
+            _block("compute", 0, [0.1, 0.1, 0.1]),
+            _block("gloo", 1, [1.2, 1.2, 1.2]), _block("hook", 1, [1.0, 1.0, 1.0]), _block("raw", 1, [0.95, 0.95, 0.95]),
+            _block("compute", 1, [0.1, 0.1, 0.1])]
+
+
+def test_summary_ratios_of_medians_and_per_round_spread():
+    grad = 100 * 10**6
+    s = summarise(_blocks(), n=4, m=4, grad_bytes=grad, goodput=G)
+    rows = {r.mode: r for r in s.rows}
+    assert [r.mode for r in s.rows] == ["gloo", "hook", "raw", "compute"]
+    assert rows["gloo"].median_s == pytest.approx(1.25) and rows["gloo"].steps == 6
+    assert rows["hook"].steps_per_s == pytest.approx(1.0)
+    assert s.speedup == pytest.approx(1.25)
+    assert s.speedup_rounds == [pytest.approx(1.3), pytest.approx(1.2)]
+    assert s.theory == pytest.approx(1.5)
+    assert s.overhead == pytest.approx(1.0 / 0.925 - 1)
+    assert s.overhead_rounds == [pytest.approx(1 / 0.9 - 1), pytest.approx(1 / 0.95 - 1)]
+    assert s.compute_s == pytest.approx(0.1)
+    assert rows["hook"].grad_gbps == pytest.approx(0.1)
+    assert rows["hook"].of_goodput == pytest.approx(0.1 / G)
+    assert rows["compute"].grad_gbps is None and rows["compute"].of_goodput is None
+    assert s.correct and s.speedup_met is False and s.overhead_met is False
+
+
+def test_targets_met_and_wire_compression_in_the_theory():
+    blocks = [_block("gloo", 0, [1.5]), _block("hook", 0, [1.0]), _block("raw", 0, [0.97]), _block("compute", 0, [0.1])]
+    s = summarise(blocks, n=4, m=4, grad_bytes=10**8, goodput=G, compression=2.0)
+    assert s.theory == pytest.approx(3.0)
+    assert s.speedup_met and s.overhead_met
+    table = format_summary(s)
+    assert "1.50x" in table and "Target >= 1.3x: met" in table and "Target <= 5%: met" in table
+
+
+def test_table_names_the_modes_the_bound_and_the_misses():
+    table = format_summary(summarise(_blocks(), n=4, m=4, grad_bytes=10**8, goodput=G))
+    for text in ("gloo DDP", "redsrv hook DDP", "raw allreduce", "compute only", "1.25x (theory 1.50x", "NOT met",
+                 "An upper bound", "compute-only step 100.0 ms"):
+        assert text in table, text
+
+
+def test_without_baseline_there_is_no_speedup():
+    blocks = [b for b in _blocks() if b["mode"] != "gloo"]
+    s = summarise(blocks, n=4, m=4, grad_bytes=10**8, goodput=G)
+    assert s.speedup is None and s.speedup_met is None and s.overhead is not None
+    assert "speedup" not in format_summary(s)
+
+
+def test_unlimited_rate_has_no_fraction_of_g():
+    s = summarise(_blocks(), n=4, m=4, grad_bytes=10**8, goodput=0.0)
+    assert all(r.of_goodput is None for r in s.rows)
+
+
+def test_a_wrong_block_makes_the_run_wrong_and_busy_machines_are_flagged():
+    blocks = _blocks()
+    blocks[1] = _block("hook", 0, [1.0, 1.0, 1.0], busy=0.95, correct=False)
+    blocks[5] = _block("hook", 1, [1.0, 1.0, 1.0], busy=0.9)
+    s = summarise(blocks, n=4, m=4, grad_bytes=10**8, goodput=G)
+    hook = next(r for r in s.rows if r.mode == "hook")
+    assert not s.correct and not hook.correct and hook.cpu_bound
+    table = format_summary(s)
+    assert "WRONG RESULTS" in table and "CPU-bound (max 95%)" in table
+    assert s.as_dict()["rows"][1]["cpu_bound"] is True
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "t.png"
+    train.plot(summarise(_blocks(), n=4, m=4, grad_bytes=10**8, goodput=G), str(path), title="t")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+class _Bucket:
+    def __init__(self, index, numel, last):
+        self._index, self._last = index, last
+        self._buffer = SimpleNamespace(numel=lambda: numel, dtype="torch.float32")
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._last
+
+    def buffer(self):
+        return self._buffer
+
+
+def test_bucket_recorder_keeps_the_last_complete_step_and_passes_through():
+    recorder = train._BucketRecorder()
+    calls = []
+    hook = recorder.wrap(lambda state, bucket: calls.append((state, bucket.index())) or "future")
+    assert hook("s", _Bucket(0, 10, False)) == "future"
+    assert recorder.layout == []  # the step is not complete yet
+    hook("s", _Bucket(1, 20, True))
+    assert recorder.layout == [(10, "float32"), (20, "float32")]
+    hook("s", _Bucket(0, 30, True))  # DDP rebuilt its buckets: one bucket now
+    assert recorder.layout == [(30, "float32")]
+    assert calls == [("s", 0), ("s", 1), ("s", 0)]
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "redsrv", "bench", "train", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--framework", "jax"], "--framework jax (planned): only torch is implemented so far"),
+    (["--rate", "fast"], "bad rate 'fast'"),
+    (["--workers", "1"], "at least 2 workers"),
+])
+def test_cli_refusals_exit_2_and_create_nothing(tmp_path, args, message):
+    proc = _cli(*args, "--prefix", "rsbad", "--out", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_report_reprints_an_earlier_run(tmp_path):
+    pytest.importorskip("matplotlib")
+    doc = {"started": "2026-11-22T10:00:00", "machine": {"cpus": 2}, "goodput_gbps": G, "blocks": _blocks(),
+           "model": {"layers": 6, "width": 2048, "params": 25_178_112, "grad_bytes": 100_712_448},
+           "options": {"workers": 4, "reducers": None, "rate_bps": 10**9, "wire_dtype": None}}
+    path = tmp_path / "train-x.json"
+    path.write_text(json.dumps(doc))
+    proc = _cli("--report", str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert "redsrv hook DDP" in proc.stdout and "1.25x" in proc.stdout
+    assert (tmp_path / "train-x.png").exists()
