@@ -12,6 +12,7 @@ Everything the parent starts is tracked by pid in a list the caller owns, so the
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -29,12 +30,13 @@ from typing import Any
 import numpy as np
 
 from redsrv.bench.local import cpu_seconds
-from redsrv.bench.netns import Cluster, EmulationError, our_namespaces, remove_namespaces, signals_deferred
+from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, our_namespaces, remove_namespaces, signals_deferred
 from redsrv.examples.launcher import readline_within, stop_processes
 
-__all__ = ["MARK", "GLOO_PORT", "Terminated", "raise_on_signals", "say", "cleanup", "write_secret", "child_env",
-           "start_reducers", "spawn_workers", "terminate_and_drain", "collect", "RankGather", "merge_ranks", "tail",
-           "cpu_stat", "CpuMeter", "emit", "exact_data", "provenance", "command_line", "torch_version"]
+__all__ = ["MARK", "GLOO_PORT", "Terminated", "raise_on_signals", "say", "add_run_arguments", "run_command", "cleanup",
+           "write_secret", "child_env", "start_reducers", "spawn_workers", "terminate_and_drain", "collect", "RankGather",
+           "merge_ranks", "tail", "finish_files", "provenance", "command_line", "torch_version", "emit", "cpu_stat",
+           "CpuMeter", "exact_data"]
 
 #: Prefix of the lines on a worker's stdout that carry results (anything else is ignored).
 MARK = "@@redsrv-bench "
@@ -87,6 +89,34 @@ def say(quiet: bool, text: str) -> None:
         print(text, flush=True)
 
 
+def add_run_arguments(b: argparse.ArgumentParser) -> None:
+    """The options every emulated-cluster benchmark has: where results go, the namespace prefix,
+    and the two modes that run nothing (``--cleanup``, ``--report``)."""
+    b.add_argument("--out", default="bench-results", help="folder for the JSON and PNG files (default ./bench-results)")
+    b.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"namespace name prefix (default {DEFAULT_PREFIX})")
+    b.add_argument("--cleanup", action="store_true",
+                   help="only remove namespaces left with this prefix (after a run was killed with SIGKILL)")
+    b.add_argument("--report", metavar="JSON", help="only print the table and redraw the plot of an earlier run's JSON")
+
+
+def run_command(name: str, a: argparse.Namespace, *, run: Callable[[], bool], rereport: Callable[[str], int]) -> int:
+    """The exit status of ``redsrv bench NAME``: ``--cleanup``, ``--report JSON``, or ``run()``
+    (true when every result was correct). Errors are one clear line and status 2; SIGTERM and
+    SIGHUP stop the run after the teardown with 128 + the signal number."""
+    try:
+        if a.cleanup:
+            return cleanup(a.prefix)
+        if a.report:
+            return rereport(a.report)
+        return 0 if run() else 1
+    except EmulationError as exc:
+        print(f"redsrv bench {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except Terminated as exc:
+        print(f"redsrv bench {name}: stopped by {exc.name}; cluster removed", file=sys.stderr)
+        return 128 + exc.signum
+
+
 def cleanup(prefix: str) -> int:
     """Remove the namespaces a killed run left under ``prefix``; the exit status for the CLI."""
     probe = Cluster(2, 0, prefix=prefix)
@@ -127,10 +157,8 @@ def start_reducers(cluster: Cluster, hosts: Sequence[int], *, env: dict[str, str
     for j, h in enumerate(hosts):
         path = os.path.join(logdir, f"reducer{tag}-{j}.log")
         logs.append(path)
-        with open(path, "w") as log:
-            p = cluster.spawn(h, [sys.executable, "-m", "redsrv", "reducer", "--host", cluster.hosts[h].ip, "--port", "0",
-                                  "--log-level", "warning"], stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                              env=env, text=True)
+        p = _spawn_logged(cluster, h, [sys.executable, "-m", "redsrv", "reducer", "--host", cluster.hosts[h].ip, "--port", "0",
+                                       "--log-level", "warning"], env=env, log_path=path)
         procs.append(p)
         reducers.append(p)
     addresses = []
@@ -154,15 +182,22 @@ def spawn_workers(cluster: Cluster, module: str, specs: Sequence[dict[str, Any]]
     for rank, spec in enumerate(specs):
         path = os.path.join(logdir, f"worker{tag}-{rank}.log")
         logs.append(path)
-        with open(path, "w") as log:
-            p = cluster.spawn(rank, [sys.executable, "-m", module, "worker", json.dumps(spec)], stdout=subprocess.PIPE,
-                              stderr=log, stdin=subprocess.DEVNULL, env=env, text=True)
+        p = _spawn_logged(cluster, rank, [sys.executable, "-m", module, "worker", json.dumps(spec)], env=env, log_path=path)
         procs.append(p)
         workers.append(p)
         pump = threading.Thread(target=_pump, args=(p, rank, events), name=f"bench-pump-{rank}", daemon=True)
         pump.start()
         pumps.append(pump)
     return workers, logs
+
+
+def _spawn_logged(cluster: Cluster, host: int, argv: list[str], *, env: dict[str, str],
+                  log_path: str) -> subprocess.Popen:  # type: ignore[type-arg]
+    """``argv`` on ``host``: stdout a text pipe to us, stderr to ``log_path`` (read back for errors)."""
+    with open(log_path, "w") as log:
+        proc: subprocess.Popen = cluster.spawn(host, argv, stdout=subprocess.PIPE, stderr=log,  # type: ignore[type-arg]
+                                               stdin=subprocess.DEVNULL, env=env, text=True)
+    return proc
 
 
 def _pump(proc: subprocess.Popen, rank: int, events: queue.Queue) -> None:  # type: ignore[type-arg]
@@ -259,6 +294,18 @@ def tail(path: str, chars: int = 600) -> str:
         return "(no log)"
     text = text.strip()
     return ("..." + text[-chars:]) if len(text) > chars else (text or "(empty log)")
+
+
+def finish_files(doc: dict[str, Any], json_path: str, png_path: str, draw: Callable[[str], None], *, quiet: bool) -> None:
+    """Draw the PNG with ``draw(path)`` when matplotlib is installed, note both files in ``doc``
+    (the JSON itself was written before: a missing plot must not lose the results) and say where."""
+    try:
+        draw(png_path)
+        doc["plot"] = png_path
+    except ImportError:
+        say(quiet, "  matplotlib is not installed: no plot (install redsrv[bench])")
+    say(quiet, f"\n  wrote {json_path}" + (f" and {png_path}" if "plot" in doc else ""))
+    doc["json"] = json_path
 
 
 def provenance(torch: str | None) -> dict[str, Any]:

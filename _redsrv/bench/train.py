@@ -109,11 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="the hook compresses float32 gradients to this on the wire (gloo keeps float32)")
     b.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb, for both models (default 25)")
     b.add_argument("--no-baseline", action="store_true", help="leave out the gloo DDP blocks")
-    b.add_argument("--out", default="bench-results", help="folder for the JSON and PNG files (default ./bench-results)")
-    b.add_argument("--prefix", default=DEFAULT_PREFIX, help=f"namespace name prefix (default {DEFAULT_PREFIX})")
-    b.add_argument("--cleanup", action="store_true",
-                   help="only remove namespaces left with this prefix (after a run was killed with SIGKILL)")
-    b.add_argument("--report", metavar="JSON", help="only print the table and redraw the plot of an earlier run's JSON")
+    harness.add_run_arguments(b)
     b.set_defaults(func=_main)
 
 
@@ -191,24 +187,15 @@ def model_shape(params: int, max_width: int = DEFAULT_WIDTH) -> tuple[int, int]:
 
 
 def _main(a: argparse.Namespace) -> int:
-    try:
-        if a.cleanup:
-            status: int = harness.cleanup(a.prefix)
-            return status
-        if a.report:
-            return _rereport(a.report)
+    def run() -> bool:
         opts = Options(
             framework=a.framework, workers=a.workers, reducers=a.reducers, rate_bps=parse_rate(a.rate),
             params=int(a.params * 1e6), batch=a.batch, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
             wire_dtype=a.wire_dtype, bucket_cap_mb=a.bucket_cap_mb, baseline=not a.no_baseline, out=a.out, prefix=a.prefix)
-        result = run_train(opts)
-        return 0 if result["ok"] else 1
-    except EmulationError as exc:
-        print(f"redsrv bench train: error: {exc}", file=sys.stderr)
-        return 2
-    except harness.Terminated as exc:
-        print(f"redsrv bench train: stopped by {exc.name}; cluster removed", file=sys.stderr)
-        return 128 + int(exc.signum)
+        return bool(run_train(opts)["ok"])
+
+    status: int = harness.run_command("train", a, run=run, rereport=_rereport)
+    return status
 
 
 def _say(opts: Options, text: str) -> None:
@@ -469,13 +456,8 @@ def run_train(opts: Options) -> dict[str, Any]:
                    "CPU, not the network (other load, or too many processes for the cores)")
     if not summary.correct:
         _say(opts, "\n  WRONG RESULTS: see 'correct' and 'checks' of the blocks in the JSON")
-    try:
-        plot(summary, png_path, title=_title(doc["options"], model, f"{started:%Y-%m-%d}", os.cpu_count()))
-        doc["plot"] = png_path
-    except ImportError:
-        _say(opts, "  matplotlib is not installed: no plot (install redsrv[bench])")
-    _say(opts, f"\n  wrote {json_path}" + (f" and {png_path}" if "plot" in doc else ""))
-    doc["json"] = json_path
+    title = _title(doc["options"], model, f"{started:%Y-%m-%d}", os.cpu_count())
+    harness.finish_files(doc, json_path, png_path, lambda path: plot(summary, path, title=title), quiet=opts.quiet)
     return doc
 
 
