@@ -8,6 +8,7 @@ link stay busy. Operations are matched by key, never by arrival order; every one
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import hashlib
 import itertools
@@ -40,7 +41,7 @@ from .errors import (
     StaleContributionError,
 )
 from .timeline import Timeline
-from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket
+from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket, set_send_lowat
 
 __all__ = ["Client", "ReduceFuture", "Contributors", "OPS"]
 
@@ -80,10 +81,25 @@ class _Op:
     deadline: float
     started: float
     shape: tuple[int, ...] = ()  # the caller's shape, restored on the result
+    given_out: np.ndarray | None = None  # the caller's ``out`` array, returned as it was passed
     min_count: int = 1 << 30
     max_count: int = 0
     all_ranks: int = -1  # intersection of contributor bitmaps
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _PendingPush:
+    """A chunk waiting for room in its reducer's push window."""
+
+    op: _Op
+    chunk: chunker.Chunk
+    arr: np.ndarray
+    wire_dt: np.dtype
+    wire_code: wire.DType
+    op_code: wire.ReduceOp
+    root: int
+    sends_payload: bool
 
 
 class _Stream:
@@ -96,6 +112,7 @@ class _Stream:
         self.framed = framed
         self.peer = framed.peer
         self.incarnation = incarnation
+        self.queued = 0  # chunks handed to the sender and not yet written (the push window)
         self.scratch = np.empty(0, dtype=np.uint8)  # for widening compressed results
         self.push_scratch = np.empty(0, dtype=np.uint8)
         self.sender = Sender(sock, name=f"redsrv-push-{reducer}.{index}", heartbeat_interval=heartbeat,
@@ -163,6 +180,10 @@ class Client:
         self.session = int.from_bytes(os.urandom(8), "little")
         self._lock = threading.Lock()
         self._ops: dict[int, _Op] = {}
+        # Chunks not yet handed to a stream, in sending order (see _dispatch). Re-entrant: a
+        # failed stream completes a chunk (and its callback takes this lock) inside send().
+        self._pending: collections.deque[_PendingPush] = collections.deque()
+        self._dispatch_lock = threading.RLock()
         self._auto_keys = itertools.count()
         self._broken: BaseException | None = None
         self._closed = False
@@ -198,14 +219,14 @@ class Client:
         return len(self.config.reducers)
 
     def allreduce(self, x: np.ndarray, *, op: str = "sum", key: Any = None, wire_dtype: str | None = None,
-                  timeout: float | None = None) -> np.ndarray:
+                  timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """Sum (or mean) of ``x`` over the ranks; same shape and dtype as ``x``. Blocks."""
-        future = self.allreduce_async(x, op=op, key=key, wire_dtype=wire_dtype, timeout=timeout)
+        future = self.allreduce_async(x, op=op, key=key, wire_dtype=wire_dtype, timeout=timeout, out=out)
         return self.wait(future, timeout=timeout)
 
     def allreduce_async(self, x: np.ndarray, *, op: str = "sum", key: Any = None, wire_dtype: str | None = None,
-                        timeout: float | None = None) -> ReduceFuture:
-        """Start an all-reduce and return a future of the result (a new array).
+                        timeout: float | None = None, out: np.ndarray | None = None) -> ReduceFuture:
+        """Start an all-reduce and return a future of the result (a new array, or ``out``).
 
         ``key`` identifies the operation across ranks and must be the same on every rank and
         unique within the job (ints, strings, bytes or tuples of them); by default each client
@@ -213,6 +234,11 @@ class Client:
         ``op="mean"`` divides by the number of ranks that actually contributed (straggler modes).
         ``wire_dtype`` ("bf16"/"fp16") sends floating data compressed; sums accumulate in float32.
         ``x`` must not be modified until the future completes.
+
+        ``out``: a C-contiguous writeable array of ``x``'s dtype and size that receives the
+        result (results are received straight into it, so a training loop that passes the same
+        buffer every step allocates nothing); it may be ``x`` itself for an in-place reduction.
+        Its contents are undefined if the operation fails.
         """
         if op not in OPS:
             raise LocalProtocolError(f"op must be one of {OPS}, got {op!r}")
@@ -220,7 +246,8 @@ class Client:
         if op == "mean" and not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
             raise LocalProtocolError(f"op='mean' needs floating-point data, got {arr.dtype}")
         wire_dt = self._wire_dtype(arr.dtype, wire_dtype)
-        return self._submit(arr, np.shape(x), key, wire_dt, wire.ReduceOp.SUM, 0, op == "mean", timeout)
+        return self._submit(arr, np.shape(x), key, wire_dt, wire.ReduceOp.SUM, 0, op == "mean", timeout,
+                            None if out is None else _checked_out(out, arr))
 
     def broadcast(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None) -> np.ndarray:
         """Rank ``root``'s ``x`` on every rank (exact: never compressed). Every rank passes an
@@ -312,23 +339,24 @@ class Client:
         return int.from_bytes(digest, "little") & (_AUTO_KEY_BIT - 1)
 
     def _submit(self, arr: np.ndarray, shape: tuple[int, ...], key: Any, wire_dt: np.dtype, op_code: wire.ReduceOp,
-                root: int, mean: bool, timeout: float | None) -> ReduceFuture:
+                root: int, mean: bool, timeout: float | None, out: np.ndarray | None = None) -> ReduceFuture:
         self.check()
         wire_code = wire.dtype_code(wire_dt)
         wire.dtype_code(arr.dtype)  # the caller's dtype must be supported too
         key_u64 = self._key(key)
         future = ReduceFuture()
         future.key = key
-        out = np.empty(arr.size, dtype=arr.dtype)
+        given_out = out
+        out = np.empty(arr.size, dtype=arr.dtype) if given_out is None else given_out.reshape(-1)
         chunk_elements = max(1, self.config.chunk_bytes // wire_dt.itemsize)
         plan = chunker.plan(arr.size, self.num_reducers, chunk_elements)
         now = time.monotonic()
         timeout = self.config.op_timeout if timeout is None else timeout
         op = _Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now,
-                 shape)
+                 shape, given_out)
         if not plan:
             future.contributors = Contributors(self.world_size, self.world_size, tuple(range(self.world_size)))
-            future.set_result(out.reshape(shape))
+            future.set_result(out.reshape(shape) if given_out is None else given_out)
             return future
         with self._lock:
             if self._closed:
@@ -337,25 +365,59 @@ class Client:
                 raise LocalProtocolError(f"operation key {key!r} is already in flight on this client")
             self._ops[key_u64] = op
         sends_payload = op_code is wire.ReduceOp.SUM or self.rank == root
-        src_bytes = arr.view(np.uint8)
-        for c in plan:
-            stream = min(self._streams[c.reducer], key=lambda s: s.sender.unsent_bytes)
-            push = wire.Push(key_u64, stream.incarnation, arr.size, c.start, c.count, c.index, wire_code, op_code, root)
-            nbytes = c.count * wire_dt.itemsize if sends_payload else 0
-            header = wire.push_header(push, nbytes)
-            if not sends_payload:
-                payload: Any = None
-            elif wire_dt == arr.dtype:
-                payload = src_bytes[c.start * arr.itemsize : c.stop * arr.itemsize].data
-            else:
-                payload = _Converter(arr, c.start, c.stop, wire_dt, stream)
-            if self._timeline is not None:
-                payload, done = self._timed_push(payload, op, c, stream)
-            else:
-                done = None
-            stream.sender.send(header, payload, nbytes, done)
-            self.bytes_pushed += nbytes
+        # Round-robin across reducers (chunk 0 of every reducer, then chunk 1, ...): with the push
+        # window this keeps every reducer's flows in step (see DEFAULT_PUSH_WINDOW_CHUNKS).
+        pushes = [_PendingPush(op, c, arr, wire_dt, wire_code, op_code, root, sends_payload)
+                  for c in sorted(plan, key=lambda c: (c.index, c.reducer))]
+        with self._dispatch_lock:
+            self._pending.extend(pushes)
+            self._dispatch()
         return future
+
+    def _dispatch(self) -> None:
+        """Hand queued chunks, in order, to streams with room in their push window. Called after
+        a submission and whenever a stream finished writing a chunk."""
+        window = self.config.push_window_chunks
+        with self._dispatch_lock:
+            pending = self._pending
+            while pending:
+                push = pending[0]
+                if push.op.future.done():  # failed or timed out meanwhile: its chunks stay home
+                    pending.popleft()
+                    continue
+                stream = min(self._streams[push.chunk.reducer], key=lambda s: s.queued)
+                if window and stream.queued >= window:
+                    return  # in order: a chunk for another reducer must not overtake this one
+                pending.popleft()
+                stream.queued += 1
+                self._send_push(stream, push)
+
+    def _send_push(self, stream: _Stream, p: _PendingPush) -> None:
+        c, arr, wire_dt = p.chunk, p.arr, p.wire_dt
+        nbytes = c.count * wire_dt.itemsize if p.sends_payload else 0
+        header = wire.push_header(wire.Push(p.op.key, stream.incarnation, arr.size, c.start, c.count, c.index, p.wire_code,
+                                            p.op_code, p.root), nbytes)
+        payload: Any
+        if not p.sends_payload:
+            payload = None
+        elif wire_dt == arr.dtype:
+            payload = arr.view(np.uint8)[c.start * arr.itemsize : c.stop * arr.itemsize].data
+        else:
+            payload = _Converter(arr, c.start, c.stop, wire_dt, stream)
+        timed_done = None
+        if self._timeline is not None:
+            payload, timed_done = self._timed_push(payload, p.op, c, stream)
+
+        def written(ok: bool) -> None:
+            with self._dispatch_lock:
+                stream.queued -= 1
+            if timed_done is not None:
+                timed_done(ok)
+            if ok:
+                self._dispatch()
+
+        stream.sender.send(header, payload, nbytes, written)
+        self.bytes_pushed += nbytes
 
     # --- receiving ---
 
@@ -434,7 +496,7 @@ class Client:
             op.future.contributors = Contributors(
                 op.min_count, op.max_count, tuple(r for r in range(self.world_size) if op.all_ranks >> r & 1))
             if op.future.set_running_or_notify_cancel():
-                op.future.set_result(op.out.reshape(op.shape))
+                op.future.set_result(op.out.reshape(op.shape) if op.given_out is None else op.given_out)
 
     def _on_error_frame(self, stream: _Stream, frame: wire.Error) -> None:
         exc = self._error_from_frame(stream, frame)
@@ -501,6 +563,8 @@ class Client:
                 self.ops_failed[type(error).__name__] = self.ops_failed.get(type(error).__name__, 0) + len(ops)
         for op in ops:
             _set_exception(op.future, error)
+        with self._dispatch_lock:
+            self._pending.clear()
         for streams in self._streams:
             for s in streams:
                 _shutdown(s.sock)
@@ -567,6 +631,7 @@ class Client:
             framed = FramedSocket(sock, read_timeout=cfg.handshake_timeout, max_payload=cfg.max_frame_payload)
             incarnation, heartbeat = self._handshake(sock, framed, address)
             framed.set_read_timeout(cfg.heartbeat_timeout)
+            set_send_lowat(sock, cfg.send_lowat_bytes)
             return _Stream(self, reducer, index, sock, framed, incarnation, heartbeat)
         except BaseException:
             _shutdown(sock)
@@ -625,6 +690,8 @@ class Client:
 
     def _teardown(self) -> None:
         self._stop.set()
+        with self._dispatch_lock:
+            self._pending.clear()
         for streams in self._streams:
             for s in streams:
                 s.sender.stop()
@@ -663,6 +730,16 @@ class _Converter:
         np.copyto(buf, self.arr[self.start : self.stop], casting="unsafe")
         return buf.view(np.uint8).data
 
+
+
+def _checked_out(out: Any, arr: np.ndarray) -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise LocalProtocolError(f"out must be a NumPy array, got {type(out).__name__}")
+    if out.dtype != arr.dtype or out.size != arr.size:
+        raise LocalProtocolError(f"out must match the input: {arr.size} elements of {arr.dtype}, got {out.size} of {out.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise LocalProtocolError("out must be a C-contiguous, writeable array")
+    return out
 
 
 def _as_flat(x: Any) -> np.ndarray:

@@ -177,6 +177,8 @@ class Config:
     wire_dtype: str | None = None
     chunk_bytes: int = C.DEFAULT_CHUNK_BYTES
     streams_per_reducer: int = C.DEFAULT_STREAMS_PER_REDUCER
+    push_window_chunks: int = C.DEFAULT_PUSH_WINDOW_CHUNKS
+    send_lowat_bytes: int = C.DEFAULT_SEND_LOWAT_BYTES
     connect_timeout: float = C.DEFAULT_CONNECT_TIMEOUT_S
     handshake_timeout: float = C.DEFAULT_HANDSHAKE_TIMEOUT_S
     op_timeout: float = C.DEFAULT_OP_TIMEOUT_S
@@ -225,6 +227,9 @@ class Config:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_frame_payload:
             raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) exceeds max_frame_payload ({self.max_frame_payload})")
+        for name in ("push_window_chunks", "send_lowat_bytes"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         if self.streams_per_reducer > 64:
             raise ConfigError(f"streams_per_reducer must be <= 64, got {self.streams_per_reducer}")
 

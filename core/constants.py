@@ -52,6 +52,18 @@ DEFAULT_STALL_WARNING_S = 30.0
 #: ``close()`` and daemon shutdown finish within this bound, even with peers misbehaving.
 DEFAULT_CLOSE_TIMEOUT_S = 10.0
 
+#: Push scheduling (client): chunks leave in round-robin order across the reducers, and each
+#: stream holds at most this many chunks not yet written to its socket. A stream whose TCP flow
+#: runs ahead then waits for the others, so every reducer gets chunk k from every worker at about
+#: the same time and no reducer's results lag behind (uneven sharing of one uplink between
+#: flows otherwise left a tail of results after the last push). 0 queues everything at once.
+DEFAULT_PUSH_WINDOW_CHUNKS = 1
+
+#: ``TCP_NOTSENT_LOWAT`` on data sockets: the kernel keeps at most about this many bytes written
+#: but not yet sent, so "written to the socket" means "about to leave", which is what makes the
+#: push window above bite (the default send buffer would hide megabytes). 0 leaves it unset.
+DEFAULT_SEND_LOWAT_BYTES = 128 * 1024
+
 #: Largest payload a decoder accepts in one frame. Bounds what a malicious or corrupt length
 #: field can make us allocate (RELIABILITY R12/R13). Chunks are far smaller.
 DEFAULT_MAX_FRAME_PAYLOAD = 64 * 1024 * 1024

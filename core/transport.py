@@ -24,7 +24,7 @@ from . import wire
 from .constants import DEFAULT_MAX_FRAME_PAYLOAD
 from .errors import RemoteProtocolError
 
-__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout"]
+__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout", "set_send_lowat"]
 
 
 class ConnectionBroken(Exception):
@@ -42,6 +42,15 @@ def configure_socket(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.settimeout(None)
+
+
+def set_send_lowat(sock: socket.socket, nbytes: int) -> None:
+    """``TCP_NOTSENT_LOWAT``: a blocking send returns once at most about ``nbytes`` wait unsent
+    in the kernel, instead of once they fit in the (megabytes large) send buffer. Lets the
+    application, not the send buffer, decide what leaves next. No-op for 0 or non-TCP sockets."""
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if nbytes > 0 and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, option, nbytes)
 
 
 def set_kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None:

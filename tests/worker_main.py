@@ -114,7 +114,13 @@ def main() -> int:
                 if op.get("kind", "allreduce") == "broadcast":
                     fut = client.broadcast_async(x, root=op.get("root", 0), key=key)
                 else:
-                    fut = client.allreduce_async(x, op=op.get("op", "sum"), key=key, wire_dtype=op.get("wire_dtype"))
+                    # op["out"]: "inplace" reduces into x, "given" into a preallocated array
+                    target = {"inplace": x, "given": np.full_like(x, 7)}.get(op.get("out", ""))
+                    fut = client.allreduce_async(x, op=op.get("op", "sum"), key=key, wire_dtype=op.get("wire_dtype"),
+                                                 out=target)
+                    if target is not None:
+                        returned = fut.result(timeout=120)
+                        report.setdefault("out_is_target", []).append(returned is target)
                 if spec.get("concurrent"):
                     futures.append((i, fut, start))
                 else:

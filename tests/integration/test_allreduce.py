@@ -40,6 +40,45 @@ def test_tens_of_mib(fleet, workers) -> None:  # type: ignore[no-untyped-def]
         assert results[rank]["r0"].tobytes() == expected.tobytes()
 
 
+@pytest.mark.parametrize("wire", [None, "bf16"])
+def test_results_land_in_a_given_or_the_input_array(fleet, workers, wire: str | None) -> None:  # type: ignore[no-untyped-def]
+    n, size = 3, 700_001
+    spec = ops({"size": size, "seed": 5, "out": "given", "wire_dtype": wire},
+               {"size": size, "seed": 6, "out": "inplace", "wire_dtype": wire, "op": "mean"})
+    results, reports = workers(fleet(2), n, spec).wait()
+    assert all(r["error"] is None for r in reports), reports
+    assert all(r["out_is_target"] == [True, True] for r in reports), "the future must return the caller's array"
+    total = rank_order_sum([make_input(5, r, size, "float32") for r in range(n)])
+    mean = rank_order_sum([make_input(6, r, size, "float32") for r in range(n)]) / n
+    for rank in range(n):
+        if wire is None:
+            assert results[rank]["r0"].tobytes() == total.tobytes()
+        else:
+            assert np.abs(results[rank]["r0"] - total).max() <= TOLERANCE["bfloat16"] * np.abs(total).max()
+        assert np.allclose(results[rank]["r1"], mean, rtol=0, atol=TOLERANCE["bfloat16"] * np.abs(mean).max())
+        assert results[rank]["r1"].tobytes() == results[0]["r1"].tobytes()
+
+
+def test_an_out_array_that_does_not_fit_is_refused_before_anything_is_sent(fleet) -> None:  # type: ignore[no-untyped-def]
+    import redsrv
+
+    x = np.arange(12, dtype=np.float32)
+    bad = {
+        "wrong dtype": np.empty(12, np.float64),
+        "wrong size": np.empty(13, np.float32),
+        "not contiguous": np.empty(24, np.float32)[::2],
+        "read-only": np.frombuffer(bytes(48), np.float32),
+        "not an array": bytearray(48),
+    }
+    with redsrv.Client([r.address for r in fleet(1)], rank=0, world_size=1, job="out-checks") as client:
+        for what, out in bad.items():
+            with pytest.raises(redsrv.LocalProtocolError, match="out must"):
+                client.allreduce(x, out=out)  # type: ignore[arg-type]
+        shaped = np.empty((3, 4), np.float32)
+        assert client.allreduce(x, out=shaped) is shaped  # any shape with the right size
+        assert shaped.tobytes() == x.tobytes()
+
+
 @pytest.mark.parametrize("dtype", ["float64", "int32", "int64", "float16", "bfloat16"])
 def test_other_dtypes(fleet, workers, dtype: str) -> None:  # type: ignore[no-untyped-def]
     n, size = 3, 10_001

@@ -23,13 +23,23 @@ def test_plan_covers_every_element_once_balanced(n: int, m: int, chunk: int) -> 
     # spans per reducer differ by at most one element
     per_reducer = [sum(c.count for c in plan if c.reducer == r) for r in range(m)]
     assert max(per_reducer) - min(per_reducer) <= 1
-    # chunk indices per reducer are 0..k-1 and chunk sizes within a span differ by at most one
+    # chunk indices per reducer are 0..k-1; a short span is cut into near-equal chunks, a long
+    # one into near-equal full chunks between two ramps of 1/8, 1/4, 1/2 of a chunk
     for r in range(m):
         mine = [c for c in plan if c.reducer == r]
         assert [c.index for c in mine] == list(range(len(mine)))
-        if mine:
-            assert max(c.count for c in mine) - min(c.count for c in mine) <= 1
-            assert len(mine) == -(-per_reducer[r] // chunk)
+        if not mine:
+            continue
+        sizes = [c.count for c in mine]
+        if per_reducer[r] >= chunker.RAMP_MIN_CHUNKS * chunk and chunk >= 8:
+            ramp = [chunk // 8, chunk // 4, chunk // 2]
+            assert sizes[:3] == ramp and sizes[-3:] == ramp[::-1]
+            middle = sizes[3:-3]
+            assert len(middle) == -(-(per_reducer[r] - 2 * sum(ramp)) // chunk)
+        else:
+            middle = sizes
+            assert len(middle) == -(-per_reducer[r] // chunk)
+        assert max(middle) - min(middle) <= 1
 
 
 @pytest.mark.parametrize(
