@@ -201,8 +201,9 @@ class HookState:
 def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
     """DDP communication hook: the mean of the bucket over the ranks that contributed.
 
-    Hands the bucket's memory to the core without copying and returns at once; the future is
-    completed from redsrv's transport thread. The step advances after the bucket DDP marks
+    Hands the bucket's memory to the core without copying and returns at once; the mean is
+    received straight back into the bucket (as torch's own allreduce hook does, in place), and
+    the future is completed from redsrv's transport thread. The step advances after the bucket DDP marks
     last, so keys stay aligned across ranks through bucket rebuilds and ``no_sync()``.
     """
     index = bucket.index()
@@ -212,20 +213,24 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     if bucket.is_last():
         state._progress.step = step + 1
     buffer = bucket.buffer()
+    host = _host(buffer)
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     try:
-        reduced = state.client.allreduce_async(_numpy(_host(buffer)), op="mean", key=(state.key_prefix, step, index),
-                                               wire_dtype=state.wire_dtype, timeout=state.timeout)
+        # In place is safe: a chunk's sum comes back only after our copy of it reached the reducer.
+        array = _numpy(host)
+        reduced = state.client.allreduce_async(array, op="mean", key=(state.key_prefix, step, index),
+                                               wire_dtype=state.wire_dtype, timeout=state.timeout, out=array)
     except Exception as exc:
         # A broken client (lost reducer, closed) fails this step's backward(), not the hook.
         future.set_exception(exc)  # type: ignore[arg-type]  # torch's stub says T
         return _torch_c10d.settle(future)
-    device = buffer.device
 
     def complete(done: ReduceFuture) -> None:
         try:
-            result = _tensor(done.result())
-            future.set_result(result if device.type == "cpu" else result.to(device))
+            done.result()  # raises the operation's error
+            if host.data_ptr() != buffer.data_ptr():  # an accelerator bucket, staged through host memory
+                buffer.copy_(host.view(buffer.shape))
+            future.set_result(buffer)
         except BaseException as exc:
             future.set_exception(exc)  # type: ignore[arg-type]
 
