@@ -184,6 +184,7 @@ class Client:
         # failed stream completes a chunk (and its callback takes this lock) inside send().
         self._pending: collections.deque[_PendingPush] = collections.deque()
         self._dispatch_lock = threading.RLock()
+        self._dispatching = False  # guarded by _dispatch_lock
         self._auto_keys = itertools.count()
         self._broken: BaseException | None = None
         self._closed = False
@@ -379,18 +380,24 @@ class Client:
         a submission and whenever a stream finished writing a chunk."""
         window = self.config.push_window_chunks
         with self._dispatch_lock:
-            pending = self._pending
-            while pending:
-                push = pending[0]
-                if push.op.future.done():  # failed or timed out meanwhile: its chunks stay home
+            if self._dispatching:
+                return  # a chunk written inline by the loop below: the loop goes on by itself
+            self._dispatching = True
+            try:
+                pending = self._pending
+                while pending:
+                    push = pending[0]
+                    if push.op.future.done():  # failed or timed out meanwhile: its chunks stay home
+                        pending.popleft()
+                        continue
+                    stream = min(self._streams[push.chunk.reducer], key=lambda s: s.queued)
+                    if window and stream.queued >= window:
+                        return  # in order: a chunk for another reducer must not overtake this one
                     pending.popleft()
-                    continue
-                stream = min(self._streams[push.chunk.reducer], key=lambda s: s.queued)
-                if window and stream.queued >= window:
-                    return  # in order: a chunk for another reducer must not overtake this one
-                pending.popleft()
-                stream.queued += 1
-                self._send_push(stream, push)
+                    stream.queued += 1
+                    self._send_push(stream, push)
+            finally:
+                self._dispatching = False
 
     def _send_push(self, stream: _Stream, p: _PendingPush) -> None:
         c, arr, wire_dt = p.chunk, p.arr, p.wire_dt
@@ -416,7 +423,10 @@ class Client:
             if ok:
                 self._dispatch()
 
-        stream.sender.send(header, payload, nbytes, written)
+        # Inline: when the stream is idle the calling thread writes what the socket takes at once
+        # (a small operation then leaves without waking the sender thread: one hand-off less
+        # per round trip); the sender thread writes the rest.
+        stream.sender.send(header, payload, nbytes, written, inline=True)
         self.bytes_pushed += nbytes
 
     # --- receiving ---
