@@ -213,6 +213,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         _say(opts, "note: the delay forwarder is Python: above ~1 MiB it, not the rate limit, bounds the throughput")
     assumed = tcp_goodput_bps(opts.rate_bps, opts.mtu) / 8 / 1e9 if opts.rate_bps else 0.0
     started = datetime.datetime.now()
+    source = harness.provenance(torch_version)  # what the workers import, before other work changes it
     stamp = started.strftime("%Y%m%d-%H%M%S")
     os.makedirs(opts.out, exist_ok=True)
     json_path = os.path.join(opts.out, f"emulate-{stamp}.json")
@@ -249,7 +250,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         "benchmark": "redsrv bench emulate",
         "started": started.isoformat(timespec="seconds"),
         "command": harness.command_line("emulate"),
-        **harness.provenance(torch_version),
+        **source,
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
         "rows": [r.as_dict() for r in rows],
