@@ -332,7 +332,7 @@ def _time(s: float) -> str:
 
 
 def _spread(values: Sequence[float], fmt: str) -> str:
-    return f"{fmt.format(min(values))}-{fmt.format(max(values))}" if values else "-"
+    return f"{fmt.format(min(values))} to {fmt.format(max(values))}" if values else "-"
 
 
 _WHAT = {"gloo": "gloo DDP", "hook": "redsrv hook DDP", "raw": "raw allreduce", "compute": "compute only"}
