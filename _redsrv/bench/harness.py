@@ -397,14 +397,15 @@ class CpuMeter:
 def exact_data(dtype: np.dtype, size: int, rank: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Rank ``rank``'s input of ``size`` bytes and the sum over ``n`` ranks. Small integers, so every
     sum is exact in every dtype and on 16-bit wires (for n <= 42): results can be compared bit
-    for bit.
+    for bit. The pattern repeats every 4093 elements (a prime), so a chunk delivered to the wrong
+    offset (always a multiple of a power of two here) shows as a wrong sum.
 
     >>> base, total = exact_data(np.dtype("float32"), 16, rank=1, n=2)
     >>> base.tolist(), total.tolist()
-    ([1.0, 2.0, 3.0, 4.0], [1.0, 3.0, 5.0, 7.0])
+    ([1.0, 4.0, 3.0, 2.0], [1.0, 7.0, 5.0, 3.0])
     """
     count = size // dtype.itemsize
-    pattern = np.arange(4096, dtype=np.float32) % 4
+    pattern = (np.arange(4093, dtype=np.int64) * 7 % 4093 % 4).astype(np.float32)
     reps = -(-count // pattern.size)
     base = np.tile(pattern + rank % 4, reps)[:count].astype(dtype)
     expected = np.tile(pattern * n + sum(r % 4 for r in range(n)), reps)[:count].astype(dtype)
