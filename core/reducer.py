@@ -13,7 +13,7 @@ wait in their receive buffers. 16-bit floats accumulate in float32 and are round
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -211,6 +211,9 @@ class _Job:
     lost: dict[int, str] = field(default_factory=dict)  # rank -> why
     open: dict[tuple[int, int], _OpenChunk] = field(default_factory=dict)
     closed: OrderedDict[tuple[int, int], _Closed] = field(default_factory=OrderedDict)
+    # The closed chunks that were given a result to keep, oldest first, so that the periodic tick
+    # visits only those rather than every remembered key; expiry times are monotone within a job.
+    retained: deque[_Closed] = field(default_factory=deque)
     bytes_held: int = 0
 
 
@@ -344,7 +347,7 @@ class ReducerCore:
         del job.members[info.rank]
         why = f"rank {info.rank} of job {info.job!r} disconnected ({reason})"
         job.lost[info.rank] = why
-        for closed in job.closed.values():  # results kept for this rank will not be collected
+        for closed in job.retained:  # results kept for this rank will not be collected
             if closed.result is not None:
                 closed.answered |= 1 << info.rank
                 if bin(closed.answered).count("1") >= job.params.world_size:
@@ -364,7 +367,7 @@ class ReducerCore:
     def _keeps_results(job: _Job) -> bool:
         """Results still kept for ranks that have not collected them (a straggler may connect
         after the others have finished and left)."""
-        return any(closed.result is not None for closed in job.closed.values())
+        return any(closed.result is not None for closed in job.retained)
 
     def _can_still_close(self, job: _Job, chunk: _OpenChunk) -> bool:
         if job.params.mode is StragglerMode.ALL:
@@ -377,7 +380,7 @@ class ReducerCore:
     def _drop_job(self, job: _Job) -> None:
         for chunk in job.open.values():
             self._free_chunk(job, chunk)
-        for closed in job.closed.values():
+        for closed in job.retained:
             if closed.result is not None:
                 closed.result.release()
         del self._jobs[job.name]
@@ -553,6 +556,7 @@ class ReducerCore:
         if retain:
             closed.result, closed.header, closed.data = shared, header, data
             closed.expires_at = now + job.params.op_timeout_ms / 1000 * C.LATE_RESULT_RETENTION_FACTOR
+            job.retained.append(closed)
         self._remember(job, chunk_key, closed)
         if not targets:
             shared.refs += 1
@@ -641,9 +645,9 @@ class ReducerCore:
                 elif age >= self.stall_warning and not chunk.stall_warned:
                     chunk.stall_warned = True
                     actions.append(Log("warning", f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk} open for {age:.1f}s; waiting for rank(s) {self._missing(job, chunk)}"))
-            for closed in job.closed.values():
-                if closed.result is not None and now >= closed.expires_at:
-                    self._drop_retained(closed)
+            retained = job.retained
+            while retained and (retained[0].result is None or now >= retained[0].expires_at):
+                self._drop_retained(retained.popleft())
             if not job.members and not self._keeps_results(job):
                 self._drop_job(job)  # everyone left and nothing is kept for a late rank
         return actions
