@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import select
 import socket
 import struct
 import threading
@@ -63,6 +64,8 @@ def set_kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None
 #: link, so a partial read is reported and the deadline re-armed, never a false "frozen peer".
 _RECV_PIECE = 4 * 1024 * 1024
 _TIMED_OUT = (errno.EAGAIN, errno.EWOULDBLOCK)
+#: Payload pieces from this size are received with a low-water mark (see ``_recv_into``).
+_LOWAT_FROM = 64 * 1024
 
 
 def peer_name(sock: socket.socket) -> str:
@@ -90,20 +93,29 @@ class FramedSocket:
         self._header_buf = bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE)
         self._header_view = memoryview(self._header_buf)
         self._discard = bytearray(256 * 1024)
+        self._poller: select.poll | None = None
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            self._poller = select.poll()
+            self._poller.register(sock, select.POLLIN)
+        self._read_timeout_ms = 0
         configure_socket(sock)
         self.set_read_timeout(read_timeout)
         # Handshake writes go straight to the socket; the Sender re-arms this for data.
         set_kernel_timeout(sock, socket.SO_SNDTIMEO, read_timeout)
 
     def set_read_timeout(self, timeout: float) -> None:
+        self._read_timeout_ms = max(1, int(timeout * 1000))
         set_kernel_timeout(self.sock, socket.SO_RCVTIMEO, timeout)
 
-    def _recv_into(self, view: memoryview, what: str) -> None:
+    def _recv_into(self, view: memoryview, what: str, *, wake_when_all_in: bool = False) -> None:
         got = 0
         n = len(view)
         while got < n:
+            piece = min(n - got, _RECV_PIECE)
             try:
-                r = self.sock.recv_into(view[got:], min(n - got, _RECV_PIECE), socket.MSG_WAITALL)
+                if wake_when_all_in and self._poller is not None and piece >= _LOWAT_FROM:
+                    self._wait_until_queued(piece, what)
+                r = self.sock.recv_into(view[got:], piece, socket.MSG_WAITALL)
             except OSError as exc:
                 if exc.errno in _TIMED_OUT:
                     raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}") from None
@@ -111,6 +123,24 @@ class FramedSocket:
             if r == 0:
                 raise ConnectionBroken("eof", f"{self.peer} closed the connection" + (f" in the middle of {what}" if got or what != "a frame" else ""))
             got += r
+
+    def _wait_until_queued(self, nbytes: int, what: str) -> None:
+        """Sleep until ``nbytes`` wait in the kernel's receive queue, with one wake-up.
+
+        A blocking read is woken for every few segments that arrive, copies them and sleeps
+        again: most of the context switches of a reducer at n=4. A low-water mark makes the
+        kernel wake a poller only once the bytes are in; the read that follows then copies them
+        in one go. (A read cannot wait on the mark itself: it consumes as it goes, so what is
+        left to arrive would never reach the mark.) Reset after, or a small header would never
+        wake the reader."""
+        assert self._poller is not None
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+        try:
+            ready = self._poller.poll(self._read_timeout_ms)
+        finally:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+        if not ready:
+            raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}")
 
     def read_header(self) -> wire.FrameHeader:
         prefix = self._header_view[: wire.PREFIX.size]
@@ -127,7 +157,7 @@ class FramedSocket:
             raise ConnectionBroken("protocol", str(exc)) from None
 
     def read_into(self, view: memoryview, what: str = "a payload") -> None:
-        self._recv_into(view, what)
+        self._recv_into(view, what, wake_when_all_in=True)
 
     def read_bytes(self, n: int, what: str = "a payload") -> bytes:
         buf = bytearray(n)
