@@ -97,7 +97,6 @@ class FramedSocket:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             self._poller = select.poll()
             self._poller.register(sock, select.POLLIN)
-        self._read_timeout_ms = 0
         configure_socket(sock)
         self.set_read_timeout(read_timeout)
         # Handshake writes go straight to the socket; the Sender re-arms this for data.

@@ -407,14 +407,13 @@ def parse_header(frame_type: FrameType, header: bytes | memoryview, payload_len:
 
 # Member by raw value: a dict lookup, because calling the enum class costs several times more and
 # runs for every frame (profiled on the reducer's hot path).
-_MEMBER_BY_VALUE: dict[type[enum.IntEnum], dict[int, enum.IntEnum]] = {}
+_MEMBER_BY_VALUE: dict[type[enum.IntEnum], dict[int, enum.IntEnum]] = {
+    kind: {int(m): m for m in kind} for kind in (FrameType, DType, ReduceOp, StragglerMode, ErrorCode)
+}
 
 
 def _enum(kind: type[enum.IntEnum], raw: int, what: str):  # type: ignore[no-untyped-def]
-    members = _MEMBER_BY_VALUE.get(kind)
-    if members is None:
-        members = _MEMBER_BY_VALUE[kind] = {int(m): m for m in kind}
-    member = members.get(raw)
+    member = _MEMBER_BY_VALUE[kind].get(raw)
     if member is None:
         raise RemoteProtocolError(f"unknown {what} {raw}")
     return member

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -73,5 +74,59 @@ def test_sender_sends_heartbeats_when_idle() -> None:
     assert reader.read_header().type is wire.FrameType.HEARTBEAT
     sender.stop()
     sender.join(5)
+    a.close()
+    b.close()
+
+
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname(), timeout=5)
+        accepted, _ = server.accept()
+    return client, accepted
+
+
+def test_a_large_payload_arriving_in_pieces_is_read_whole_and_the_next_header_still_wakes_the_reader() -> None:
+    # Over TCP a payload piece is awaited with a receive low-water mark; it must be reset after, or
+    # the small frame that follows would never wake the reader (it would time out instead).
+    a, b = _tcp_pair()
+    reader = FramedSocket(b, read_timeout=5)
+    data = np.arange(256 * 1024, dtype=np.int32)  # 1 MiB
+    result = wire.Result(7, 0, data.size, 0, wire.DType.INT32, 1, b"\x01")
+    raw = wire.result_header(result, data.nbytes) + data.tobytes()
+
+    def trickle() -> None:
+        for start in range(0, len(raw), 100_000):
+            a.sendall(raw[start : start + 100_000])
+            time.sleep(0.01)
+        time.sleep(0.2)  # the reader is now blocked on the next header
+        a.sendall(wire.encode(wire.Heartbeat()))
+
+    writer = threading.Thread(target=trickle)
+    started = time.monotonic()
+    writer.start()
+    header = reader.read_header()
+    out = bytearray(header.payload_len)
+    reader.read_into(memoryview(out))
+    frame = wire.parse_payload(header, out)
+    assert isinstance(frame, wire.Result)
+    assert np.array_equal(np.frombuffer(bytes(frame.payload), dtype=np.int32), data)
+    assert reader.read_header().type is wire.FrameType.HEARTBEAT
+    # The writer is done after about 0.3 s; a reader left waiting on a stale mark sits out the 5 s
+    # read timeout (measured: 5.25 s without the reset).
+    assert time.monotonic() - started < 2, "the reader waited for the read timeout"
+    writer.join(5)
+    a.close()
+    b.close()
+
+
+def test_a_peer_that_stops_in_the_middle_of_a_large_payload_times_out() -> None:
+    a, b = _tcp_pair()
+    reader = FramedSocket(b, read_timeout=0.5)
+    a.sendall(b"\0" * 300_000)  # less than the piece awaited below
+    started = time.monotonic()
+    with pytest.raises(ConnectionBroken) as info:
+        reader.read_into(memoryview(bytearray(1024 * 1024)))
+    assert info.value.kind == "timeout"
+    assert time.monotonic() - started < 3
     a.close()
     b.close()
