@@ -41,7 +41,15 @@ from .errors import (
     StaleContributionError,
 )
 from .timeline import Timeline
-from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket, set_send_lowat
+from .transport import (
+    ConnectionBroken,
+    FramedSocket,
+    Sender,
+    configure_socket,
+    congestion_control,
+    set_congestion_control,
+    set_send_lowat,
+)
 
 __all__ = ["Client", "ReduceFuture", "Contributors", "OPS"]
 
@@ -197,6 +205,7 @@ class Client:
         self.ops_failed: dict[str, int] = {}  # by error type, for metrics
         self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None
         self._pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
+        self._congestion_warned = False
         try:
             self._connect_all()
         except BaseException:
@@ -638,6 +647,7 @@ class Client:
                 backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
         try:
             configure_socket(sock)
+            self._choose_congestion_control(sock, address)
             framed = FramedSocket(sock, read_timeout=cfg.handshake_timeout, max_payload=cfg.max_frame_payload)
             incarnation, heartbeat = self._handshake(sock, framed, address)
             framed.set_read_timeout(cfg.heartbeat_timeout)
@@ -647,6 +657,18 @@ class Client:
             _shutdown(sock)
             sock.close()
             raise
+
+    def _choose_congestion_control(self, sock: socket.socket, address: str) -> None:
+        wanted = self.config.tcp_congestion
+        if wanted is None:
+            return
+        why = set_congestion_control(sock, wanted)
+        if why is not None and not self._congestion_warned:
+            self._congestion_warned = True  # once per client, not once per stream
+            log.warning("rank %d: cannot use TCP congestion control %r for reducer %s (%s); the connection keeps "
+                        "the system's %r. Pushes may reach less of the line rate: allow it with sysctl "
+                        "net.ipv4.tcp_allowed_congestion_control, or set REDSRV_TCP_CONGESTION=system to silence "
+                        "this.", self.rank, wanted, address, why, congestion_control(sock) or "default")
 
     def _handshake(self, sock: socket.socket, framed: FramedSocket, address: str) -> tuple[int, float]:
         cfg = self.config

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from . import constants as C
 from .errors import ConfigError
 from .wire import StragglerMode
 
-__all__ = ["Config", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "require_positive", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
+__all__ = ["Config", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "require_positive", "congestion_setting", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -153,6 +154,18 @@ def require_positive(settings: object, names: tuple[str, ...]) -> None:
             raise ConfigError(f"{name} must be positive, got {getattr(settings, name)}")
 
 
+def congestion_setting(name: str) -> str | None:
+    """A TCP congestion control name as the kernel spells them (``cubic``, ``bbr``, ``dctcp``),
+    or ``None`` for ``"system"`` (keep the system default)."""
+    name = name.strip().lower()
+    if name in ("", "system", "default"):
+        return None
+    if not re.fullmatch(r"[a-z0-9_]{1,15}", name):
+        raise ConfigError(f"tcp_congestion must be an algorithm name such as 'cubic' or 'bbr', or 'system' for the "
+                          f"system default; got {name!r}")
+    return name
+
+
 def _env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
@@ -179,6 +192,7 @@ class Config:
     streams_per_reducer: int = C.DEFAULT_STREAMS_PER_REDUCER
     push_window_chunks: int = C.DEFAULT_PUSH_WINDOW_CHUNKS
     send_lowat_bytes: int = C.DEFAULT_SEND_LOWAT_BYTES
+    tcp_congestion: str | None = C.DEFAULT_TCP_CONGESTION  # None: the system default
     connect_timeout: float = C.DEFAULT_CONNECT_TIMEOUT_S
     handshake_timeout: float = C.DEFAULT_HANDSHAKE_TIMEOUT_S
     op_timeout: float = C.DEFAULT_OP_TIMEOUT_S
@@ -230,6 +244,8 @@ class Config:
         for name in ("push_window_chunks", "send_lowat_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
+        if self.tcp_congestion is not None:
+            object.__setattr__(self, "tcp_congestion", congestion_setting(self.tcp_congestion))
         if self.streams_per_reducer > 64:
             raise ConfigError(f"streams_per_reducer must be <= 64, got {self.streams_per_reducer}")
 
@@ -317,6 +333,8 @@ def _convert(name: str, raw: str, type_name: Any, variable: str | None = None) -
             return tuple(a.strip() for a in raw.split(",") if a.strip())
         if name == "timeline":
             return raw or None
+        if name == "tcp_congestion":
+            return raw.strip().lower() or "system"
         if name == "wire_dtype":
             return None if raw.lower() in ("", "none", "fp32", "float32") else raw.lower()
         if type_text.startswith("int"):

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from . import auth, wire
 from . import constants as C
-from .config import require_positive
+from .config import congestion_setting, require_positive
 from .errors import ConfigError
 from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
-from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket
+from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket, congestion_control, set_congestion_control
 
 __all__ = ["ReducerDaemon", "DaemonSettings"]
 
@@ -44,8 +44,11 @@ class DaemonSettings:
     max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
     job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
     max_connections: int = 4096
+    tcp_congestion: str | None = C.DEFAULT_TCP_CONGESTION  # None or "system": the system default
 
     def __post_init__(self) -> None:
+        if self.tcp_congestion is not None:
+            object.__setattr__(self, "tcp_congestion", congestion_setting(self.tcp_congestion))
         require_positive(self, ("handshake_timeout", "heartbeat_interval", "send_timeout", "close_timeout", "stall_warning"))
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
@@ -79,6 +82,7 @@ class ReducerDaemon:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._listener: socket.socket | None = None
+        self._congestion_warned = False
         self.address: tuple[str, int] | None = None
 
     # --- lifecycle ---
@@ -172,12 +176,25 @@ class ReducerDaemon:
                 _reject(sock, wire.Error(wire.ErrorCode.OVERLOADED, True, "reducer connection limit reached"))
                 continue
             configure_socket(sock)
+            self._choose_congestion_control(sock)
             conn = _Conn(next(self._ids), sock, self)
             with self._lock:
                 self._conns[conn.id] = conn
             t = threading.Thread(target=self._serve, args=(conn,), name=f"redsrv-conn-{conn.id}", daemon=True)
             t.start()
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
+
+    def _choose_congestion_control(self, sock: socket.socket) -> None:
+        wanted = self.settings.tcp_congestion
+        if wanted is None:
+            return
+        why = set_congestion_control(sock, wanted)
+        if why is not None and not self._congestion_warned:
+            self._congestion_warned = True  # once per reducer: every connection would say the same
+            log.warning("cannot use TCP congestion control %r (%s); connections keep the system's %r. Results may "
+                        "reach less of the line rate: allow it with sysctl net.ipv4.tcp_allowed_congestion_control, "
+                        "or set REDSRV_TCP_CONGESTION=system to silence this.", wanted, why,
+                        congestion_control(sock) or "default")
 
     def _tick_loop(self) -> None:
         while not self._stopping.wait(C.TICK_INTERVAL_S):

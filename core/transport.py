@@ -25,7 +25,8 @@ from . import wire
 from .constants import DEFAULT_MAX_FRAME_PAYLOAD
 from .errors import RemoteProtocolError
 
-__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout", "set_send_lowat"]
+__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout", "set_send_lowat",
+           "set_congestion_control", "congestion_control"]
 
 
 class ConnectionBroken(Exception):
@@ -52,6 +53,34 @@ def set_send_lowat(sock: socket.socket, nbytes: int) -> None:
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if nbytes > 0 and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, option, nbytes)
+
+
+def set_congestion_control(sock: socket.socket, name: str) -> str | None:
+    """Select the TCP congestion control algorithm ``name`` for this connection. Returns ``None``
+    on success, otherwise why not (the kernel lacks it, or an unprivileged process may only pick
+    those in ``net.ipv4.tcp_allowed_congestion_control``); the connection then keeps the
+    system default, which still works, only slower on some networks."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        return "this platform has no per-connection congestion control (TCP_CONGESTION)"
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return "not a TCP connection"
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, name.encode("ascii"))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def congestion_control(sock: socket.socket) -> str:
+    """The connection's TCP congestion control algorithm ("" where the platform cannot say)."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        return ""
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, option, 16).split(b"\0", 1)[0].decode("ascii", "replace")
+    except OSError:
+        return ""
 
 
 def set_kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None:

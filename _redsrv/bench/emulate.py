@@ -40,6 +40,9 @@ from typing import Any
 
 from redsrv.bench import harness, report
 from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
+from redsrv.core.config import congestion_setting
+from redsrv.core.constants import DEFAULT_TCP_CONGESTION
+from redsrv.core.errors import ConfigError
 
 __all__ = ["add_parser", "Options", "run_emulate"]
 
@@ -66,6 +69,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="redsrv compresses float32 to this on the wire (gloo keeps --dtype)")
     b.add_argument("--chunk-kib", type=int, default=None, help="redsrv pipeline chunk size in KiB (default: the client's)")
     b.add_argument("--streams", type=int, default=None, help="redsrv TCP streams per reducer (default: the client's)")
+    b.add_argument("--tcp-congestion", default=None, metavar="NAME",
+                   help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
+                        "client's, cubic); gloo keeps the system default")
     b.add_argument("--delay-us", type=int, default=0,
                    help="one-way delay per hop in microseconds, added by a userspace Python forwarder between TAP "
                         "devices (this kernel has no netem); for small-message latency runs")
@@ -92,6 +98,7 @@ class Options:
     wire_dtype: str | None = None
     chunk_bytes: int | None = None
     streams: int | None = None
+    tcp_congestion: str | None = None  # None: redsrv's default
     delay_us: int = 0
     colocate: bool = False
     baseline: bool = True
@@ -132,6 +139,11 @@ class Options:
             raise EmulationError("--chunk-kib must be in 1..65536")
         if self.streams is not None and not 1 <= self.streams <= 64:
             raise EmulationError("--streams must be in 1..64")
+        if self.tcp_congestion is not None:
+            try:
+                congestion_setting(self.tcp_congestion)
+            except ConfigError as exc:
+                raise EmulationError(f"--tcp-congestion: {exc}") from None
         if self.wire_dtype and self.dtype not in ("float32", "float64"):
             raise EmulationError(f"--wire-dtype compresses float32/float64 data; --dtype is {self.dtype}")
         # Per worker: the input, the expected sum, gloo's tensor and its reset copy, redsrv's result.
@@ -148,7 +160,7 @@ def _main(a: argparse.Namespace) -> int:
             workers=tuple(a.workers), reducers=a.reducers, rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
-            streams=a.streams, delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
+            streams=a.streams, tcp_congestion=a.tcp_congestion, delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
             measure_goodput=a.measure_goodput, out=a.out, prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
 
@@ -194,6 +206,26 @@ def _say(opts: Options, text: str) -> None:
     harness.say(opts.quiet, text)
 
 
+def congestion_controls(requested: str | None) -> dict[str, str]:
+    """The TCP congestion control each implementation's connections will use: gloo keeps the
+    system default (new namespaces inherit it), redsrv picks its own where the kernel has it."""
+    def read(name: str) -> str:
+        try:
+            with open(f"/proc/sys/net/ipv4/{name}") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    system = read("tcp_congestion_control") or "unknown"
+    wanted = congestion_setting(requested) if requested is not None else DEFAULT_TCP_CONGESTION
+    if wanted is None:
+        return {"redsrv": f"{system} (system default)", "gloo": f"{system} (system default)"}
+    available = read("tcp_available_congestion_control").split()
+    if available and wanted not in available:
+        return {"redsrv": f"{system} (system default; {wanted} is not available)", "gloo": f"{system} (system default)"}
+    return {"redsrv": wanted, "gloo": f"{system} (system default)"}
+
+
 def run_emulate(opts: Options) -> dict[str, Any]:
     """Build the cluster, run every configuration, write the JSON and PNG, remove the cluster.
     Returns the result document (also written to ``opts.out``)."""
@@ -220,6 +252,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     png_path = os.path.join(opts.out, f"emulate-{stamp}.png")
     blocks: list[dict[str, Any]] = []
     doc: dict[str, Any] = {}
+    congestion = congestion_controls(opts.tcp_congestion)
     _say(opts, f"redsrv bench emulate: {opts.hosts} hosts at {format_rate(opts.rate_bps)} per link (both directions), "
                f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
@@ -237,6 +270,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                 goodput, goodput_source = measured, "measured: one TCP stream h0 -> h1, 3 s"
             else:
                 _say(opts, f"  G = {goodput:.4f} GB/s ({goodput_source})")
+            _say(opts, f"  TCP congestion control: redsrv {congestion['redsrv']}, gloo {congestion['gloo']}")
             secret = harness.write_secret(tmp)
             for n in opts.workers:
                 blocks += _run_config(cluster, opts, n, impls, goodput, tmp, secret)
@@ -253,6 +287,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         **source,
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
+        "tcp_congestion": congestion,
         "rows": [r.as_dict() for r in rows],
         "blocks": blocks,
         "ok": ok,
@@ -278,6 +313,8 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
     m = opts.m_for(n)
     nmax = max(opts.workers)
     env = harness.child_env(secret)
+    if opts.tcp_congestion is not None:
+        env["REDSRV_TCP_CONGESTION"] = opts.tcp_congestion
     reducer_hosts = [j % n for j in range(m)] if opts.colocate else [nmax + j for j in range(m)]
     _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
                + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))

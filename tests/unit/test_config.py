@@ -146,3 +146,20 @@ def test_json_logs() -> None:
     record = logging.LogRecord("redsrv.reducer", logging.WARNING, __file__, 1, "job %r rank %d lost", ("j", 3), None)
     entry = json.loads(_JsonFormatter().format(record))
     assert entry["message"] == "job 'j' rank 3 lost" and entry["level"] == "WARNING"
+
+
+def test_tcp_congestion_defaults_to_cubic_and_system_means_the_kernel_default() -> None:
+    from redsrv import DaemonSettings
+
+    assert Config().tcp_congestion == "cubic"
+    assert Config.from_env({"REDSRV_TCP_CONGESTION": "BBR"}).tcp_congestion == "bbr"
+    assert Config.from_env({"REDSRV_TCP_CONGESTION": "system"}).tcp_congestion is None
+    assert Config.from_env({"REDSRV_TCP_CONGESTION": ""}).tcp_congestion is None
+    assert Config(tcp_congestion="system").tcp_congestion is None
+    assert DaemonSettings(tcp_congestion="system").tcp_congestion is None
+    assert DaemonSettings().tcp_congestion == "cubic"
+    for bad in ("cubic;reno", "x" * 16, "bbr v2"):
+        with pytest.raises(ConfigError, match="tcp_congestion must be an algorithm name"):
+            Config.from_env({"REDSRV_TCP_CONGESTION": bad})
+        with pytest.raises(ConfigError, match="tcp_congestion must be an algorithm name"):
+            DaemonSettings(tcp_congestion=bad)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from redsrv.core import wire
-from redsrv.core.transport import ConnectionBroken, FramedSocket, Sender
+from redsrv.core.transport import ConnectionBroken, FramedSocket, Sender, congestion_control, set_congestion_control
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -130,3 +130,24 @@ def test_a_peer_that_stops_in_the_middle_of_a_large_payload_times_out() -> None:
     assert time.monotonic() - started < 3
     a.close()
     b.close()
+
+
+def test_congestion_control_is_chosen_per_connection_and_a_refusal_is_reported_not_raised() -> None:
+    a, b = _tcp_pair()
+    try:
+        # reno is built into every Linux kernel and always allowed, even to unprivileged users.
+        assert set_congestion_control(a, "reno") is None
+        assert congestion_control(a) == "reno"
+        before = congestion_control(b)
+        why = set_congestion_control(b, "no_such_cc")
+        assert why and "no_such_cc" not in why  # the kernel's reason (no such algorithm), for the log line
+        assert congestion_control(b) == before  # the connection keeps what it had and still works
+        a.sendall(b"ping")
+        assert b.recv(4, socket.MSG_WAITALL) == b"ping"
+    finally:
+        a.close()
+        b.close()
+    x, y = socket.socketpair()
+    with x, y:
+        assert set_congestion_control(x, "cubic") == "not a TCP connection"
+        assert congestion_control(x) == ""
