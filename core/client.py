@@ -359,7 +359,8 @@ class Client:
         given_out = out
         out = np.empty(arr.size, dtype=arr.dtype) if given_out is None else given_out.reshape(-1)
         chunk_elements = max(1, self.config.chunk_bytes // wire_dt.itemsize)
-        plan = chunker.plan(arr.size, self.num_reducers, chunk_elements)
+        ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // wire_dt.itemsize)
+        plan = chunker.plan(arr.size, self.num_reducers, chunk_elements, ramp_from)
         now = time.monotonic()
         timeout = self.config.op_timeout if timeout is None else timeout
         op = _Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import redsrv
+from redsrv.core import chunker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +35,9 @@ def test_timeline_records_push_wait_pull_per_chunk(fleet, tmp_path) -> None:  # 
         spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
         names = {e["name"] for e in spans}
         assert {"allreduce ('step', 0)", "allreduce ('step', 2)"} <= names
-        chunks_per_op = 2 * -(-50_000 // 16_384)  # two reducers, 64 KiB chunks of 50,000 elements each
+        # two reducers, 50,000 elements each: 8 KiB (2,048 elements), 16, 32, then 64 KiB chunks, and back
+        chunks_per_op = 2 * len([2048, 4096, 8192, 10664, 10664, 8192, 4096, 2048])
+        assert chunks_per_op == len(chunker.plan(100_000, 2, 16_384, 2048))
         for phase in ("push", "pull"):
             assert sum(1 for e in spans if e["name"] == f"{phase} ('step', 1)") == chunks_per_op
         assert all(e["pid"] == rank and e["dur"] >= 0 for e in spans)

@@ -10,10 +10,11 @@ from redsrv.core import chunker
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 10**7), st.integers(1, 64), st.integers(1, 10**6))
-def test_plan_covers_every_element_once_balanced(n: int, m: int, chunk: int) -> None:
+@given(st.integers(0, 10**7), st.integers(1, 64), st.integers(1, 10**6), st.integers(1, 10**5))
+def test_plan_covers_every_element_once_balanced(n: int, m: int, chunk: int, first: int) -> None:
     chunk = max(chunk, n // 5000)  # keep each example to a few thousand chunks
-    plan = chunker.plan(n, m, chunk)
+    plan = chunker.plan(n, m, chunk, first)
+    assert plan == chunker.plan(n, m, chunk, first)  # every rank computes the same plan
     # contiguous cover of [0, n) in order
     position = 0
     for c in plan:
@@ -23,23 +24,33 @@ def test_plan_covers_every_element_once_balanced(n: int, m: int, chunk: int) -> 
     # spans per reducer differ by at most one element
     per_reducer = [sum(c.count for c in plan if c.reducer == r) for r in range(m)]
     assert max(per_reducer) - min(per_reducer) <= 1
-    # chunk indices per reducer are 0..k-1; a short span is cut into near-equal chunks, a long
-    # one into near-equal full chunks between two ramps of 1/8, 1/4, 1/2 of a chunk
+    # chunk indices per reducer are 0..k-1; each span opens with first, 2*first, ... below a full
+    # chunk, closes with the mirror image, and cuts what is between into near-equal chunks, none
+    # smaller than twice the last ramp chunk (no slivers)
     for r in range(m):
         mine = [c for c in plan if c.reducer == r]
         assert [c.index for c in mine] == list(range(len(mine)))
         if not mine:
             continue
         sizes = [c.count for c in mine]
-        if per_reducer[r] >= chunker.RAMP_MIN_CHUNKS * chunk and chunk >= 8:
-            ramp = [chunk // 8, chunk // 4, chunk // 2]
-            assert sizes[:3] == ramp and sizes[-3:] == ramp[::-1]
-            middle = sizes[3:-3]
-            assert len(middle) == -(-(per_reducer[r] - 2 * sum(ramp)) // chunk)
-        else:
-            middle = sizes
-            assert len(middle) == -(-per_reducer[r] // chunk)
+        ramp = chunker.ramp(per_reducer[r], chunk, first)
+        assert ramp == [first << i for i in range(len(ramp))] and all(s < chunk for s in ramp)
+        assert sizes[: len(ramp)] == ramp and sizes[len(sizes) - len(ramp):] == ramp[::-1]
+        middle = sizes[len(ramp): len(sizes) - len(ramp)]
+        assert middle and len(middle) == -(-(per_reducer[r] - 2 * sum(ramp)) // chunk)
         assert max(middle) - min(middle) <= 1
+        if ramp:
+            assert min(middle) >= 2 * ramp[-1] or min(middle) >= chunk // 2
+        # the ramp stops only at the full chunk size or when the middle would get too short
+        grows = first << len(ramp)
+        assert grows >= chunk or per_reducer[r] - 2 * sum(ramp) < 4 * grows
+
+
+def test_a_64_mib_float32_all_reduce_over_four_reducers_ramps_from_64_kib_to_1_mib() -> None:
+    kib = 1024 // 4  # float32 elements per KiB
+    sizes = [c.count / kib for c in chunker.plan(16 * 2**20, 4, 1024 * kib, 64 * kib) if c.reducer == 0]
+    assert sizes[:4] == [64, 128, 256, 512] and sizes[-4:] == [512, 256, 128, 64]
+    assert len(sizes) == 23 and all(960 < s <= 1024 for s in sizes[4:-4])  # 16 MiB - 2 x 960 KiB in 15
 
 
 @pytest.mark.parametrize(
