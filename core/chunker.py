@@ -8,8 +8,8 @@ last chunk is never a sliver.
 A span starts and ends with a ramp of small chunks: ``ramp_from`` elements, then doubling up
 to the full chunk size (the reverse at the end), as far as the span's length allows. A reducer
 can return a chunk's sum only once every worker's copy of it arrived, so the results of the
-first chunk start flowing, and those of the last one finish, one small chunk's time after the
-pushes do, while the middle of the span travels in full chunks that cost the least per byte.
+first chunk start flowing one small chunk's time after the pushes do; the middle of the span
+travels in full chunks sized by :func:`full_chunk`, which bounds the tail.
 
 >>> [(c.reducer, c.index, c.start, c.stop) for c in plan(10, 3, 3)]
 [(0, 0, 0, 2), (0, 1, 2, 4), (1, 0, 4, 7), (2, 0, 7, 10)]
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Chunk", "spans", "plan", "ramp"]
+__all__ = ["Chunk", "spans", "plan", "ramp", "full_chunk"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,25 @@ def plan(num_elements: int, num_reducers: int, chunk_elements: int, ramp_from: i
         for index, (a, b) in enumerate(_span_chunks(stop - start, chunk_elements, first)):
             chunks.append(Chunk(reducer, index, start + a, start + b))
     return chunks
+
+
+def full_chunk(num_elements: int, num_reducers: int, largest: int, smallest: int, per_span: int) -> int:
+    """The size of a span's full (middle) chunks: about ``per_span`` of them per span, within
+    ``[smallest, largest]`` (``largest`` wins if they cross).
+
+    A reducer forwards a chunk's sum only once the chunk is in from every worker, and its results
+    leave at the rate pushes arrive, so that delay never drains: an all-reduce ends about one
+    full chunk's transfer after its last push, ramp or not. Cutting each span into ``per_span``
+    chunks bounds that tail to ~1/``per_span`` of the transfer; ``smallest`` stops small
+    messages from paying more per chunk than the tail saves.
+
+    >>> full_chunk(64 * 2**20, 4, 2**20, 2**18, 32)   # 16 Mi elements per span: 512 Ki each
+    524288
+    >>> full_chunk(2**30, 4, 2**20, 2**18, 32), full_chunk(2**20, 4, 2**20, 2**18, 32)
+    (1048576, 262144)
+    """
+    span = -(-num_elements // max(1, num_reducers))
+    return max(1, min(largest, max(smallest, span // max(1, per_span))))
 
 
 def ramp(length: int, chunk_elements: int, first: int) -> list[int]:

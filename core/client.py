@@ -358,8 +358,10 @@ class Client:
         future.key = key
         given_out = out
         out = np.empty(arr.size, dtype=arr.dtype) if given_out is None else given_out.reshape(-1)
-        chunk_elements = max(1, self.config.chunk_bytes // wire_dt.itemsize)
-        ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // wire_dt.itemsize)
+        item = wire_dt.itemsize
+        chunk_elements = chunker.full_chunk(arr.size, self.num_reducers, max(1, self.config.chunk_bytes // item),
+                                            C.MIN_FULL_CHUNK_BYTES // item, C.CHUNKS_PER_SPAN)
+        ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // item)
         plan = chunker.plan(arr.size, self.num_reducers, chunk_elements, ramp_from)
         now = time.monotonic()
         timeout = self.config.op_timeout if timeout is None else timeout

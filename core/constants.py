@@ -21,14 +21,21 @@ DEFAULT_PORT = 29600
 #: unauthenticated reducer to the network (RELIABILITY R11).
 DEFAULT_BIND_HOST = "127.0.0.1"
 
-#: Largest pipeline chunk on the wire (each span ramps up to it from RAMP_FIRST_CHUNK_BYTES and
-#: back down). Every chunk costs Python work, a thread hand-off and wake-ups on both ends, which
-#: on a busy host cost more per chunk than the bytes do; the ramp keeps the pipeline's fill and
-#: drain short whatever this is. On the emulated cluster (n=m=4, 1 Gbit/s, 2 cores, 2026-11-23),
-#: 1 MiB against 512 KiB: 16 MiB in 0.18 s vs 0.19 s, 64 MiB in 0.615 s vs 0.605 s, whole-machine
-#: CPU 2.2-2.6 vs 3.0-3.5 s/GB, and at 2 Gbit/s (CPU-bound) 0.85x vs 0.72x gloo. 2 MiB used a
-#: little less CPU again but was 7% slower at 64 MiB.
+#: Largest pipeline chunk on the wire (REDSRV_CHUNK_BYTES). Every chunk costs Python work, a
+#: thread hand-off and wake-ups on both ends, which on a busy host cost more than its bytes do.
+#: On the emulated cluster (n=m=4, 2 cores, 2026-11-23), 64 MiB at 2 Gbit/s (CPU-bound) ran at
+#: 1.21x gloo with 1 MiB chunks and 0.72-1.03x with 512 KiB ones. 2 MiB saved little more CPU.
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+
+#: Full chunks per reducer span (within MIN_FULL_CHUNK_BYTES..chunk size): an all-reduce ends
+#: about one full chunk's transfer after its last push (see chunker.full_chunk), so 32 keeps that
+#: tail near 3%. n=m=4 at 1 Gbit/s, against a fixed 1 MiB: 64 MiB 0.595 s vs 0.614 s (1.44x vs
+#: 1.39x gloo), 16 MiB 0.172 s vs 0.182 s.
+CHUNKS_PER_SPAN = 32
+
+#: Smallest full chunk: below it a small message pays more CPU per chunk than the tail saves
+#: (16 MiB over four reducers with 128 KiB chunks kept two cores 85% busy and was slower).
+MIN_FULL_CHUNK_BYTES = 256 * 1024
 
 #: First (and last) chunk of a span's ramp: each span opens with chunks of this size, doubling up
 #: to the full chunk size, and closes with the mirror image. A reducer returns a chunk's sum once
