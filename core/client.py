@@ -45,9 +45,8 @@ from .transport import (
     ConnectionBroken,
     FramedSocket,
     Sender,
+    choose_congestion_control,
     configure_socket,
-    congestion_control,
-    set_congestion_control,
     set_send_lowat,
 )
 
@@ -650,7 +649,10 @@ class Client:
                 backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
         try:
             configure_socket(sock)
-            self._choose_congestion_control(sock, address)
+            refused = choose_congestion_control(sock, cfg.tcp_congestion)
+            if refused and not self._congestion_warned:
+                self._congestion_warned = True  # once per client, not once per stream
+                log.warning("rank %d, reducer %s: %s", cfg.rank, address, refused)
             framed = FramedSocket(sock, read_timeout=cfg.handshake_timeout, max_payload=cfg.max_frame_payload)
             incarnation, heartbeat = self._handshake(sock, framed, address)
             framed.set_read_timeout(cfg.heartbeat_timeout)
@@ -660,18 +662,6 @@ class Client:
             _shutdown(sock)
             sock.close()
             raise
-
-    def _choose_congestion_control(self, sock: socket.socket, address: str) -> None:
-        wanted = self.config.tcp_congestion
-        if wanted is None:
-            return
-        why = set_congestion_control(sock, wanted)
-        if why is not None and not self._congestion_warned:
-            self._congestion_warned = True  # once per client, not once per stream
-            log.warning("rank %d: cannot use TCP congestion control %r for reducer %s (%s); the connection keeps "
-                        "the system's %r. Pushes may reach less of the line rate: allow it with sysctl "
-                        "net.ipv4.tcp_allowed_congestion_control, or set REDSRV_TCP_CONGESTION=system to silence "
-                        "this.", self.rank, wanted, address, why, congestion_control(sock) or "default")
 
     def _handshake(self, sock: socket.socket, framed: FramedSocket, address: str) -> tuple[int, float]:
         cfg = self.config

@@ -333,8 +333,6 @@ def _convert(name: str, raw: str, type_name: Any, variable: str | None = None) -
             return tuple(a.strip() for a in raw.split(",") if a.strip())
         if name == "timeline":
             return raw or None
-        if name == "tcp_congestion":
-            return raw.strip().lower() or "system"
         if name == "wire_dtype":
             return None if raw.lower() in ("", "none", "fp32", "float32") else raw.lower()
         if type_text.startswith("int"):

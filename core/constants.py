@@ -23,14 +23,16 @@ DEFAULT_BIND_HOST = "127.0.0.1"
 
 #: Largest pipeline chunk on the wire (REDSRV_CHUNK_BYTES). Every chunk costs Python work, a
 #: thread hand-off and wake-ups on both ends, which on a busy host cost more than its bytes do.
-#: On the emulated cluster (n=m=4, 2 cores, 2026-11-23), 64 MiB at 2 Gbit/s (CPU-bound) ran at
-#: 1.21x gloo with 1 MiB chunks and 0.72-1.03x with 512 KiB ones. 2 MiB saved little more CPU.
+#: On the emulated cluster (n=m=4, 2 cores, 2026-11-23, at 3fddf85 where --chunk-kib fixed the
+#: full chunk), 64 MiB at 2 Gbit/s (CPU-bound) ran at 0.85-1.21x gloo with 1 MiB chunks and
+#: 0.72x with 512 KiB ones; 2 MiB saved little more CPU and was 7% slower at 1 Gbit/s.
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
 #: Full chunks per reducer span (within MIN_FULL_CHUNK_BYTES..chunk size): an all-reduce ends
 #: about one full chunk's transfer after its last push (see chunker.full_chunk), so 32 keeps that
-#: tail near 3%. n=m=4 at 1 Gbit/s, against a fixed 1 MiB: 64 MiB 0.595 s vs 0.614 s (1.44x vs
-#: 1.39x gloo), 16 MiB 0.172 s vs 0.182 s.
+#: tail near 3%. n=m=4 at 1 Gbit/s, against a fixed 1 MiB (3fddf85, same session): 64 MiB 0.595 s
+#: vs 0.614 s (1.44x vs 1.39x gloo), 16 MiB 0.172 s vs 0.182 s; the 2 Gbit/s 64 MiB run fell from
+#: 1.21x to 1.03x gloo (more chunks, CPU-bound) but stays above it.
 CHUNKS_PER_SPAN = 32
 
 #: Smallest full chunk: below it a small message pays more CPU per chunk than the tail saves

@@ -23,7 +23,7 @@ from . import constants as C
 from .config import congestion_setting, require_positive
 from .errors import ConfigError
 from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
-from .transport import ConnectionBroken, FramedSocket, Sender, configure_socket, congestion_control, set_congestion_control
+from .transport import ConnectionBroken, FramedSocket, Sender, choose_congestion_control, configure_socket
 
 __all__ = ["ReducerDaemon", "DaemonSettings"]
 
@@ -176,25 +176,16 @@ class ReducerDaemon:
                 _reject(sock, wire.Error(wire.ErrorCode.OVERLOADED, True, "reducer connection limit reached"))
                 continue
             configure_socket(sock)
-            self._choose_congestion_control(sock)
+            refused = choose_congestion_control(sock, self.settings.tcp_congestion)
+            if refused and not self._congestion_warned:
+                self._congestion_warned = True  # once per reducer: every connection would say the same
+                log.warning("%s", refused)
             conn = _Conn(next(self._ids), sock, self)
             with self._lock:
                 self._conns[conn.id] = conn
             t = threading.Thread(target=self._serve, args=(conn,), name=f"redsrv-conn-{conn.id}", daemon=True)
             t.start()
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
-
-    def _choose_congestion_control(self, sock: socket.socket) -> None:
-        wanted = self.settings.tcp_congestion
-        if wanted is None:
-            return
-        why = set_congestion_control(sock, wanted)
-        if why is not None and not self._congestion_warned:
-            self._congestion_warned = True  # once per reducer: every connection would say the same
-            log.warning("cannot use TCP congestion control %r (%s); connections keep the system's %r. Results may "
-                        "reach less of the line rate: allow it with sysctl net.ipv4.tcp_allowed_congestion_control, "
-                        "or set REDSRV_TCP_CONGESTION=system to silence this.", wanted, why,
-                        congestion_control(sock) or "default")
 
     def _tick_loop(self) -> None:
         while not self._stopping.wait(C.TICK_INTERVAL_S):

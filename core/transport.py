@@ -26,7 +26,7 @@ from .constants import DEFAULT_MAX_FRAME_PAYLOAD
 from .errors import RemoteProtocolError
 
 __all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout", "set_send_lowat",
-           "set_congestion_control", "congestion_control"]
+           "set_congestion_control", "choose_congestion_control", "congestion_control"]
 
 
 class ConnectionBroken(Exception):
@@ -70,6 +70,20 @@ def set_congestion_control(sock: socket.socket, name: str) -> str | None:
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
+
+
+def choose_congestion_control(sock: socket.socket, wanted: str | None) -> str | None:
+    """Apply ``wanted`` (``None``: keep the system default) to a data connection. Returns ``None``
+    when done, otherwise a sentence for the log saying what was refused, why, what the connection
+    keeps, and how to fix or silence it."""
+    if wanted is None:
+        return None
+    why = set_congestion_control(sock, wanted)
+    if why is None:
+        return None
+    return (f"cannot use TCP congestion control {wanted!r} ({why}); connections keep the system's "
+            f"{congestion_control(sock) or 'default'!r} and may reach less of the line rate. Allow it with sysctl "
+            "net.ipv4.tcp_allowed_congestion_control, or set REDSRV_TCP_CONGESTION=system to silence this.")
 
 
 def congestion_control(sock: socket.socket) -> str:

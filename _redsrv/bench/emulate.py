@@ -72,6 +72,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--tcp-congestion", default=None, metavar="NAME",
                    help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
                         "client's, cubic); gloo keeps the system default")
+    b.add_argument("--timeline", default=None, metavar="DIR",
+                   help="write every redsrv worker's per-chunk timeline (REDSRV_TIMELINE) to DIR/trace-n{n}-{rank}.json; "
+                        "merge and draw them with `redsrv timeline`")
     b.add_argument("--delay-us", type=int, default=0,
                    help="one-way delay per hop in microseconds, added by a userspace Python forwarder between TAP "
                         "devices (this kernel has no netem); for small-message latency runs")
@@ -99,6 +102,7 @@ class Options:
     chunk_bytes: int | None = None
     streams: int | None = None
     tcp_congestion: str | None = None  # None: redsrv's default
+    timeline: str | None = None  # folder for the workers' timelines
     delay_us: int = 0
     colocate: bool = False
     baseline: bool = True
@@ -160,8 +164,9 @@ def _main(a: argparse.Namespace) -> int:
             workers=tuple(a.workers), reducers=a.reducers, rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
-            streams=a.streams, tcp_congestion=a.tcp_congestion, delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
-            measure_goodput=a.measure_goodput, out=a.out, prefix=a.prefix)
+            streams=a.streams, tcp_congestion=a.tcp_congestion, timeline=a.timeline, delay_us=a.delay_us,
+            colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu, measure_goodput=a.measure_goodput, out=a.out,
+            prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
 
     status: int = harness.run_command("emulate", a, run=run, rereport=_rereport)
@@ -330,7 +335,11 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
         }
         specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
         events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
-        workers, logs = harness.spawn_workers(cluster, "redsrv.bench.emulate", specs, env=env, logdir=tmp, tag=str(n),
+        worker_env = env
+        if opts.timeline is not None:
+            os.makedirs(opts.timeline, exist_ok=True)
+            worker_env = dict(env, REDSRV_TIMELINE=os.path.join(os.path.abspath(opts.timeline), f"trace-n{n}-{{rank}}.json"))
+        workers, logs = harness.spawn_workers(cluster, "redsrv.bench.emulate", specs, env=worker_env, logdir=tmp, tag=str(n),
                                               procs=procs, pumps=pumps, events=events)
         return _collect(opts, n, m, impls, workers, logs, events, goodput)
     finally:
@@ -572,6 +581,7 @@ def _worker(spec_json: str) -> int:
                 for impl in impls:
                     result = _block(impl, buffers, spec["warmup"], reps, spec["reducer_pids"])
                     harness.emit(event="block", round=rnd, size_bytes=size, impl=impl.name, **result)
+        client.close()  # before "done": the parent stops the workers then, and close() writes the timeline
         harness.emit(event="done")
     finally:
         client.close()

@@ -10,6 +10,7 @@ namespaces cannot be created.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import psutil
@@ -30,13 +31,19 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 def test_two_workers_two_reducers_16mib(tmp_path):
     prefix = f"rst{os.getpid() % 100000}"
     doc = run_emulate(Options(workers=(2,), reducers=2, rate_bps=10**9, sizes_bytes=(16 * 2**20,), reps=4, warmup=1,
-                              rounds=2, out=str(tmp_path), prefix=prefix, quiet=True))
+                              rounds=2, out=str(tmp_path), prefix=prefix, quiet=True,
+                              timeline=str(tmp_path / "timeline")))
     assert our_namespaces(prefix) == [], "namespaces left behind"
     children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
     assert not children, f"processes left behind: {[c.cmdline() for c in children]}"
     rows = {r["impl"]: r for r in doc["rows"]}
     assert doc["ok"] and all(r["correct"] for r in rows.values()), "wrong sums"
     assert os.path.exists(doc["json"])
+    assert doc["tcp_congestion"]["redsrv"] and doc["tcp_congestion"]["gloo"].endswith("(system default)")
+    for rank in range(2):  # every worker wrote its per-chunk timeline before it was stopped
+        with open(tmp_path / "timeline" / f"trace-n2-{rank}.json") as f:
+            events = json.load(f)["traceEvents"]
+        assert sum(1 for e in events if e.get("name", "").startswith("pull ")) >= 8 * 2
     redsrv_row = rows["redsrv"]
     assert redsrv_row["reps"] == 8 and redsrv_row["median_s"] > 0
     # 16 MiB cannot cross a 1 Gbit/s link faster than the link allows: the emulation is on.
