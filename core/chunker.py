@@ -19,9 +19,10 @@ travels in full chunks sized by :func:`full_chunk`, which bounds the tail.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Chunk", "spans", "plan", "ramp", "full_chunk"]
+__all__ = ["Chunk", "spans", "plan", "ramp", "full_chunk", "placement"]
 
 
 @dataclass(frozen=True)
@@ -60,25 +61,59 @@ def spans(num_elements: int, num_reducers: int) -> list[tuple[int, int]]:
     return _even_splits(num_elements, num_reducers)
 
 
-def plan(num_elements: int, num_reducers: int, chunk_elements: int, ramp_from: int | None = None) -> list[Chunk]:
+def plan(num_elements: int, num_reducers: int, chunk_elements: int, ramp_from: int | None = None,
+         reducers: Sequence[int] | None = None) -> list[Chunk]:
     """Every non-empty chunk of the buffer, grouped by reducer and ordered by index.
 
     ``chunk_elements`` caps every chunk; ``ramp_from`` is the size of the first and last chunk
-    of a span long enough for a ramp (default: an eighth of a full chunk).
+    of a span long enough for a ramp (default: an eighth of a full chunk). ``reducers`` (see
+    :func:`placement`) names the reducer of each of the ``num_reducers`` spans; by default span
+    ``i`` goes to reducer ``i``.
 
     Reducers whose span is empty (fewer elements than reducers) get no chunk at all; an empty
     buffer has no chunks.
+
+    >>> [(c.reducer, c.start, c.stop) for c in plan(10, 2, 8, ramp_from=8, reducers=[3, 0])]
+    [(3, 0, 5), (0, 5, 10)]
     """
+    if reducers is not None and len(reducers) != num_reducers:
+        raise ValueError(f"reducers names {len(reducers)} reducers for {num_reducers} spans")
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
     if ramp_from is not None and ramp_from < 1:
         raise ValueError(f"ramp_from must be >= 1, got {ramp_from}")
     first = chunk_elements // 8 if ramp_from is None else ramp_from
     chunks = []
-    for reducer, (start, stop) in enumerate(spans(num_elements, num_reducers)):
+    for span, (start, stop) in enumerate(spans(num_elements, num_reducers)):
+        reducer = span if reducers is None else reducers[span]
         for index, (a, b) in enumerate(_span_chunks(stop - start, chunk_elements, first)):
             chunks.append(Chunk(reducer, index, start + a, start + b))
     return chunks
+
+
+def placement(num_bytes: int, num_reducers: int, min_span_bytes: int, key: int) -> list[int]:
+    """The reducers that carry a message of ``num_bytes``, one span each, in span order.
+
+    A large message is spread over every reducer. A small one goes to only as many as keep each
+    span at least ``min_span_bytes``: below that, a span's transfer time is dwarfed by the cost
+    of one more frame each way on every worker and reducer (a wake-up, a header, a round of
+    packets), so fewer and larger spans finish sooner. The first reducer is ``key`` modulo the
+    fleet, so many small messages still share the load evenly.
+
+    >>> placement(64 * 2**20, 4, 16384, key=7)
+    [0, 1, 2, 3]
+    >>> placement(4096, 4, 16384, key=7), placement(4096, 4, 16384, key=8)
+    ([3], [0])
+    >>> placement(40960, 4, 16384, key=3)
+    [3, 0]
+    """
+    if num_reducers < 1 or min_span_bytes < 1:
+        raise ValueError(f"need num_reducers >= 1 and min_span_bytes >= 1, got {num_reducers}, {min_span_bytes}")
+    used = max(1, min(num_reducers, num_bytes // min_span_bytes))
+    if used == num_reducers:
+        return list(range(num_reducers))
+    first = key % num_reducers
+    return [(first + i) % num_reducers for i in range(used)]
 
 
 def full_chunk(num_elements: int, num_reducers: int, largest: int, smallest: int, per_span: int) -> int:

@@ -358,10 +358,11 @@ class Client:
         given_out = out
         out = np.empty(arr.size, dtype=arr.dtype) if given_out is None else given_out.reshape(-1)
         item = wire_dt.itemsize
-        chunk_elements = chunker.full_chunk(arr.size, self.num_reducers, max(1, self.config.chunk_bytes // item),
+        reducers = chunker.placement(arr.size * item, self.num_reducers, C.MIN_SPAN_BYTES, key_u64)
+        chunk_elements = chunker.full_chunk(arr.size, len(reducers), max(1, self.config.chunk_bytes // item),
                                             C.MIN_FULL_CHUNK_BYTES // item, C.CHUNKS_PER_SPAN)
         ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // item)
-        plan = chunker.plan(arr.size, self.num_reducers, chunk_elements, ramp_from)
+        plan = chunker.plan(arr.size, len(reducers), chunk_elements, ramp_from, reducers)
         now = time.monotonic()
         timeout = self.config.op_timeout if timeout is None else timeout
         op = _Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now,

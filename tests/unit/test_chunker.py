@@ -80,3 +80,30 @@ def test_doctests() -> None:
 
     failures, _ = doctest.testmod(chunker)
     assert failures == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**34), st.integers(1, 64), st.integers(1, 2**20), st.integers(0, 2**64 - 1))
+def test_placement_uses_distinct_reducers_with_spans_of_at_least_the_minimum(nbytes: int, m: int, min_span: int, key: int) -> None:
+    reducers = chunker.placement(nbytes, m, min_span, key)
+    assert reducers == chunker.placement(nbytes, m, min_span, key)  # every rank agrees
+    assert 1 <= len(reducers) <= m and len(set(reducers)) == len(reducers)
+    assert all(0 <= r < m for r in reducers)
+    if len(reducers) > 1:
+        assert nbytes // len(reducers) >= min_span
+    if nbytes >= m * min_span:
+        assert reducers == list(range(m))
+    else:
+        assert len(reducers) == max(1, nbytes // min_span)
+
+
+def test_small_messages_spread_over_the_fleet_by_key() -> None:
+    firsts = [chunker.placement(4096, 4, 65536, key)[0] for key in range(400)]
+    assert [firsts.count(r) for r in range(4)] == [100, 100, 100, 100]
+    spans = chunker.plan(1024, 1, 64, reducers=chunker.placement(4096, 4, 65536, key=6))
+    assert {c.reducer for c in spans} == {2}
+
+
+def test_plan_rejects_a_placement_of_the_wrong_length() -> None:
+    with pytest.raises(ValueError, match="names 1 reducers for 2 spans"):
+        chunker.plan(10, 2, 4, reducers=[0])

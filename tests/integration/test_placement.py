@@ -1,0 +1,51 @@
+"""Small messages go whole to one reducer chosen by key; large ones are spread over the fleet.
+Either way every rank gets the exact sum."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import redsrv
+from redsrv.core import constants as C
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _bytes_in(daemons: list[redsrv.ReducerDaemon], job: str) -> list[int]:
+    """Push payload bytes each reducer has received for ``job``."""
+    counts = []
+    for daemon in daemons:
+        entry = daemon.snapshot().get(job)
+        counts.append(0 if entry is None else entry["stats"].bytes_in)  # type: ignore[attr-defined]
+    return counts
+
+
+def test_small_messages_go_whole_to_the_reducer_their_key_names_and_large_ones_to_all() -> None:
+    daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(3)]
+    addresses = [f"{h}:{p}" for h, p in (d.start() for d in daemons)]
+    clients: list[redsrv.Client] = []
+    try:
+        clients = [redsrv.Client(addresses, rank=r, world_size=2, job="placement") for r in range(2)]
+
+        def reduce(size: int, key: int) -> None:
+            futures = [c.allreduce_async(np.full(size, r + 1, dtype=np.float32), key=key) for r, c in enumerate(clients)]
+            for c, f in zip(clients, futures):
+                assert np.array_equal(c.wait(f), np.full(size, 3, dtype=np.float32))
+
+        seen = _bytes_in(daemons, "placement")
+        for key in range(6):
+            reduce(1000, key)  # 4000 bytes: one span
+            now = _bytes_in(daemons, "placement")
+            grew = [i for i in range(3) if now[i] > seen[i]]
+            assert grew == [key % 3] and now[key % 3] - seen[key % 3] == 2 * 4000
+            seen = now
+        large = 3 * C.MIN_SPAN_BYTES // 4
+        reduce(large, 100)
+        now = _bytes_in(daemons, "placement")
+        assert [now[i] - seen[i] for i in range(3)] == [2 * C.MIN_SPAN_BYTES] * 3
+    finally:
+        for c in clients:
+            c.close()
+        for d in daemons:
+            d.stop()
