@@ -211,6 +211,19 @@ def _say(opts: Options, text: str) -> None:
     harness.say(opts.quiet, text)
 
 
+def describe_forwarder(report: dict[str, Any], delay_us: int) -> str:
+    """One line on how faithfully the delay forwarder kept the delay.
+
+    >>> describe_forwarder({"forwarded": 1200, "dropped": 0, "scheduling": "SCHED_FIFO 10",
+    ...                     "late_us": {"p50": 12, "p99": 80, "max": 400}}, 500)
+    'delay forwarder (SCHED_FIFO 10): 1200 frames, 0 dropped; left 12 us (median), 80 us (p99), 400 us (max) after their 500 us'
+    """
+    late = report.get("late_us") or {}
+    when = ", ".join(f"{late[k]} us ({name})" for k, name in (("p50", "median"), ("p99", "p99"), ("max", "max")) if k in late)
+    return (f"delay forwarder ({report.get('scheduling', '?')}): {report.get('forwarded', 0)} frames, "
+            f"{report.get('dropped', 0)} dropped" + (f"; left {when} after their {delay_us} us" if when else ""))
+
+
 def congestion_controls(requested: str | None) -> dict[str, str]:
     """The TCP congestion control each implementation's connections will use: gloo keeps the
     system default (new namespaces inherit it), redsrv picks its own where the kernel has it."""
@@ -282,6 +295,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         finally:
             removed = cluster.down()
             _say(opts, f"  cluster removed ({len(removed)} namespaces)")
+            if cluster.forwarder_report:
+                _say(opts, "  " + describe_forwarder(cluster.forwarder_report, opts.delay_us))
     compression = _compression(opts.dtype, opts.wire_dtype)
     rows = report.summarise(blocks, goodput=goodput, colocated=opts.colocate, compression=compression)
     ok = all(r.correct for r in rows) and bool(rows)
@@ -293,6 +308,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
         "tcp_congestion": congestion,
+        "delay_forwarder": cluster.forwarder_report,
         "rows": [r.as_dict() for r in rows],
         "blocks": blocks,
         "ok": ok,

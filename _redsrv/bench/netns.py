@@ -19,6 +19,7 @@ by pid. Needs root and iproute2 (``ip``, ``tc``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -168,6 +169,8 @@ class Cluster:
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
         self._forwarder: subprocess.Popen | None = None  # type: ignore[type-arg]
+        #: What the delay forwarder said when it ended (see redsrv.bench.tapdelay), else None.
+        self.forwarder_report: dict[str, Any] | None = None
 
     # --- validation: no side effects ---
 
@@ -307,9 +310,28 @@ class Cluster:
             self._created = []
             if self._forwarder is not None:
                 stop_processes([self._forwarder], 5.0)
+                self.forwarder_report = _forwarder_report(self._forwarder)
                 close_pipes([self._forwarder])
                 self._forwarder = None
         return removed
+
+
+def _forwarder_report(proc: subprocess.Popen) -> dict[str, Any] | None:  # type: ignore[type-arg]
+    """The ``tapdelay {json}`` summary the forwarder printed on its way out, if any."""
+    if proc.stderr is None or proc.poll() is None:
+        return None
+    try:
+        text = proc.stderr.read()
+    except (OSError, ValueError):
+        return None
+    for line in reversed(text.splitlines()):
+        if line.startswith("tapdelay {"):
+            try:
+                report: dict[str, Any] = json.loads(line.partition(" ")[2])
+            except ValueError:
+                return None
+            return report
+    return None
 
 
 def remove_namespaces(names: Sequence[str]) -> list[str]:

@@ -62,3 +62,19 @@ def test_two_workers_two_reducers_16mib(tmp_path):
         assert speedup >= 0.8, detail
     else:
         assert "gloo" not in rows
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_one_way_delay_is_added_by_the_forwarder_and_reported(tmp_path):
+    prefix = f"rsd{os.getpid() % 100000}"
+    doc = run_emulate(Options(workers=(2,), reducers=2, rate_bps=10**9, sizes_bytes=(4096,), reps=10, warmup=2,
+                              rounds=1, delay_us=2000, baseline=False, out=str(tmp_path), prefix=prefix, quiet=True))
+    assert our_namespaces(prefix) == [], "namespaces left behind"
+    (row,) = doc["rows"]
+    assert doc["ok"] and row["correct"]
+    # A worker's push and the reducer's answer each cross the forwarder once: 2 x 2 ms at least.
+    assert row["min_s"] >= 0.004, row
+    forwarder = doc["delay_forwarder"]
+    assert forwarder["forwarded"] > 0 and forwarder["dropped"] == 0
+    assert forwarder["scheduling"] == "SCHED_FIFO 10"  # root may always use real-time priority
+    assert 0 <= forwarder["late_us"]["p50"] <= forwarder["late_us"]["max"]

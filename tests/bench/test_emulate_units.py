@@ -129,3 +129,12 @@ def test_cli_bad_rate_exits_2_and_creates_nothing(tmp_path):
     assert proc.returncode == 2
     assert "bad rate 'fast'" in proc.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_doctests_of_the_forwarder_report():
+    import doctest
+
+    from redsrv.bench import emulate, tapdelay
+
+    assert doctest.testmod(tapdelay).failed == 0
+    assert doctest.testmod(emulate).failed == 0
