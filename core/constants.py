@@ -38,9 +38,9 @@ CHUNKS_PER_SPAN = 32
 #: Smallest reducer span (one first ramp chunk): a message smaller than this many bytes per
 #: reducer goes to fewer reducers, ``key`` choosing the first (chunker.placement). Below it the
 #: extra frames cost more than the shorter transfer saves: n=m=4 at 1 Gbit/s, same session
-#: (2026-11-23, `redsrv bench emulate --workers 4 --no-baseline`, one reducer vs four), 4 KiB
-#: with 0.5 ms delay 3.3-3.6 ms vs 4.9-5.5 ms, 16 KiB 3.9-4.4 vs 5.8-6.3; without delay 64 KiB
-#: 2.6-3.0 ms vs 4.4-6.9; 256 KiB on one reducer took 14 ms vs 4.7-8 ms spread over four.
+#: (2026-11-23, one reducer vs four; commands in the README, "Small messages"), 4 KiB with 0.5 ms
+#: delay 3.3-3.6 ms vs 4.9-5.5 ms, 16 KiB 3.9-4.4 vs 5.8-6.3; without delay 64 KiB 2.6-3.0 ms vs
+#: 4.4-6.9; 256 KiB on one reducer (this constant raised to 256 KiB) took 14 ms vs 4.7-8 ms.
 MIN_SPAN_BYTES = 64 * 1024
 
 #: Smallest full chunk: below it a small message pays more CPU per chunk than the tail saves

@@ -214,14 +214,15 @@ def _say(opts: Options, text: str) -> None:
 def describe_forwarder(report: dict[str, Any], delay_us: int) -> str:
     """One line on how faithfully the delay forwarder kept the delay.
 
-    >>> describe_forwarder({"forwarded": 1200, "dropped": 0, "scheduling": "SCHED_FIFO 10",
+    >>> describe_forwarder({"forwarded": 1200, "dropped": 0, "undeliverable": 3, "scheduling": "SCHED_FIFO 10",
     ...                     "late_us": {"p50": 12, "p99": 80, "max": 400}}, 500)
-    'delay forwarder (SCHED_FIFO 10): 1200 frames, 0 dropped; left 12 us (median), 80 us (p99), 400 us (max) after their 500 us'
+    'delay forwarder (SCHED_FIFO 10): 1200 frames, 0 dropped, 3 to a port that was down; left 12 us (median), 80 us (p99), 400 us (max) after their 500 us'
     """
     late = report.get("late_us") or {}
     when = ", ".join(f"{late[k]} us ({name})" for k, name in (("p50", "median"), ("p99", "p99"), ("max", "max")) if k in late)
     return (f"delay forwarder ({report.get('scheduling', '?')}): {report.get('forwarded', 0)} frames, "
-            f"{report.get('dropped', 0)} dropped" + (f"; left {when} after their {delay_us} us" if when else ""))
+            f"{report.get('dropped', 0)} dropped, {report.get('undeliverable', 0)} to a port that was down"
+            + (f"; left {when} after their {delay_us} us" if when else ""))
 
 
 def congestion_controls(requested: str | None) -> dict[str, str]:
