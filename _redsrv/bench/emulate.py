@@ -399,7 +399,8 @@ def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: O
              report.server_bound(goodput, n, m, opts.colocate, _compression(opts.dtype, opts.wire_dtype)))
     frac = f"{size / med / 1e9 / bound:.3f} of bound" if bound else ""
     flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
-    ours = block["cpu_s"] / (block["wall_s"] * block["cores"]) if block["wall_s"] else 0.0
+    metered = block.get("metered_s", block["wall_s"])
+    ours = block["cpu_s"] / (metered * block["cores"]) if metered else 0.0
     wrong = " WRONG SUMS" if not block["correct"] else ""
     return (f"  [{k:>2}/{total}] n={n} round {block['round'] + 1} {report.format_size(size):>8} {block['impl']:<6} "
             f"median {med * 1000:9.2f} ms  ({min(block['times']) * 1000:.2f}-{max(block['times']) * 1000:.2f})  "
@@ -541,16 +542,19 @@ class _Redsrv:
 
 
 def _block(impl: _Gloo | _Redsrv, b: _Buffers, warmup: int, reps: int, reducer_pids: list[int]) -> dict[str, Any]:
-    """Warm-up, then ``reps`` timed all-reduces; CPU is counted over the timed calls only."""
+    """Warm-up, then ``reps`` timed all-reduces. CPU is counted over each timed call and the
+    barrier before it: reading ``/proc`` between the barrier and the call (rank 0 reads every
+    reducer's) delayed rank 0's start, which the slowest-rank time then charged to the
+    all-reduce (about 0.3 ms of a 3 ms one at 4 KiB). At 16 MiB and up a barrier's CPU is noise."""
     times: list[float] = []
     correct = True
     meter = harness.CpuMeter(reducer_pids)
     for i in range(warmup + reps):
         impl.reset(b)
-        impl.barrier()
         timed = i >= warmup
         if timed:
             meter.start()
+        impl.barrier()
         t0 = time.perf_counter()
         result = impl.reduce(b)
         elapsed = time.perf_counter() - t0

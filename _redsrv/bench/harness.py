@@ -281,6 +281,7 @@ def merge_ranks(got: dict[int, dict[str, Any]], *, count_reducers: bool) -> dict
         "times": times, "rank_times": [got[r]["times"] for r in range(n)], "correct": all(got[r]["correct"] for r in range(n)),
         "cpu_busy": r0["stat_busy"] / busy_total if busy_total else 0.0,
         "cpu_steal": r0.get("stat_steal", 0) / busy_total if busy_total else 0.0, "cpu_s": cpu, "wall_s": sum(times),
+        "metered_s": r0.get("metered_s", sum(times)),
         "worker_cpu_s": [got[r]["cpu_s"] for r in range(n)], "reducer_cpu_s": r0["reducer_cpu_s"], "cores": r0["cores"],
     }
 
@@ -366,21 +367,23 @@ def cpu_stat() -> tuple[int, int, int]:
 class CpuMeter:
     """CPU spent during the timed parts of a block only: whole-machine busy, total and steal
     jiffies, this process's CPU seconds (every thread: gloo's and redsrv's transport included)
-    and, where ``reducer_pids`` are given (rank 0), the reducers' CPU seconds."""
+    and, where ``reducer_pids`` are given (rank 0), the reducers' CPU seconds; and the wall time
+    it ran (``metered_s``), against which shares of the machine are taken."""
 
     def __init__(self, reducer_pids: Sequence[int]) -> None:
         self.reducer_pids = list(reducer_pids)
-        self.own_s = self.reducers_s = 0.0
+        self.own_s = self.reducers_s = self.wall_s = 0.0
         self.busy = self.total = self.steal = 0
-        self._start: tuple[tuple[int, int, int], float, float] | None = None
+        self._start: tuple[tuple[int, int, int], float, float, float] | None = None
 
     def start(self) -> None:
-        self._start = (cpu_stat(), time.process_time(), sum(cpu_seconds(p) for p in self.reducer_pids))
+        self._start = (cpu_stat(), time.process_time(), sum(cpu_seconds(p) for p in self.reducer_pids), time.perf_counter())
 
     def stop(self) -> None:
         assert self._start is not None, "CpuMeter.stop() without start()"
-        (busy, total, steal), own, reducers = self._start
+        (busy, total, steal), own, reducers, wall = self._start
         s1 = cpu_stat()
+        self.wall_s += time.perf_counter() - wall
         self.own_s += time.process_time() - own
         self.reducers_s += sum(cpu_seconds(p) for p in self.reducer_pids) - reducers
         self.busy += s1[0] - busy
@@ -391,7 +394,7 @@ class CpuMeter:
     def fields(self) -> dict[str, Any]:
         """The block fields :func:`merge_ranks` reads."""
         return {"cpu_s": self.own_s, "reducer_cpu_s": self.reducers_s, "stat_busy": self.busy, "stat_total": self.total,
-                "stat_steal": self.steal, "cores": os.cpu_count()}
+                "stat_steal": self.steal, "cores": os.cpu_count(), "metered_s": self.wall_s}
 
 
 def exact_data(dtype: np.dtype, size: int, rank: int, n: int) -> tuple[np.ndarray, np.ndarray]:

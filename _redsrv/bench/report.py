@@ -112,7 +112,7 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
         med = statistics.median(times)
         bound = ring_bound(goodput, n) if impl == "gloo" else server_bound(goodput, n, m, colocated, compression)
         busy = [b["cpu_busy"] for b in bs]
-        wall = sum(b["wall_s"] for b in bs)
+        wall = sum(b.get("metered_s", b["wall_s"]) for b in bs)
         cpu = sum(b["cpu_s"] for b in bs)
         cores = bs[0].get("cores", 1)
         reduced_gb = size * n * len(times) / 1e9
