@@ -1,17 +1,32 @@
 """The ``redsrv reducer`` process: binds, accepts, and drives :class:`ReducerCore`.
 
-Threads: one acceptor, one ticker (deadlines), and per connection a reader and a
-:class:`~redsrv.core.transport.Sender`. The reader receives each push's payload straight into
-a pool buffer handed out by the state machine; the arithmetic happens in the state machine.
-A bad frame or a failed handshake closes that connection only.
+One event loop (``selectors``: epoll on Linux) owns every joined connection: it reads frames
+with non-blocking ``recv_into`` straight into pool buffers handed out by the state machine,
+runs the state machine, and writes results with non-blocking ``sendmsg``. A thread per
+connection cost one wake-up and one GIL hand-off per frame, which on a loaded host was most of
+a small all-reduce's time and most of the reducer's CPU per chunk. Large payloads are received
+with a low-water mark (``SO_RCVLOWAT``), so the loop wakes once per chunk, not once per few
+segments. The only other threads run handshakes (blocking, bounded by the handshake timeout;
+the shared-secret exchange is easier to read as straight-line code) and wait for nothing else.
+
+Deadlines live in the loop too: a worker that sends nothing (not even heartbeats) for the
+heartbeat bound is frozen; one that stops reading our results for the send timeout is dropped;
+an idle connection gets a heartbeat every interval. A bad frame or a failed handshake closes
+that connection only.
+
+One loop uses one core: a host with a faster NIC than one core can feed runs several reducer
+processes (one per core), each its own entry in the workers' reducer list.
 """
 
 from __future__ import annotations
 
+import collections
+import errno
 import ipaddress
 import itertools
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
@@ -21,9 +36,9 @@ from dataclasses import dataclass
 from . import auth, wire
 from . import constants as C
 from .config import congestion_setting, require_positive
-from .errors import ConfigError
+from .errors import ConfigError, RemoteProtocolError
 from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
-from .transport import ConnectionBroken, FramedSocket, Sender, choose_congestion_control, configure_socket
+from .transport import ConnectionBroken, FramedSocket, choose_congestion_control, configure_socket, peer_name
 
 __all__ = ["ReducerDaemon", "DaemonSettings"]
 
@@ -54,16 +69,54 @@ class DaemonSettings:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
 
 
+#: What a connection's reader is in the middle of.
+_PREFIX, _HEADER, _PAYLOAD, _DISCARD, _CONTROL = range(5)
+#: Payloads from this size are received with a low-water mark (one wake-up per chunk).
+_LOWAT_FROM = 64 * 1024
+#: Largest low-water mark: bounds how long the loop may go without seeing a slow link's bytes.
+_LOWAT_MAX = 4 * 1024 * 1024
+#: Frames handled per connection per wake-up before the loop serves the others.
+_FRAMES_PER_TURN = 16
+#: Budget backpressure: how often a worker over its job's budget is retried.
+_BLOCKED_RETRY_S = 0.002
+_DISCARD_BUFFER = memoryview(bytearray(256 * 1024))  # payloads read only to skip them
+_WOULD_BLOCK = (errno.EAGAIN, errno.EWOULDBLOCK)
+
+
+@dataclass
+class _Outgoing:
+    views: list[memoryview]
+    done: Callable[[bool], None] | None
+
+
 class _Conn:
-    def __init__(self, conn_id: int, sock: socket.socket, daemon: ReducerDaemon) -> None:
+    """A joined worker connection: its read state, its queue of unsent frames, its deadlines."""
+
+    def __init__(self, conn_id: int, sock: socket.socket, label: str, now: float) -> None:
         self.id = conn_id
         self.sock = sock
-        s = daemon.settings
-        self.framed = FramedSocket(sock, read_timeout=s.handshake_timeout, max_payload=s.max_frame_payload)
-        self.peer = self.framed.peer
-        self.sender: Sender | None = None
-        self.label = self.peer  # extended with job/rank after the handshake
+        self.peer = peer_name(sock)
+        self.label = label
         self.joined = False
+        self.head = memoryview(bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE))
+        self.stage = _PREFIX
+        self.target: memoryview = self.head[: wire.PREFIX.size]
+        self.got = 0
+        self.what = "a frame"  # for timeout messages
+        self.frame_type = wire.FrameType.HEARTBEAT
+        self.payload_len = 0
+        self.header: wire.FrameHeader | None = None
+        self.ticket: PushTicket | None = None
+        self.discard_left = 0
+        self.lowat = 1
+        self.last_recv = now
+        self.blocked_until: float | None = None  # over the job's budget: not reading until then at most
+        self.out: collections.deque[_Outgoing] = collections.deque()
+        self.last_send = now
+        self.last_progress = now  # the last time a queued frame moved
+        self.events = 0
+        self.closing_until: float | None = None  # sending a final frame, then closed
+        self.closed = False
 
 
 class ReducerDaemon:
@@ -76,13 +129,27 @@ class ReducerDaemon:
         self.core = ReducerCore(
             self.incarnation, job_budget_bytes=self.settings.job_budget_bytes, stall_warning=self.settings.stall_warning
         )
+        # Guards the state machine against snapshot() from the metrics thread; the loop is its
+        # only other user, so it is never contended on the data path.
         self._lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}
         self._ids = itertools.count(1)
         self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._stop_reason = "reducer shutting down"
+        self._selector: selectors.BaseSelector | None = None
+        self._loop: threading.Thread | None = None
+        self._handshakes: set[threading.Thread] = set()
+        self._admitted: collections.deque[tuple[int, socket.socket, str, wire.Hello]] = collections.deque()
+        self._admit_lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self._listener: socket.socket | None = None
+        self._accept_paused_until = 0.0
+        self._blocked: set[_Conn] = set()
+        self._closing: set[_Conn] = set()
         self._congestion_warned = False
+        self._now = time.monotonic()
         self.address: tuple[str, int] | None = None
 
     # --- lifecycle ---
@@ -98,7 +165,7 @@ class ReducerDaemon:
             listener.close()
             raise ConfigError(f"cannot bind reducer to {s.host}:{s.port}: {exc.strerror}") from None
         listener.listen(512)
-        listener.settimeout(C.TICK_INTERVAL_S)
+        listener.setblocking(False)
         self._listener = listener
         self.address = listener.getsockname()[:2]
         if s.secret is None and not _is_loopback(s.host):
@@ -106,10 +173,11 @@ class ReducerDaemon:
                 "reducer bound to %s without a secret: anyone who can reach this port can join jobs and read "
                 "their sums. Set REDSRV_SECRET_FILE or --secret-file, and restrict the network.", s.host
             )
-        for target, name in ((self._accept_loop, "redsrv-accept"), (self._tick_loop, "redsrv-tick")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ, self._accept_ready)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        self._loop = threading.Thread(target=self._run, name="redsrv-loop", daemon=True)
+        self._loop.start()
         log.info("listening on %s:%d incarnation=%#x auth=%s", self.address[0], self.address[1], self.incarnation,
                  "on" if s.secret else "off")
         return self.address
@@ -118,26 +186,15 @@ class ReducerDaemon:
         """Idempotent. Bounded by ``close_timeout``."""
         if self._stopping.is_set():
             return
+        self._stop_reason = reason
         self._stopping.set()
         deadline = time.monotonic() + self.settings.close_timeout
-        if self._listener is not None:
-            self._listener.close()
-        with self._lock:
-            actions = self.core.shutdown(reason)
-        self._execute(actions)
-        with self._lock:
-            conns = list(self._conns.values())
-        for conn in conns:
-            if conn.sender is not None:
-                # A final fatal frame on every connection, so a worker learns why the reducer is
-                # going away whichever of its streams notices first.
-                conn.sender.send(wire.encode(wire.Error(wire.ErrorCode.SHUTDOWN, True, reason)))
-                conn.sender.close_after_drain()
-        for conn in conns:
-            if conn.sender is not None:
-                conn.sender.join(max(0.0, min(1.0, deadline - time.monotonic())))
-            _shutdown(conn.sock)
-        for t in self._threads:
+        self._wake()
+        if self._loop is not None and self._loop is not threading.current_thread():
+            self._loop.join(max(0.0, deadline - time.monotonic()))
+        elif self._loop is None:
+            self._close_all_sockets()
+        for t in list(self._handshakes):
             t.join(max(0.0, deadline - time.monotonic()))
         log.info("stopped (%s)", reason)
 
@@ -156,23 +213,125 @@ class ReducerDaemon:
     def stopping(self) -> bool:
         return self._stopping.is_set()
 
-    # --- threads ---
+    # --- the loop ---
 
-    def _accept_loop(self) -> None:
+    def _run(self) -> None:
+        assert self._selector is not None
+        selector = self._selector
+        next_tick = time.monotonic() + C.TICK_INTERVAL_S
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                timeout = max(0.0, next_tick - now)
+                if self._blocked:
+                    timeout = min(timeout, _BLOCKED_RETRY_S)
+                events = selector.select(timeout)
+                self._now = time.monotonic()
+                for key, mask in events:
+                    handler = key.data
+                    if isinstance(handler, _Conn):
+                        self._serve(handler, mask)
+                    else:
+                        handler()
+                if self._admitted:
+                    self._admit_waiting()
+                if self._blocked:
+                    self._retry_blocked()
+                if self._now >= next_tick:
+                    next_tick = self._now + C.TICK_INTERVAL_S
+                    self._tick()
+            self._shutdown()
+        except Exception:  # the loop is the reducer: say why it died, then fail everyone cleanly
+            log.exception("reducer event loop failed")
+            self._stopping.set()
+            self._close_all_sockets()
+        finally:
+            selector.close()
+
+    def _serve(self, conn: _Conn, mask: int) -> None:
+        try:
+            if mask & selectors.EVENT_WRITE and not conn.closed:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ and not conn.closed and conn.closing_until is None:
+                self._read(conn)
+        except ConnectionBroken as exc:
+            self._broken(conn, exc)
+        except _Rejected as exc:
+            log.warning("connection %s rejected: %s", conn.label, exc)
+            self._close(conn, str(exc))
+        except Exception as exc:  # a bug must cost one connection, never the daemon
+            log.exception("connection %s failed", conn.label)
+            self._close(conn, f"internal error: {exc!r}")
+
+    def _broken(self, conn: _Conn, exc: ConnectionBroken) -> None:
+        if conn.closing_until is not None:  # already leaving; its final frame cannot get out either
+            self._finish_close(conn)
+            return
+        level = logging.INFO if exc.kind == "eof" else logging.WARNING
+        log.log(level, "connection %s ended: %s", conn.label, exc.detail)
+        final = wire.encode(wire.Error(wire.ErrorCode.PROTOCOL, True, exc.detail)) if exc.kind == "protocol" else None
+        self._close(conn, exc.detail, final)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # full (a wake-up is already pending) or closed (stopped)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def _tick(self) -> None:
+        now = self._now
+        if self._listener is not None and self._accept_paused_until and now >= self._accept_paused_until:
+            self._accept_paused_until = 0.0
+            self._set_listening(True)
+        with self._lock:
+            actions = self.core.tick(now)
+        self._execute(actions)
+        s = self.settings
+        silent_for = s.heartbeat_interval * s.heartbeat_misses
+        heartbeat = wire.encode(wire.Heartbeat())
+        for conn in list(self._conns.values()):
+            if conn.closed:
+                continue
+            try:
+                if conn.out and now - conn.last_progress > s.send_timeout:
+                    raise ConnectionBroken("timeout", f"{conn.peer} stopped reading: send timed out")
+                if conn.blocked_until is None and conn.closing_until is None and now - conn.last_recv > silent_for:
+                    self._read(conn)  # a low-water mark may hide bytes that did arrive
+                    if self._now - conn.last_recv > silent_for:
+                        raise ConnectionBroken("timeout", f"no data from {conn.peer} while reading {conn.what}")
+                if conn.joined and not conn.out and now - conn.last_send >= s.heartbeat_interval:
+                    self._send(conn, [memoryview(heartbeat)], None)
+            except ConnectionBroken as exc:
+                self._broken(conn, exc)
+            except _Rejected as exc:
+                log.warning("connection %s rejected: %s", conn.label, exc)
+                self._close(conn, str(exc))
+        for conn in list(self._closing):
+            if now >= (conn.closing_until or 0.0):
+                self._finish_close(conn)
+
+    # --- accepting and handshakes ---
+
+    def _accept_ready(self) -> None:
         assert self._listener is not None
-        while not self._stopping.is_set():
+        for _ in range(64):
             try:
                 sock, _addr = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                time.sleep(C.TICK_INTERVAL_S)  # e.g. EMFILE: back off rather than spin
-                continue
-            with self._lock:
-                too_many = len(self._conns) >= self.settings.max_connections
-            if too_many:
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # e.g. EMFILE: back off rather than spin
+                log.warning("cannot accept connections: %s; retrying in %.1fs", exc.strerror or exc, C.TICK_INTERVAL_S)
+                self._set_listening(False)
+                self._accept_paused_until = self._now + C.TICK_INTERVAL_S
+                return
+            if len(self._conns) + len(self._handshakes) >= self.settings.max_connections:
                 _reject(sock, wire.Error(wire.ErrorCode.OVERLOADED, True, "reducer connection limit reached"))
                 continue
             configure_socket(sock)
@@ -180,175 +339,429 @@ class ReducerDaemon:
             if refused and not self._congestion_warned:
                 self._congestion_warned = True  # once per reducer: every connection would say the same
                 log.warning("%s", refused)
-            conn = _Conn(next(self._ids), sock, self)
-            with self._lock:
-                self._conns[conn.id] = conn
-            t = threading.Thread(target=self._serve, args=(conn,), name=f"redsrv-conn-{conn.id}", daemon=True)
+            conn_id = next(self._ids)
+            t = threading.Thread(target=self._handshake_thread, args=(conn_id, sock), name=f"redsrv-hello-{conn_id}",
+                                 daemon=True)
+            self._handshakes.add(t)
             t.start()
-            self._threads = [x for x in self._threads if x.is_alive()] + [t]
 
-    def _tick_loop(self) -> None:
-        while not self._stopping.wait(C.TICK_INTERVAL_S):
-            with self._lock:
-                actions = self.core.tick(time.monotonic())
-            self._execute(actions)
+    def _set_listening(self, on: bool) -> None:
+        assert self._selector is not None and self._listener is not None
+        if on:
+            self._selector.register(self._listener, selectors.EVENT_READ, self._accept_ready)
+        else:
+            self._selector.unregister(self._listener)
 
-    def _serve(self, conn: _Conn) -> None:
-        reason = "closed"
+    def _handshake_thread(self, conn_id: int, sock: socket.socket) -> None:
+        label = peer_name(sock)
         try:
-            self._handshake(conn)
-            conn.framed.set_read_timeout(self.settings.heartbeat_interval * self.settings.heartbeat_misses)
-            self._read_loop(conn)
+            hello = self._handshake(sock)
+            label = f"{label} (job {hello.job!r} rank {hello.rank})"
+            with self._admit_lock:
+                if self._stopping.is_set():
+                    raise _Rejected("reducer is shutting down")
+                self._admitted.append((conn_id, sock, label, hello))
+            self._wake()
         except ConnectionBroken as exc:
-            reason = exc.detail
-            if exc.kind == "protocol" and conn.sender is not None:
-                conn.sender.send(wire.encode(wire.Error(wire.ErrorCode.PROTOCOL, True, exc.detail)))
-            elif exc.kind == "protocol":
-                _reject(conn.sock, wire.Error(wire.ErrorCode.PROTOCOL, True, exc.detail))
+            if exc.kind == "protocol":
+                _reject(sock, wire.Error(wire.ErrorCode.PROTOCOL, True, exc.detail))
             level = logging.INFO if exc.kind == "eof" else logging.WARNING
-            log.log(level, "connection %s ended: %s", conn.label, exc.detail)
+            log.log(level, "connection %s ended: %s", label, exc.detail)
+            _close_socket(sock)
         except _Rejected as exc:
-            reason = str(exc)
-            log.warning("connection %s rejected: %s", conn.label, exc)
-        except Exception as exc:  # a bug must cost one connection, never the daemon
-            reason = f"internal error: {exc!r}"
-            log.exception("connection %s failed", conn.label)
+            log.warning("connection %s rejected: %s", label, exc)
+            _close_socket(sock)
+        except Exception:
+            log.exception("connection %s failed", label)
+            _close_socket(sock)
         finally:
-            self._drop(conn, reason)
+            self._handshakes.discard(threading.current_thread())
 
-    def _handshake(self, conn: _Conn) -> None:
+    def _handshake(self, sock: socket.socket) -> wire.Hello:
         s = self.settings
-        frame = conn.framed.read_frame()
+        framed = FramedSocket(sock, read_timeout=s.handshake_timeout, max_payload=s.max_frame_payload)
+        frame = framed.read_frame()
         if not isinstance(frame, wire.Hello):
             raise ConnectionBroken("protocol", f"expected HELLO, got {type(frame).__name__.upper()}")
         hello = frame
-        conn.label = f"{conn.peer} (job {hello.job!r} rank {hello.rank})"
         server_nonce = auth.new_nonce()
         proof = auth.server_proof(s.secret, hello, server_nonce, self.incarnation) if s.secret else auth.NO_PROOF
-        challenge = wire.Challenge(self.incarnation, server_nonce, proof, s.secret is not None)
-        conn.sock.sendall(wire.encode(challenge))
-        reply = conn.framed.read_frame()
+        sock.sendall(wire.encode(wire.Challenge(self.incarnation, server_nonce, proof, s.secret is not None)))
+        reply = framed.read_frame()
         if isinstance(reply, wire.Error):
             raise _Rejected(f"worker aborted the handshake: {reply.message}")
         if not isinstance(reply, wire.Proof):
             raise ConnectionBroken("protocol", f"expected PROOF, got {type(reply).__name__.upper()}")
         if s.secret is not None and not auth.proofs_equal(reply.proof, auth.client_proof(s.secret, hello, server_nonce, self.incarnation)):
-            _reject(conn.sock, wire.Error(wire.ErrorCode.AUTHENTICATION, True, "authentication failed"))
+            _reject(sock, wire.Error(wire.ErrorCode.AUTHENTICATION, True, "authentication failed"))
             raise _Rejected("authentication failed")
-        conn.sender = Sender(
-            conn.sock, name=f"redsrv-send-{conn.id}", heartbeat_interval=s.heartbeat_interval,
-            send_timeout=s.send_timeout, on_error=lambda exc: _shutdown(conn.sock),
-        )
-        with self._lock:
-            if self._stopping.is_set():
-                raise _Rejected("reducer is shutting down")
-            actions = self.core.join(conn.id, hello)
-            refused = any(isinstance(a, SendError) and a.conn == conn.id for a in actions)
-        if refused:
-            for a in actions:
-                if isinstance(a, SendError) and a.conn == conn.id:
-                    conn.sender.send(wire.encode(a.frame))
-                    conn.sender.close_after_drain()
-                    conn.sender.join(s.close_timeout)
-                    raise _Rejected(a.frame.message)
-        self._execute(actions)
-        conn.sender.send(wire.encode(wire.Welcome(self.incarnation, s.max_frame_payload, int(s.heartbeat_interval * 1000))))
-        conn.joined = True
-        log.info("joined: %s session=%#x", conn.label, hello.session)
+        return hello
 
-    def _read_loop(self, conn: _Conn) -> None:
-        framed = conn.framed
-        while not self._stopping.is_set():
-            header = framed.read_header()
-            t = header.type
-            if t is wire.FrameType.PUSH:
-                self._on_push(conn, header)
-            elif t is wire.FrameType.HEARTBEAT:
+    def _admit_waiting(self) -> None:
+        """Join the workers whose handshakes finished (on the loop: the state machine and the
+        connections' write sides belong to it)."""
+        assert self._selector is not None
+        with self._admit_lock:
+            admitted = list(self._admitted)
+            self._admitted.clear()
+        for conn_id, sock, label, hello in admitted:
+            sock.setblocking(False)
+            conn = _Conn(conn_id, sock, label, self._now)
+            with self._lock:
+                actions = self.core.join(conn.id, hello)
+            refusal = next((a for a in actions if isinstance(a, SendError) and a.conn == conn.id), None)
+            self._conns[conn.id] = conn
+            self._set_events(conn, selectors.EVENT_READ)
+            if refusal is not None:
+                log.warning("connection %s rejected: %s", label, refusal.frame.message)
+                self._close(conn, refusal.frame.message, wire.encode(refusal.frame))
                 continue
-            elif t is wire.FrameType.ERROR:
-                frame = wire.parse_payload(header, framed.read_bytes(header.payload_len))
+            self._execute(actions)
+            s = self.settings
+            self._send(conn, [memoryview(wire.encode(wire.Welcome(self.incarnation, s.max_frame_payload,
+                                                                    int(s.heartbeat_interval * 1000))))], None)
+            conn.joined = True
+            log.info("joined: %s session=%#x", label, hello.session)
+
+    # --- reading ---
+
+    def _read(self, conn: _Conn) -> None:
+        """Receive what the socket holds, a bounded number of frames at a time."""
+        frames = 0
+        sock = conn.sock
+        while frames < _FRAMES_PER_TURN and conn.blocked_until is None and conn.closing_until is None and not conn.closed:
+            want = len(conn.target) - conn.got
+            try:
+                got = sock.recv_into(conn.target[conn.got :], want)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _WOULD_BLOCK:
+                    return
+                raise ConnectionBroken("reset", f"connection to {conn.peer} failed while reading {conn.what}: {exc}") from None
+            if got == 0:
+                mid = conn.got or conn.stage != _PREFIX
+                raise ConnectionBroken("eof", f"{conn.peer} closed the connection" + (f" in the middle of {conn.what}" if mid else ""))
+            conn.last_recv = self._now
+            conn.got += got
+            if got < want:
+                if conn.stage == _PAYLOAD and want - got >= _LOWAT_FROM:
+                    self._set_lowat(conn, min(want - got, _LOWAT_MAX))
+                return  # the socket is drained: wait for the rest
+            if self._advance(conn):
+                frames += 1
+
+    def _set_lowat(self, conn: _Conn, nbytes: int) -> None:
+        if conn.lowat != nbytes:
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            conn.lowat = nbytes
+
+    def _expect(self, conn: _Conn, stage: int, target: memoryview, what: str) -> None:
+        conn.stage, conn.target, conn.got, conn.what = stage, target, 0, what
+
+    def _next_frame(self, conn: _Conn) -> None:
+        if conn.lowat != 1:
+            self._set_lowat(conn, 1)  # or a small header would never wake the loop
+        self._expect(conn, _PREFIX, conn.head[: wire.PREFIX.size], "a frame")
+
+    def _advance(self, conn: _Conn) -> bool:
+        """The current target is full: move the connection's reader on. True when a frame ended."""
+        while True:
+            stage = conn.stage
+            if stage == _PREFIX:
+                try:
+                    frame_type, header_len, payload_len = wire.parse_prefix(conn.head[: wire.PREFIX.size], self.settings.max_frame_payload)
+                except RemoteProtocolError as exc:
+                    raise ConnectionBroken("protocol", str(exc)) from None
+                conn.frame_type, conn.payload_len = frame_type, payload_len
+                self._expect(conn, _HEADER, conn.head[wire.PREFIX.size : wire.PREFIX.size + header_len], f"a {frame_type.name} header")
+                if header_len:
+                    return False
+                continue
+            if stage == _HEADER:
+                try:
+                    header = wire.parse_header(conn.frame_type, conn.target, conn.payload_len)
+                except RemoteProtocolError as exc:
+                    raise ConnectionBroken("protocol", str(exc)) from None
+                conn.header = header
+                t = header.type
+                if t is wire.FrameType.PUSH:
+                    if not self._begin_push(conn):
+                        return False
+                elif t is wire.FrameType.HEARTBEAT:
+                    self._next_frame(conn)
+                    return True
+                elif t is wire.FrameType.ERROR:
+                    self._expect(conn, _CONTROL, memoryview(bytearray(header.payload_len)), "an ERROR payload")
+                else:
+                    raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a worker after the handshake")
+            elif stage == _PAYLOAD:
+                ticket = conn.ticket
+                assert ticket is not None
+                conn.ticket = None
+                self._next_frame(conn)
+                with self._lock:
+                    actions = self.core.finish_push(ticket, self._now)
+                self._execute(actions)
+                return True
+            elif stage == _DISCARD:
+                conn.discard_left -= len(conn.target)
+                if not conn.discard_left:
+                    self._next_frame(conn)
+                    return True
+                self._expect(conn, _DISCARD, _DISCARD_BUFFER[: min(conn.discard_left, len(_DISCARD_BUFFER))], "a discarded payload")
+            elif stage == _CONTROL:
+                assert conn.header is not None
+                frame = wire.parse_payload(conn.header, conn.target)
                 assert isinstance(frame, wire.Error)
                 raise _Rejected(f"worker reported: {frame.message}")
-            else:
-                raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a worker after the handshake")
+            if len(conn.target) > conn.got:
+                return False
 
-    def _on_push(self, conn: _Conn, header: wire.FrameHeader) -> None:
+    def _begin_push(self, conn: _Conn) -> bool:
+        """A push header is in. False when the job is over its budget: the connection stops being
+        read (TCP backpressure) and the push is retried."""
+        header = conn.header
+        assert header is not None
         push = wire.parse_payload(header, b"")
         assert isinstance(push, wire.Push)
-        deadline = None
-        while True:
-            now = time.monotonic()
-            with self._lock:
-                outcome = self.core.begin_push(conn.id, push, header.payload_len, now)
-            if outcome is not None:
-                break
-            # Over the job's budget: stop reading this connection (TCP backpressure) until
-            # chunks close, but not past the heartbeat bound times the operation's patience.
-            deadline = deadline or now + self.settings.send_timeout
-            if now > deadline or self._stopping.is_set():
-                raise _Rejected(f"job budget of {self.settings.job_budget_bytes} bytes stayed exhausted for {self.settings.send_timeout:.1f}s")
-            time.sleep(0.002)
-        if isinstance(outcome, list):
-            conn.framed.discard(header.payload_len)
-            self._execute(outcome)
-            return
-        ticket: PushTicket = outcome
-        try:
-            if ticket.buffer is not None:
-                conn.framed.read_into(ticket.buffer.data, f"push payload (key {push.key:#x} chunk {push.chunk})")
-        except BaseException:
-            with self._lock:
-                self.core.abort_push(ticket)
-            raise
         with self._lock:
-            actions = self.core.finish_push(ticket, time.monotonic())
+            outcome = self.core.begin_push(conn.id, push, header.payload_len, self._now)
+        if outcome is None:
+            if conn.blocked_until is None:
+                conn.blocked_until = self._now + self.settings.send_timeout
+                self._blocked.add(conn)
+                self._set_events(conn, conn.events & ~selectors.EVENT_READ)
+            return False
+        if conn.blocked_until is not None:
+            conn.blocked_until = None
+            self._blocked.discard(conn)
+            self._set_events(conn, conn.events | selectors.EVENT_READ)
+        if isinstance(outcome, list):
+            conn.discard_left = header.payload_len
+            self._expect(conn, _DISCARD, _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))], "a discarded payload")
+            self._execute(outcome)
+            return True
+        conn.ticket = outcome
+        what = f"push payload (key {push.key:#x} chunk {push.chunk})"
+        buffer = outcome.buffer
+        self._expect(conn, _PAYLOAD, memoryview(b"") if buffer is None else buffer.data.cast("B"), what)
+        return True
+
+    def _retry_blocked(self) -> None:
+        for conn in list(self._blocked):
+            if conn.closed:
+                self._blocked.discard(conn)
+                continue
+            try:
+                if self._begin_push(conn):
+                    if len(conn.target) == conn.got:
+                        self._advance(conn)
+                    self._read(conn)
+                elif self._now > (conn.blocked_until or 0.0) or self._stopping.is_set():
+                    raise _Rejected(f"job budget of {self.settings.job_budget_bytes} bytes stayed exhausted for "
+                                    f"{self.settings.send_timeout:.1f}s")
+            except ConnectionBroken as exc:
+                self._broken(conn, exc)
+            except _Rejected as exc:
+                log.warning("connection %s rejected: %s", conn.label, exc)
+                self._close(conn, str(exc))
+
+    # --- writing ---
+
+    def _send(self, conn: _Conn, views: list[memoryview], done: Callable[[bool], None] | None) -> None:
+        """Write a frame now if nothing is queued ahead of it, else queue it; ``done(ok)`` runs
+        once the buffers are no longer needed."""
+        if conn.closed:
+            if done is not None:
+                done(False)
+            return
+        if conn.out:
+            conn.out.append(_Outgoing(views, done))
+            return
+        try:
+            rest = self._write(conn, views)
+        except ConnectionBroken as exc:
+            if done is not None:
+                done(False)
+            self._broken(conn, exc)
+            return
+        conn.last_send = self._now
+        if rest:
+            conn.out.append(_Outgoing(rest, done))
+            conn.last_progress = self._now
+            self._set_events(conn, conn.events | selectors.EVENT_WRITE)
+        elif done is not None:
+            done(True)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            item = conn.out[0]
+            before = sum(len(v) for v in item.views)
+            rest = self._write(conn, item.views)
+            if rest:
+                if sum(len(v) for v in rest) != before:
+                    conn.last_progress = conn.last_send = self._now
+                item.views = rest
+                return
+            conn.out.popleft()
+            conn.last_progress = conn.last_send = self._now
+            if item.done is not None:
+                item.done(True)
+        self._set_events(conn, conn.events & ~selectors.EVENT_WRITE)
+        if conn.closing_until is not None:
+            self._finish_close(conn)
+
+    def _write(self, conn: _Conn, views: list[memoryview]) -> list[memoryview]:
+        """Write what the socket takes without blocking; return what is left."""
+        while views:
+            try:
+                sent = conn.sock.sendmsg(views)
+            except (BlockingIOError, InterruptedError):
+                return views
+            except OSError as exc:
+                if exc.errno in _WOULD_BLOCK:
+                    return views
+                raise ConnectionBroken("reset", f"sending to {conn.peer} failed: {exc}") from None
+            while sent:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+            while views and not len(views[0]):
+                views.pop(0)
+        return views
+
+    def _set_events(self, conn: _Conn, events: int) -> None:
+        assert self._selector is not None
+        if conn.closed or events == conn.events:
+            return
+        if conn.events == 0:
+            self._selector.register(conn.sock, events, conn)
+        elif events == 0:
+            self._selector.unregister(conn.sock)
+        else:
+            self._selector.modify(conn.sock, events, conn)
+        conn.events = events
+
+    # --- closing ---
+
+    def _close(self, conn: _Conn, reason: str, final: bytes | None = None) -> None:
+        """Leave the job now; let ``final`` (and anything queued before it) out within a second
+        at most, then close. Idempotent."""
+        if conn.closed or conn.closing_until is not None:
+            return
+        self._conns.pop(conn.id, None)
+        self._blocked.discard(conn)
+        conn.blocked_until = None
+        with self._lock:
+            if conn.ticket is not None:
+                self.core.abort_push(conn.ticket)
+                conn.ticket = None
+            actions = self.core.leave(conn.id, reason, self._now) if conn.joined else []
+        conn.joined = False
+        conn.closing_until = self._now + min(1.0, self.settings.close_timeout)
+        self._closing.add(conn)
+        self._set_events(conn, conn.events & ~selectors.EVENT_READ)
+        if final is not None:
+            self._send(conn, [memoryview(final)], None)
+        if not conn.out and not conn.closed:
+            self._finish_close(conn)
         self._execute(actions)
 
-    def _drop(self, conn: _Conn, reason: str) -> None:
+    def _finish_close(self, conn: _Conn) -> None:
+        if conn.closed:
+            return
+        self._set_events(conn, 0)
+        conn.closed = True
+        self._closing.discard(conn)
+        self._conns.pop(conn.id, None)
+        leftovers = list(conn.out)
+        conn.out.clear()
+        _close_socket(conn.sock)
+        for item in leftovers:
+            if item.done is not None:
+                item.done(False)
+
+    def _shutdown(self) -> None:
+        """On the loop, once ``stop()`` was called: fail every open operation, tell every worker
+        why (a final frame on every connection, so a worker learns it whichever of its streams
+        notices first), and close within ``close_timeout``."""
+        assert self._selector is not None
+        if self._listener is not None:
+            if not self._accept_paused_until:
+                self._set_listening(False)
+            self._listener.close()
+        reason = self._stop_reason
         with self._lock:
-            self._conns.pop(conn.id, None)
-            actions = self.core.leave(conn.id, reason, time.monotonic()) if conn.joined else []
+            actions = self.core.shutdown(reason)
         self._execute(actions)
-        if conn.sender is not None:
-            # Let a final error frame out, but never wait on a peer that stopped reading.
-            conn.sender.close_after_drain()
-            conn.sender.join(min(1.0, self.settings.close_timeout))
-            conn.sender.stop()
-        _shutdown(conn.sock)
-        if conn.sender is not None:
-            conn.sender.join(self.settings.close_timeout)
-        try:
-            conn.sock.close()
-        except OSError:
-            pass
+        farewell = wire.encode(wire.Error(wire.ErrorCode.SHUTDOWN, True, reason))
+        for conn in list(self._conns.values()):
+            self._close(conn, reason, farewell)
+        with self._admit_lock:
+            waiting = list(self._admitted)
+            self._admitted.clear()
+        for _conn_id, sock, _label, _hello in waiting:
+            _reject(sock, wire.Error(wire.ErrorCode.SHUTDOWN, True, reason))
+        deadline = time.monotonic() + min(1.0, self.settings.close_timeout)
+        while self._closing and time.monotonic() < deadline:
+            for key, mask in self._selector.select(max(0.0, deadline - time.monotonic())):
+                if isinstance(key.data, _Conn) and mask & selectors.EVENT_WRITE:
+                    self._now = time.monotonic()
+                    try:
+                        self._flush(key.data)
+                    except ConnectionBroken:
+                        self._finish_close(key.data)
+                elif not isinstance(key.data, _Conn):
+                    key.data()
+        for conn in list(self._closing):
+            self._finish_close(conn)
+        self._close_all_sockets()
+
+    def _close_all_sockets(self) -> None:
+        for conn in list(self._conns.values()) + list(self._closing):
+            conn.closed = True
+            _close_socket(conn.sock)
+        self._conns.clear()
+        self._closing.clear()
+        if self._listener is not None:
+            self._listener.close()
+        for sock in (self._wake_r, self._wake_w):
+            sock.close()
 
     # --- actions ---
 
     def _execute(self, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, SendResult):
+                views = [memoryview(action.header), action.data]
                 for conn_id in action.conns:
                     conn = self._conns.get(conn_id)
-                    if conn is None or conn.sender is None:
+                    if conn is None:
                         action.release()
                         continue
-                    conn.sender.send(action.header, action.data, len(action.data), _ignore_ok(action.release), inline=True)
+                    self._send(conn, list(views), _ignore_ok(action.release))
             elif isinstance(action, SendError):
                 conn = self._conns.get(action.conn)
-                if conn is not None and conn.sender is not None:
-                    conn.sender.send(wire.encode(action.frame), inline=True)
-                    if action.close_after:
-                        conn.sender.close_after_drain()
+                if conn is None:
+                    continue
+                if action.close_after:
+                    self._close(conn, action.frame.message, wire.encode(action.frame))
+                else:
+                    self._send(conn, [memoryview(wire.encode(action.frame))], None)
             elif isinstance(action, CloseConnection):
                 conn = self._conns.get(action.conn)
                 if conn is not None:
-                    _shutdown(conn.sock)
+                    self._close(conn, "another stream of the same worker failed")
             elif isinstance(action, Log):
                 log.log(logging.getLevelName(action.level.upper()), "%s", action.message)
 
 
 def _ignore_ok(release: Callable[[], None]) -> Callable[[bool], None]:
-    """A sender ``done(ok)`` callback that releases a shared result buffer either way."""
+    """A ``done(ok)`` callback that releases a shared result buffer either way."""
     return lambda _ok: release()
 
 
@@ -357,17 +770,23 @@ class _Rejected(Exception):
 
 
 def _reject(sock: socket.socket, frame: wire.Error) -> None:
+    """Best-effort final frame on a connection that never joined, then close it. A fresh
+    connection's send buffer is empty, so the frame leaves without blocking."""
     try:
-        sock.settimeout(1.0)
-        sock.sendall(wire.encode(frame))
+        sock.setblocking(False)
+        sock.send(wire.encode(frame))
     except OSError:
         pass
-    _shutdown(sock)
+    _close_socket(sock)
 
 
-def _shutdown(sock: socket.socket) -> None:
+def _close_socket(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
     except OSError:
         pass
 

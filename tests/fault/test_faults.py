@@ -174,6 +174,42 @@ def test_malformed_push_after_a_valid_handshake_closes_only_that_connection(flee
             assert f0.result(10).tobytes() == out1.tobytes() == rank_order_sum(xs).tobytes()
 
 
+def test_a_slow_but_steady_push_is_not_taken_for_a_frozen_worker(fleet) -> None:  # type: ignore[no-untyped-def]
+    """The reducer waits for a large payload with a low-water mark, so it is not woken while the
+    bytes trickle in; a push that takes longer than the heartbeat bound but never pauses that
+    long must still complete."""
+    (reducer,) = fleet(1)
+    x = np.arange(256 * 1024, dtype=np.float32)  # 1 MiB
+    payload = x.tobytes()
+    piece = 64 * 1024
+    with socket.create_connection((reducer.host, reducer.port), timeout=5) as slow:
+        slow.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        slow.sendall(_raw_hello("slow"))
+        challenge = _read_one(slow)
+        assert isinstance(challenge, wire.Challenge)
+        slow.sendall(wire.encode(wire.Proof(bytes(32))))
+        assert isinstance(_read_one(slow), wire.Welcome)
+        push = wire.Push(7, challenge.incarnation, x.size, 0, x.size, 0, wire.DType.FLOAT32)
+        slow.sendall(wire.push_header(push, len(payload)))
+        started = time.monotonic()
+        for offset in range(0, len(payload), piece):
+            slow.sendall(payload[offset : offset + piece])
+            time.sleep(0.15)
+        assert time.monotonic() - started > 2 * HEARTBEAT_BOUND  # longer than any silence allowed
+        decoder = wire.FrameDecoder(max_payload=len(payload) + 64)
+        slow.settimeout(5)
+        results: list[wire.Result] = []
+        while not results:
+            data = slow.recv(1 << 20)
+            assert data, "the reducer closed the connection"
+            decoder.receive_data(data)
+            while (frame := decoder.next_frame()) is not None:
+                assert not isinstance(frame, wire.Error), frame
+                if isinstance(frame, wire.Result):
+                    results.append(frame)
+        assert bytes(results[0].payload) == payload
+
+
 def _read_one(sock: socket.socket) -> wire.Frame:
     decoder = wire.FrameDecoder()
     sock.settimeout(5)

@@ -1,0 +1,43 @@
+"""The reducer serves every connection from one event loop: many jobs and streams cost it no
+threads, and it still sums each job exactly."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import redsrv
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _reducer_threads() -> list[str]:
+    # Clients in this process name theirs redsrv-push/-pull/-deadlines; the daemon's are these.
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith(("redsrv-loop", "redsrv-hello", "redsrv-conn")))
+
+
+def test_many_connections_cost_the_reducer_no_threads() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
+    host, port = daemon.start()
+    clients: list[redsrv.Client] = []
+    try:
+        # Three jobs of two ranks, eight streams each: 48 connections.
+        for job in ("a", "b", "c"):
+            clients += [redsrv.Client([f"{host}:{port}"], rank=r, world_size=2, job=job, streams_per_reducer=8)
+                        for r in range(2)]
+        for step in range(3):
+            futures = [c.allreduce_async(np.full(300_000, c.rank + step, dtype=np.float32), key=step) for c in clients]
+            for c, f in zip(clients, futures):
+                assert np.array_equal(c.wait(f), np.full(300_000, 1 + 2 * step, dtype=np.float32))
+        deadline = time.monotonic() + 5
+        while _reducer_threads() != ["redsrv-loop"] and time.monotonic() < deadline:
+            time.sleep(0.02)  # handshake threads end once their worker joined
+        assert _reducer_threads() == ["redsrv-loop"]
+        assert sum(entry["connections"] for entry in daemon.snapshot().values()) == 48  # type: ignore[misc]
+    finally:
+        for c in clients:
+            c.close()
+        daemon.stop()
