@@ -71,7 +71,7 @@ def test_an_out_array_that_does_not_fit_is_refused_before_anything_is_sent(fleet
         "not an array": bytearray(48),
     }
     with redsrv.Client([r.address for r in fleet(1)], rank=0, world_size=1, job="out-checks") as client:
-        for what, out in bad.items():
+        for out in bad.values():
             with pytest.raises(redsrv.LocalProtocolError, match="out must"):
                 client.allreduce(x, out=out)  # type: ignore[arg-type]
         shaped = np.empty((3, 4), np.float32)
