@@ -445,7 +445,7 @@ class ReducerDaemon:
             conn.last_recv = self._now
             conn.got += got
             if got < want:
-                if conn.stage == _PAYLOAD and want - got >= _LOWAT_FROM:
+                if conn.stage == _PAYLOAD and len(conn.target) >= _LOWAT_FROM:
                     self._set_lowat(conn, min(want - got, _LOWAT_MAX))
                 return  # the socket is drained: wait for the rest
             if self._advance(conn):
