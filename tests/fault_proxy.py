@@ -23,6 +23,7 @@ from redsrv.core import wire
 GARBAGE = b"\x00garbage that is not a redsrv frame\xff" * 8
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 #: (direction is worker->reducer, frame event) that marks each phase.
+HELD_PAUSE_S = 0.5
 TRIGGERS = {"handshake": (True, "end:HELLO"), "push": (True, "half:PUSH"), "wait": (True, "end:PUSH"), "pull": (False, "half:RESULT")}
 
 
@@ -203,7 +204,10 @@ class FaultProxy:
             held = (self.fault.phase == "wait" and to_reducer and conn.rank == self.fault.victim
                     and self.armed.is_set() and self.fault.fired_at is None)
             if held:
-                time.sleep(1.0)  # the victim's link is slow: the reducer waits for its contribution
+                # The victim's link is slow: the reducer waits for its contribution. Slow, not
+                # silent: a pause as long as the heartbeat bound (0.2 s x 5) raced the reducer's
+                # frozen-peer check, which could end the run before the fault fired.
+                time.sleep(HELD_PAUSE_S)
             cut = next((offset for name, offset in events if (to_reducer, name) == wanted), None)
             if cut is not None and self._wants(conn) and self.armed.is_set() and self.fault.fired_at is None:
                 try:
