@@ -80,7 +80,10 @@ def _reducer(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"redsrv reducer listening on {shown}:{port} incarnation={daemon.incarnation:#x}", flush=True)
     while not stop.wait(0.5):
-        pass
+        if daemon.failure is not None:
+            print(f"redsrv reducer: stopped serving after an internal error: {daemon.failure!r}", file=sys.stderr,
+                  flush=True)
+            os._exit(1)
     # The bound on shutdown holds even if something in it were stuck: past the close timeout
     # (plus a grace second) dump every thread's stack for diagnosis and exit anyway.
     watchdog = threading.Timer(settings.close_timeout + 1.0, _force_exit, args=(settings.close_timeout,))

@@ -151,6 +151,9 @@ class ReducerDaemon:
         self._congestion_warned = False
         self._now = time.monotonic()
         self.address: tuple[str, int] | None = None
+        #: Set if the event loop itself died (a bug outside any one connection): the reducer
+        #: serves nobody any more, and ``redsrv reducer`` exits non-zero so a supervisor restarts it.
+        self.failure: BaseException | None = None
 
     # --- lifecycle ---
 
@@ -241,8 +244,9 @@ class ReducerDaemon:
                     next_tick = self._now + C.TICK_INTERVAL_S
                     self._tick()
             self._shutdown()
-        except Exception:  # the loop is the reducer: say why it died, then fail everyone cleanly
+        except Exception as exc:  # the loop is the reducer: say why it died, close, let the process exit
             log.exception("reducer event loop failed")
+            self.failure = exc
             self._stopping.set()
             self._close_all_sockets()
         finally:
@@ -254,13 +258,19 @@ class ReducerDaemon:
                 self._flush(conn)
             if mask & selectors.EVENT_READ and not conn.closed and conn.closing_until is None:
                 self._read(conn)
-        except ConnectionBroken as exc:
+        except Exception as exc:
+            self._contain(conn, exc)
+
+    def _contain(self, conn: _Conn, exc: Exception) -> None:
+        """Whatever went wrong while serving ``conn`` ends that connection only: a bug must cost
+        one connection, never the daemon."""
+        if isinstance(exc, ConnectionBroken):
             self._broken(conn, exc)
-        except _Rejected as exc:
+        elif isinstance(exc, _Rejected):
             log.warning("connection %s rejected: %s", conn.label, exc)
             self._close(conn, str(exc))
-        except Exception as exc:  # a bug must cost one connection, never the daemon
-            log.exception("connection %s failed", conn.label)
+        else:
+            log.error("connection %s failed", conn.label, exc_info=exc)
             self._close(conn, f"internal error: {exc!r}")
 
     def _broken(self, conn: _Conn, exc: ConnectionBroken) -> None:
@@ -290,9 +300,12 @@ class ReducerDaemon:
         if self._listener is not None and self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             self._set_listening(True)
-        with self._lock:
-            actions = self.core.tick(now)
-        self._execute(actions)
+        try:
+            with self._lock:
+                actions = self.core.tick(now)
+            self._execute(actions)
+        except Exception:  # deadlines are retried next tick; the connections carry on
+            log.exception("reducer tick failed")
         s = self.settings
         silent_for = s.heartbeat_interval * s.heartbeat_misses
         heartbeat = wire.encode(wire.Heartbeat())
@@ -308,11 +321,8 @@ class ReducerDaemon:
                         raise ConnectionBroken("timeout", f"no data from {conn.peer} while reading {conn.what}")
                 if conn.joined and not conn.out and now - conn.last_send >= s.heartbeat_interval:
                     self._send(conn, [memoryview(heartbeat)], None)
-            except ConnectionBroken as exc:
-                self._broken(conn, exc)
-            except _Rejected as exc:
-                log.warning("connection %s rejected: %s", conn.label, exc)
-                self._close(conn, str(exc))
+            except Exception as exc:
+                self._contain(conn, exc)
         for conn in list(self._closing):
             if now >= (conn.closing_until or 0.0):
                 self._finish_close(conn)
@@ -407,21 +417,27 @@ class ReducerDaemon:
         for conn_id, sock, label, hello in admitted:
             sock.setblocking(False)
             conn = _Conn(conn_id, sock, label, self._now)
-            with self._lock:
-                actions = self.core.join(conn.id, hello)
-            refusal = next((a for a in actions if isinstance(a, SendError) and a.conn == conn.id), None)
             self._conns[conn.id] = conn
             self._set_events(conn, selectors.EVENT_READ)
-            if refusal is not None:
-                log.warning("connection %s rejected: %s", label, refusal.frame.message)
-                self._close(conn, refusal.frame.message, wire.encode(refusal.frame))
-                continue
-            self._execute(actions)
-            s = self.settings
-            self._send(conn, [memoryview(wire.encode(wire.Welcome(self.incarnation, s.max_frame_payload,
-                                                                    int(s.heartbeat_interval * 1000))))], None)
-            conn.joined = True
-            log.info("joined: %s session=%#x", label, hello.session)
+            try:
+                self._join(conn, hello)
+            except Exception as exc:
+                self._contain(conn, exc)
+
+    def _join(self, conn: _Conn, hello: wire.Hello) -> None:
+        with self._lock:
+            actions = self.core.join(conn.id, hello)
+        refusal = next((a for a in actions if isinstance(a, SendError) and a.conn == conn.id), None)
+        if refusal is not None:
+            log.warning("connection %s rejected: %s", conn.label, refusal.frame.message)
+            self._close(conn, refusal.frame.message, wire.encode(refusal.frame))
+            return
+        self._execute(actions)
+        s = self.settings
+        self._send(conn, [memoryview(wire.encode(wire.Welcome(self.incarnation, s.max_frame_payload,
+                                                                int(s.heartbeat_interval * 1000))))], None)
+        conn.joined = True
+        log.info("joined: %s session=%#x", conn.label, hello.session)
 
     # --- reading ---
 
@@ -561,11 +577,8 @@ class ReducerDaemon:
                 elif self._now > (conn.blocked_until or 0.0) or self._stopping.is_set():
                     raise _Rejected(f"job budget of {self.settings.job_budget_bytes} bytes stayed exhausted for "
                                     f"{self.settings.send_timeout:.1f}s")
-            except ConnectionBroken as exc:
-                self._broken(conn, exc)
-            except _Rejected as exc:
-                log.warning("connection %s rejected: %s", conn.label, exc)
-                self._close(conn, str(exc))
+            except Exception as exc:
+                self._contain(conn, exc)
 
     # --- writing ---
 

@@ -41,3 +41,41 @@ def test_many_connections_cost_the_reducer_no_threads() -> None:
         for c in clients:
             c.close()
         daemon.stop()
+
+
+def test_a_bug_while_serving_one_connection_costs_only_that_connection() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
+    host, port = daemon.start()
+    real_begin_push, real_tick = daemon.core.begin_push, daemon.core.tick
+    ticks_failed = []
+
+    def begin_push(conn, push, payload_len, now):  # type: ignore[no-untyped-def]
+        if push.key == 666:
+            raise RuntimeError("injected bug")
+        return real_begin_push(conn, push, payload_len, now)
+
+    def tick(now):  # type: ignore[no-untyped-def]
+        if not ticks_failed:
+            ticks_failed.append(now)
+            raise RuntimeError("injected tick bug")
+        return real_tick(now)
+
+    daemon.core.begin_push = begin_push  # type: ignore[method-assign]
+    daemon.core.tick = tick  # type: ignore[method-assign]
+    address = f"{host}:{port}"
+    try:
+        with redsrv.Client([address], rank=0, world_size=1, job="healthy", heartbeat_interval=0.2) as healthy, \
+             redsrv.Client([address], rank=0, world_size=1, job="buggy", heartbeat_interval=0.2) as buggy:
+            x = np.arange(1000, dtype=np.float32)
+            assert np.array_equal(healthy.allreduce(x, key=1), x)
+            with pytest.raises(redsrv.PeerLostError):
+                buggy.allreduce(x, key=666, timeout=10)
+            deadline = time.monotonic() + 5
+            while not ticks_failed and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert ticks_failed
+            for key in range(2, 6):  # the loop and the other job carry on
+                assert np.array_equal(healthy.allreduce(x, key=key), x)
+        assert daemon.failure is None
+    finally:
+        daemon.stop()
