@@ -1,4 +1,5 @@
-"""Sockets: framed reads straight into caller buffers, and a sender thread per connection.
+"""Blocking sockets for the client and for handshakes: framed reads straight into caller buffers,
+and a sender thread per connection (the reducer serves joined connections from its own loop).
 
 The only module besides the daemon and client entry points that touches the network. Every
 blocking call has a deadline: reads time out after the heartbeat bound (a silent peer is
