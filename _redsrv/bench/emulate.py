@@ -276,6 +276,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
                + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else ""))
+    _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
         try:
             t0 = time.monotonic()

@@ -310,12 +310,44 @@ def finish_files(doc: dict[str, Any], json_path: str, png_path: str, draw: Calla
 
 
 def provenance(torch: str | None) -> dict[str, Any]:
-    """``machine`` and ``redsrv`` entries of a result file: where and with what it ran."""
+    """``machine`` and ``redsrv`` entries of a result file: where and with what it ran, and how
+    fast the machine was just before (:func:`machine_speed`)."""
     from redsrv import __version__
 
     return {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
-                        "python": platform.python_version(), "torch": torch},
+                        "python": platform.python_version(), "torch": torch, "speed": machine_speed()},
             "redsrv": {"version": str(__version__), "source": _source_revision()}}
+
+
+def machine_speed(trials: int = 3) -> dict[str, float]:
+    """How fast one core runs Python and numpy right now, best of ``trials`` short runs (about
+    0.3 s in all). A shared machine's speed moves by tens of percent from hour to hour, and every
+    CPU-bound figure with it, gloo's and redsrv's alike: compare result files only where these agree.
+
+    >>> sorted(machine_speed(trials=1))
+    ['numpy_add_gbps', 'python_msteps_per_s']
+    """
+    steps = 1_000_000
+    acc = np.ones(4 * 1024 * 1024, dtype=np.float32)
+    other = np.ones_like(acc)
+    adds = 5
+    best_python = best_numpy = float("inf")
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        sum(range(steps))
+        best_python = min(best_python, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for _ in range(adds):
+            np.add(acc, other, out=acc)
+        best_numpy = min(best_numpy, time.perf_counter() - t0)
+    return {"python_msteps_per_s": round(steps / best_python / 1e6, 1),
+            "numpy_add_gbps": round(adds * acc.nbytes / best_numpy / 1e9, 2)}
+
+
+def describe_speed(speed: dict[str, float]) -> str:
+    """One line for the terminal."""
+    return (f"machine speed: Python {speed['python_msteps_per_s']:g} M loop steps/s, numpy in-place float32 add "
+            f"{speed['numpy_add_gbps']:g} GB/s (compare runs only where these agree)")
 
 
 def command_line(name: str) -> str | None:

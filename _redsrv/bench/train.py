@@ -461,6 +461,7 @@ def run_train(opts: Options) -> dict[str, Any]:
                f"{width}x{width} Linear, batch {opts.batch}; DDP gradient_as_bucket_view=True, bucket_cap_mb "
                f"{opts.bucket_cap_mb:g}" + (f"; {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
                + f"; {opts.rounds} round(s) of {' / '.join(opts.modes)}, {opts.warmup} warm-up + {opts.steps} timed steps each")
+    _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     if goodput:
         _say(opts, f"  G = {goodput:.4f} GB/s (assumed: rate x (MTU-52)/(MTU+14))")
     with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-train-") as tmp:

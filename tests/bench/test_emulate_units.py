@@ -138,3 +138,14 @@ def test_doctests_of_the_forwarder_report():
 
     assert doctest.testmod(tapdelay).failed == 0
     assert doctest.testmod(emulate).failed == 0
+
+
+def test_result_files_record_how_fast_the_machine_was():
+    import doctest
+
+    from redsrv.bench import harness
+
+    assert doctest.testmod(harness).failed == 0
+    speed = harness.provenance(None)["machine"]["speed"]
+    assert speed["python_msteps_per_s"] > 0 and speed["numpy_add_gbps"] > 0
+    assert f"{speed['numpy_add_gbps']:g} GB/s" in harness.describe_speed(speed)
