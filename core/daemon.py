@@ -447,6 +447,10 @@ class ReducerDaemon:
         sock = conn.sock
         while frames < _FRAMES_PER_TURN and conn.blocked_until is None and conn.closing_until is None and not conn.closed:
             want = len(conn.target) - conn.got
+            if not want:  # never read zero bytes: the 0 that returns would look like end-of-file
+                if self._advance(conn):
+                    frames += 1
+                continue
             try:
                 got = sock.recv_into(conn.target[conn.got :], want)
             except (BlockingIOError, InterruptedError):
