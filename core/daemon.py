@@ -21,7 +21,6 @@ processes (one per core), each its own entry in the workers' reducer list.
 from __future__ import annotations
 
 import collections
-import errno
 import ipaddress
 import itertools
 import logging
@@ -38,7 +37,7 @@ from . import constants as C
 from .config import congestion_setting, require_positive
 from .errors import ConfigError, RemoteProtocolError
 from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
-from .transport import ConnectionBroken, FramedSocket, choose_congestion_control, configure_socket, peer_name
+from .transport import ConnectionBroken, FramedSocket, choose_congestion_control, configure_socket, peer_name, send_views
 
 __all__ = ["ReducerDaemon", "DaemonSettings"]
 
@@ -80,7 +79,6 @@ _FRAMES_PER_TURN = 16
 #: Budget backpressure: how often a worker over its job's budget is retried.
 _BLOCKED_RETRY_S = 0.002
 _DISCARD_BUFFER = memoryview(bytearray(256 * 1024))  # payloads read only to skip them
-_WOULD_BLOCK = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 @dataclass
@@ -453,11 +451,9 @@ class ReducerDaemon:
                 continue
             try:
                 got = sock.recv_into(conn.target[conn.got :], want)
-            except (BlockingIOError, InterruptedError):
+            except BlockingIOError:
                 return
             except OSError as exc:
-                if exc.errno in _WOULD_BLOCK:
-                    return
                 raise ConnectionBroken("reset", f"connection to {conn.peer} failed while reading {conn.what}: {exc}") from None
             if got == 0:
                 mid = conn.got or conn.stage != _PREFIX
@@ -575,9 +571,7 @@ class ReducerDaemon:
                 continue
             try:
                 if self._begin_push(conn):
-                    if len(conn.target) == conn.got:
-                        self._advance(conn)
-                    self._read(conn)
+                    self._read(conn)  # an empty payload is moved past there too
                 elif self._now > (conn.blocked_until or 0.0) or self._stopping.is_set():
                     raise _Rejected(f"job budget of {self.settings.job_budget_bytes} bytes stayed exhausted for "
                                     f"{self.settings.send_timeout:.1f}s")
@@ -631,25 +625,7 @@ class ReducerDaemon:
 
     def _write(self, conn: _Conn, views: list[memoryview]) -> list[memoryview]:
         """Write what the socket takes without blocking; return what is left."""
-        while views:
-            try:
-                sent = conn.sock.sendmsg(views)
-            except (BlockingIOError, InterruptedError):
-                return views
-            except OSError as exc:
-                if exc.errno in _WOULD_BLOCK:
-                    return views
-                raise ConnectionBroken("reset", f"sending to {conn.peer} failed: {exc}") from None
-            while sent:
-                if sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
-            while views and not len(views[0]):
-                views.pop(0)
-        return views
+        return send_views(conn.sock, views, socket.MSG_DONTWAIT, conn.peer)
 
     def _set_events(self, conn: _Conn, events: int) -> None:
         assert self._selector is not None

@@ -27,7 +27,7 @@ from .constants import DEFAULT_MAX_FRAME_PAYLOAD
 from .errors import RemoteProtocolError
 
 __all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout", "set_send_lowat",
-           "set_congestion_control", "choose_congestion_control", "congestion_control"]
+           "set_congestion_control", "choose_congestion_control", "congestion_control", "send_views"]
 
 
 class ConnectionBroken(Exception):
@@ -409,24 +409,29 @@ class Sender:
         self._write([memoryview(p).cast("B") for p in parts], 0)
 
     def _write(self, views: list[memoryview], flags: int) -> list[memoryview]:
-        """Write ``views``; with ``MSG_DONTWAIT`` stop when the socket buffer is full and
-        return what is left (blocking writes return only when everything is written)."""
-        while views:
-            try:
-                sent = self._sock.sendmsg(views, [], flags)
-            except OSError as exc:
-                if exc.errno in _TIMED_OUT:
-                    if flags & socket.MSG_DONTWAIT:
-                        return views
-                    raise ConnectionBroken("timeout", f"{self.peer} stopped reading: send timed out") from None
-                raise ConnectionBroken("reset", f"sending to {self.peer} failed: {exc}") from None
-            while sent:
-                if sent >= len(views[0]):
-                    sent -= len(views[0])
-                    views.pop(0)
-                else:
-                    views[0] = views[0][sent:]
-                    sent = 0
-            if views and len(views[0]) == 0:
+        return send_views(self._sock, views, flags, self.peer)
+
+
+def send_views(sock: socket.socket, views: list[memoryview], flags: int, peer: str) -> list[memoryview]:
+    """Write ``views`` with ``sendmsg`` (header and payload without a concatenation copy). With
+    ``MSG_DONTWAIT`` stop when the socket buffer is full and return what is left; a blocking
+    write returns only when everything is written, or raises once the send timeout passed."""
+    while views:
+        try:
+            sent = sock.sendmsg(views, [], flags)
+        except OSError as exc:
+            if exc.errno in _TIMED_OUT:
+                if flags & socket.MSG_DONTWAIT:
+                    return views
+                raise ConnectionBroken("timeout", f"{peer} stopped reading: send timed out") from None
+            raise ConnectionBroken("reset", f"sending to {peer} failed: {exc}") from None
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
                 views.pop(0)
-        return views
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+        while views and not len(views[0]):
+            views.pop(0)
+    return views
