@@ -1,19 +1,23 @@
 """The worker client: the one API every adapter uses.
 
 ``Client.allreduce_async`` splits a flat array across the reducers (:mod:`chunker`), queues each
-chunk on the least-loaded stream to its reducer, and returns at once. Sender threads push while
-receiver threads pull finished chunks straight into the result array, so both directions of the
-link stay busy. Operations are matched by key, never by arrival order; every one has a deadline.
+chunk on the least-loaded stream to its reducer, and returns at once. The calling thread writes
+what each socket takes at once; one I/O loop per client (``selectors``) writes the rest as the
+sockets drain and pulls finished chunks straight into the result array, so both directions of
+the link stay busy. Operations are matched by key, never by arrival order; every one has a
+deadline, and the loop keeps them all.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import hashlib
 import itertools
 import logging
 import os
+import selectors
 import socket
 import threading
 import time
@@ -42,11 +46,16 @@ from .errors import (
 )
 from .timeline import Timeline
 from .transport import (
+    CONTROL,
+    SKIP,
     ConnectionBroken,
     FramedSocket,
-    Sender,
+    FrameReader,
+    FrameWriter,
+    HeaderStep,
     choose_congestion_control,
     configure_socket,
+    peer_name,
     set_send_lowat,
 )
 
@@ -57,6 +66,9 @@ log = logging.getLogger("redsrv.client")
 OPS = ("sum", "mean")
 _COMPRESSED = {"bfloat16": wire.numpy_dtype(wire.DType.BFLOAT16), "float16": wire.numpy_dtype(wire.DType.FLOAT16)}
 _AUTO_KEY_BIT = 1 << 63
+_HEARTBEAT = wire.encode(wire.Heartbeat())
+#: Frames read from one stream per wake-up before the loop serves the others.
+_FRAMES_PER_TURN = 16
 
 
 @dataclass(frozen=True)
@@ -110,48 +122,33 @@ class _PendingPush:
 
 
 class _Stream:
-    def __init__(self, client: Client, reducer: int, index: int, sock: socket.socket, framed: FramedSocket,
-                 incarnation: int, heartbeat: float) -> None:
+    """One connection to one reducer: its reader and writer (both driven by the client's I/O
+    loop; callers' threads may write too, under the client's I/O lock) and the result frame being
+    received."""
+
+    def __init__(self, client: Client, reducer: int, index: int, sock: socket.socket, incarnation: int,
+                 heartbeat: float, now: float) -> None:
         self.client = client
         self.reducer = reducer
         self.index = index
         self.sock = sock
-        self.framed = framed
-        self.peer = framed.peer
+        self.peer = peer_name(sock)
         self.incarnation = incarnation
-        self.queued = 0  # chunks handed to the sender and not yet written (the push window)
+        self.heartbeat = heartbeat
+        self.queued = 0  # chunks handed to the writer and not yet written (the push window)
         self.scratch = np.empty(0, dtype=np.uint8)  # for widening compressed results
         self.push_scratch = np.empty(0, dtype=np.uint8)
-        self.sender = Sender(sock, name=f"redsrv-push-{reducer}.{index}", heartbeat_interval=heartbeat,
-                             send_timeout=client.config.op_timeout, on_error=self._on_send_error)
-        self.reader = threading.Thread(target=self._read_loop, name=f"redsrv-pull-{reducer}.{index}", daemon=True)
-        self.reader.start()
-
-    def _on_send_error(self, exc: ConnectionBroken) -> None:
-        self.client._fail_connection(self, exc, "push")
-
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                header = self.framed.read_header()
-                t = header.type
-                if t is wire.FrameType.RESULT:
-                    self.client._on_result(self, header)
-                elif t is wire.FrameType.HEARTBEAT:
-                    continue
-                elif t is wire.FrameType.ERROR:
-                    frame = wire.parse_payload(header, self.framed.read_bytes(header.payload_len))
-                    assert isinstance(frame, wire.Error)
-                    self.client._on_error_frame(self, frame)
-                    if frame.fatal:
-                        return
-                else:
-                    raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a reducer")
-        except ConnectionBroken as exc:
-            self.client._fail_connection(self, exc, "pull")
-        except Exception as exc:  # never let a bug leave a future unresolved
-            log.exception("receiver for %s failed", self.peer)
-            self.client._fail_connection(self, ConnectionBroken("reset", f"internal error: {exc!r}"), "pull")
+        self.reader = FrameReader(sock, max_payload=client.config.max_frame_payload, now=now,
+                                  on_header=functools.partial(client._on_header, self),
+                                  on_payload=functools.partial(client._on_payload, self),
+                                  on_control=functools.partial(client._on_control, self))
+        self.writer = FrameWriter(sock, now)
+        self.events = 0  # what the loop's selector watches
+        self.want_write = False  # the writer holds frames the socket did not take (guarded by the I/O lock)
+        self.dead = False
+        # The result frame being received (see Client._on_header).
+        self.result: _Incoming | None = None
+        self.bitmap = bytearray(0)
 
     def take_scratch(self, nbytes: int, push: bool = False) -> np.ndarray:
         name = "push_scratch" if push else "scratch"
@@ -161,6 +158,19 @@ class _Stream:
             setattr(self, name, buf)
         view: np.ndarray = buf[:nbytes]
         return view
+
+
+@dataclass
+class _Incoming:
+    """A result frame whose header is in and whose payload is being received."""
+
+    op: _Op
+    chunk: chunker.Chunk
+    contributors: int
+    bitmap_len: int
+    data_len: int
+    arrived: float
+    in_bitmap: bool
 
 
 class Client:
@@ -205,13 +215,24 @@ class Client:
         self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None
         self._pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
         self._congestion_warned = False
+        # One I/O loop serves every stream: reads results, writes what callers' threads could not
+        # write at once, sends heartbeats and keeps every deadline.
+        self._io_lock = threading.Lock()  # the streams' writers; taken after _dispatch_lock, never before
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._wants_write: list[_Stream] = []  # streams whose writer a caller's thread left with frames
+        self._now = time.monotonic()
+        self._loop: threading.Thread | None = None
         try:
             self._connect_all()
         except BaseException:
             self._teardown()
             raise
-        self._monitor = threading.Thread(target=self._monitor_loop, name="redsrv-deadlines", daemon=True)
-        self._monitor.start()
+        self._loop = threading.Thread(target=self._io_loop, name="redsrv-io", daemon=True)
+        self._loop.start()
 
     # --- public API ---
 
@@ -435,10 +456,16 @@ class Client:
             if ok:
                 self._dispatch()
 
-        # Inline: when the stream is idle the calling thread writes what the socket takes at once
-        # (a small operation then leaves without waking the sender thread: one hand-off less
-        # per round trip); the sender thread writes the rest.
-        stream.sender.send(header, payload, nbytes, written, inline=True)
+        views: Any
+        if payload is None:
+            views = [memoryview(header)]
+        elif callable(payload):
+            views = _Frame(header, payload)
+        else:
+            views = [memoryview(header), payload]
+        # The calling thread writes what the socket takes at once (a small operation then leaves
+        # without waking the loop); the loop writes the rest as the socket drains.
+        self._send_frame(stream, views, written)
         self.bytes_pushed += nbytes
 
     # --- receiving ---
@@ -461,42 +488,77 @@ class Client:
 
         return (produce if payload is not None else None), done
 
-    def _on_result(self, stream: _Stream, header: wire.FrameHeader) -> None:
+    def _on_header(self, stream: _Stream, header: wire.FrameHeader) -> HeaderStep:
+        """A frame from a reducer: where its payload goes (on the I/O loop)."""
+        t = header.type
+        if t is wire.FrameType.RESULT:
+            return self._on_result_header(stream, header)
+        if t is wire.FrameType.HEARTBEAT:
+            return SKIP
+        if t is wire.FrameType.ERROR:
+            return CONTROL
+        raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a reducer")
+
+    def _on_control(self, stream: _Stream, frame: wire.Frame) -> None:
+        assert isinstance(frame, wire.Error)
+        self._on_error_frame(stream, frame)
+        if frame.fatal:
+            stream.reader.stopped = True  # the reducer closes the connection after a fatal error
+
+    def _on_result_header(self, stream: _Stream, header: wire.FrameHeader) -> HeaderStep:
         arrived = time.monotonic()
         key, offset, count, chunk_index, raw_dtype, contributors, bitmap_len = header.fields
-        framed = stream.framed
-        bitmap = framed.read_bytes(bitmap_len, "a result bitmap") if bitmap_len else b""
-        data_len = header.payload_len - bitmap_len
         with self._lock:
             op = self._ops.get(key)
         chunk = op.chunks.get((stream.reducer, chunk_index)) if op is not None else None
         if op is None or chunk is None:
-            framed.discard(data_len)  # an operation that already failed or timed out
-            return
+            return SKIP  # an operation that already failed or timed out
         if chunk.start != offset or chunk.count != count or wire.numpy_dtype(wire.DType(raw_dtype)) != op.wire_dtype:
-            framed.discard(data_len)
             self._fail_op(op, RemoteProtocolError(
                 f"reducer {stream.peer} answered with {count} elements at offset {offset}, expected {chunk.count} at "
                 f"{chunk.start}", peer=stream.peer, job=self.config.job, rank=self.rank, key=_label(op.label), chunk=chunk_index))
-            return
-        target = op.out[chunk.start : chunk.stop]
+            return SKIP
+        incoming = stream.result = _Incoming(op, chunk, contributors, bitmap_len, header.payload_len - bitmap_len, arrived,
+                                             in_bitmap=bitmap_len > 0)
+        if incoming.in_bitmap:
+            if len(stream.bitmap) < bitmap_len:
+                stream.bitmap = bytearray(bitmap_len)
+            return memoryview(stream.bitmap)[:bitmap_len], "a result bitmap"
+        return self._result_target(stream, incoming)
+
+    def _result_target(self, stream: _Stream, incoming: _Incoming) -> tuple[memoryview, str]:
+        op, chunk = incoming.op, incoming.chunk
+        what = f"result (key {op.label!r} chunk {chunk.index})"
         if op.wire_dtype == op.out.dtype:
-            framed.read_into(target.view(np.uint8).data, f"result (key {op.label!r} chunk {chunk_index})")
-        else:
-            scratch = stream.take_scratch(data_len)
-            framed.read_into(scratch.data, f"result (key {op.label!r} chunk {chunk_index})")
-            np.copyto(target, scratch.view(op.wire_dtype), casting="unsafe")
+            return op.out[chunk.start : chunk.stop].view(np.uint8).data, what
+        return stream.take_scratch(incoming.data_len).data, what
+
+    def _on_payload(self, stream: _Stream) -> tuple[memoryview, str] | None:
+        incoming = stream.result
+        assert incoming is not None
+        if incoming.in_bitmap:
+            incoming.in_bitmap = False
+            return self._result_target(stream, incoming)
+        stream.result = None
+        self._finish_result(stream, incoming)
+        return None
+
+    def _finish_result(self, stream: _Stream, incoming: _Incoming) -> None:
+        op, chunk, contributors, chunk_index = incoming.op, incoming.chunk, incoming.contributors, incoming.chunk.index
+        target = op.out[chunk.start : chunk.stop]
+        if op.wire_dtype != op.out.dtype:
+            np.copyto(target, stream.take_scratch(incoming.data_len).view(op.wire_dtype), casting="unsafe")
         if op.mean and contributors > 1:
             np.divide(target, contributors, out=target, casting="unsafe")
-        self.bytes_pulled += data_len
+        self.bytes_pulled += incoming.data_len
         if self._timeline is not None:
             track = f"reducer {stream.reducer} stream {stream.index}"
             pushed = self._pushed_at.pop((op.key, stream.reducer, chunk_index), None)
-            if pushed is not None and pushed < arrived:
-                self._timeline.span(f"wait {_label(op.label)}", track, pushed, arrived, chunk=chunk_index)
-            self._timeline.span(f"pull {_label(op.label)}", track, arrived, time.monotonic(), chunk=chunk_index,
+            if pushed is not None and pushed < incoming.arrived:
+                self._timeline.span(f"wait {_label(op.label)}", track, pushed, incoming.arrived, chunk=chunk_index)
+            self._timeline.span(f"pull {_label(op.label)}", track, incoming.arrived, time.monotonic(), chunk=chunk_index,
                                 contributors=contributors)
-        ranks = int.from_bytes(bitmap, "little")
+        ranks = int.from_bytes(stream.bitmap[: incoming.bitmap_len], "little")
         with op.lock:
             if op.chunks.pop((stream.reducer, chunk_index), None) is None:
                 return
@@ -599,21 +661,180 @@ class Client:
             self.ops_failed[type(error).__name__] = self.ops_failed.get(type(error).__name__, 0) + 1
         _set_exception(op.future, error)
 
-    def _monitor_loop(self) -> None:
-        while not self._stop.wait(C.TICK_INTERVAL_S):
-            now = time.monotonic()
-            with self._lock:
-                expired = [op for op in self._ops.values() if now > op.deadline]
-            for op in expired:
-                with op.lock:
-                    missing = sorted(op.chunks)
-                reducers = sorted({r for r, _ in missing})
-                where = ", ".join(f"{self.config.reducers[r]} ({sum(1 for x, _ in missing if x == r)} chunk(s))" for r in reducers)
-                self._fail_op(op, PeerTimeoutError(
-                    f"all-reduce did not complete: still waiting for {where}",
-                    peer=self.config.reducers[reducers[0]] if reducers else None, job=self.config.job, rank=self.rank,
-                    key=_label(op.label), chunk=missing[0][1] if missing else None, phase="wait for result",
-                    elapsed=now - op.started, timeout=op.deadline - op.started))
+    def _check_deadlines(self, now: float) -> None:
+        with self._lock:
+            expired = [op for op in self._ops.values() if now > op.deadline]
+        for op in expired:
+            with op.lock:
+                missing = sorted(op.chunks)
+            reducers = sorted({r for r, _ in missing})
+            where = ", ".join(f"{self.config.reducers[r]} ({sum(1 for x, _ in missing if x == r)} chunk(s))" for r in reducers)
+            self._fail_op(op, PeerTimeoutError(
+                f"all-reduce did not complete: still waiting for {where}",
+                peer=self.config.reducers[reducers[0]] if reducers else None, job=self.config.job, rank=self.rank,
+                key=_label(op.label), chunk=missing[0][1] if missing else None, phase="wait for result",
+                elapsed=now - op.started, timeout=op.deadline - op.started))
+
+    # --- the I/O loop ---
+
+    def _io_loop(self) -> None:
+        selector = self._selector
+        next_tick = time.monotonic() + C.TICK_INTERVAL_S
+        try:
+            while not self._stop.is_set():
+                events = selector.select(max(0.0, next_tick - time.monotonic()))
+                self._now = time.monotonic()
+                for key, mask in events:
+                    stream = key.data
+                    if stream is None:
+                        self._drain_wake()
+                    else:
+                        self._serve(stream, mask)
+                if self._wants_write:
+                    self._watch_writes()
+                if self._now >= next_tick:
+                    next_tick = self._now + C.TICK_INTERVAL_S
+                    self._tick()
+        except Exception as exc:  # never let a bug leave a future unresolved
+            log.exception("the I/O loop of rank %d failed", self.rank)
+            self._break(PeerError(f"internal error in the client's I/O loop: {exc!r}", job=self.config.job, rank=self.rank))
+        finally:
+            for streams in self._streams:
+                for stream in streams:
+                    self._abandon(stream)
+
+    def _serve(self, stream: _Stream, mask: int) -> None:
+        direction = "push"
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(stream)
+            direction = "pull"
+            if mask & selectors.EVENT_READ and not stream.dead:
+                stream.reader.read(self._now, _FRAMES_PER_TURN)
+        except ConnectionBroken as exc:
+            self._stream_broken(stream, exc, direction)
+        except Exception as exc:  # a bug while serving one stream must still fail its operations
+            log.exception("serving reducer %s failed", stream.peer)
+            self._stream_broken(stream, ConnectionBroken("reset", f"internal error: {exc!r}"), direction)
+
+    def _tick(self) -> None:
+        """Deadlines: operations, reducers that went silent or stopped reading, heartbeats."""
+        now = self._now
+        self._check_deadlines(now)
+        silent_for = self.config.heartbeat_timeout
+        for streams in self._streams:
+            for stream in streams:
+                if stream.dead:
+                    continue
+                writer, reader = stream.writer, stream.reader
+                try:
+                    if writer.out and now - writer.last_progress > self.config.op_timeout:
+                        self._stream_broken(stream, ConnectionBroken("timeout", f"{stream.peer} stopped reading: send timed out"), "push")
+                        continue
+                    if now - reader.last_recv > silent_for:
+                        reader.read(now, _FRAMES_PER_TURN)  # a low-water mark may hide bytes that did arrive
+                        if now - reader.last_recv > silent_for:
+                            raise ConnectionBroken("timeout", f"no data from {stream.peer} while reading {reader.what}")
+                except ConnectionBroken as exc:
+                    self._stream_broken(stream, exc, "pull")
+                    continue
+                if not writer.out and now - writer.last_send >= stream.heartbeat:
+                    self._send_frame(stream, [memoryview(_HEARTBEAT)], None)
+
+    def _send_frame(self, stream: _Stream, views: Any, done: Any) -> None:
+        """Write a frame from any thread: now, as far as the socket takes it without blocking,
+        the rest from the loop as the socket drains. ``done(ok)`` runs once the frame is out."""
+        finished: list[Any] = []
+        broken: ConnectionBroken | None = None
+        wake = False
+        with self._io_lock:
+            if stream.dead:
+                broken = ConnectionBroken("reset", "stream closed")
+            else:
+                try:
+                    stream.writer.send(views, done, time.monotonic(), finished)
+                except ConnectionBroken as exc:
+                    broken = exc
+                if broken is None and stream.writer.out and not stream.want_write:
+                    stream.want_write = True
+                    if threading.current_thread() is self._loop:
+                        self._set_events(stream, selectors.EVENT_READ | selectors.EVENT_WRITE)
+                    else:
+                        self._wants_write.append(stream)
+                        wake = True
+        for callback in finished:
+            callback(True)
+        if broken is not None:
+            if done is not None:
+                done(False)
+            if not stream.dead:
+                self._fail_connection(stream, broken, "push")  # breaks the client; the loop cleans up
+        if wake:
+            self._wake()
+
+    def _flush(self, stream: _Stream) -> None:
+        finished: list[Any] = []
+        try:
+            with self._io_lock:
+                stream.writer.flush(self._now, finished)
+                if not stream.writer.out:
+                    stream.want_write = False
+                    self._set_events(stream, selectors.EVENT_READ)
+        finally:
+            for callback in finished:
+                callback(True)
+
+    def _watch_writes(self) -> None:
+        with self._io_lock:
+            streams, self._wants_write = self._wants_write, []
+            for stream in streams:
+                if stream.want_write and not stream.dead:
+                    self._set_events(stream, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def _set_events(self, stream: _Stream, events: int) -> None:
+        """On the loop only (the selector is not shared with callers' threads)."""
+        if stream.dead or events == stream.events:
+            return
+        if stream.events == 0:
+            self._selector.register(stream.sock, events, stream)
+        elif events == 0:
+            self._selector.unregister(stream.sock)
+        else:
+            self._selector.modify(stream.sock, events, stream)
+        stream.events = events
+
+    def _stream_broken(self, stream: _Stream, exc: ConnectionBroken, direction: str) -> None:
+        """On the loop: stop serving ``stream`` and fail the client (one broken stream means the
+        reducer, or the path to it, is gone)."""
+        self._abandon(stream)
+        self._fail_connection(stream, exc, direction)
+
+    def _abandon(self, stream: _Stream) -> None:
+        with self._io_lock:
+            if stream.events:
+                try:
+                    self._selector.unregister(stream.sock)
+                except (KeyError, ValueError, OSError):
+                    pass
+            stream.events = 0
+            stream.dead = True
+            stream.reader.stopped = True
+            leftovers = stream.writer.abandon()
+        for done in leftovers:
+            done(False)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # full (a wake-up is already pending) or closed
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except OSError:
+            pass
 
     # --- connections ---
 
@@ -656,9 +877,11 @@ class Client:
                 log.warning("rank %d, reducer %s: %s", cfg.rank, address, refused)
             framed = FramedSocket(sock, read_timeout=cfg.handshake_timeout, max_payload=cfg.max_frame_payload)
             incarnation, heartbeat = self._handshake(sock, framed, address)
-            framed.set_read_timeout(cfg.heartbeat_timeout)
             set_send_lowat(sock, cfg.send_lowat_bytes)
-            return _Stream(self, reducer, index, sock, framed, incarnation, heartbeat)
+            sock.setblocking(False)
+            stream = _Stream(self, reducer, index, sock, incarnation, heartbeat, time.monotonic())
+            self._set_events(stream, selectors.EVENT_READ)  # before the loop starts: no race
+            return stream
         except BaseException:
             _shutdown(sock)
             sock.close()
@@ -720,30 +943,49 @@ class Client:
             self._pending.clear()
         for streams in self._streams:
             for s in streams:
-                s.sender.stop()
                 _shutdown(s.sock)
         deadline = time.monotonic() + self.config.close_timeout
+        loop = self._loop
+        on_loop = loop is threading.current_thread()
+        if loop is not None and not on_loop:
+            self._wake()
+            loop.join(max(0.0, deadline - time.monotonic()))
+        elif loop is None:
+            for streams in self._streams:
+                for s in streams:
+                    self._abandon(s)
         for streams in self._streams:
             for s in streams:
-                s.sender.join(max(0.0, deadline - time.monotonic()))
-                if s.reader is not threading.current_thread():
-                    s.reader.join(max(0.0, deadline - time.monotonic()))
                 try:
                     s.sock.close()
                 except OSError:
                     pass
+        if not on_loop:  # else the loop is about to return, and still selecting
+            self._selector.close()
+            self._wake_r.close()
+            self._wake_w.close()
         if getattr(self, "_timeline", None) is not None:
             try:
                 self._timeline.write()  # type: ignore[union-attr]
             except OSError as exc:
                 log.warning("could not write the timeline to %s: %s", self._timeline.path, exc)  # type: ignore[union-attr]
-        monitor = getattr(self, "_monitor", None)
-        if monitor is not None and monitor is not threading.current_thread():
-            monitor.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Frame:
+    """A push whose payload is produced when the frame is about to be written (on the writing
+    thread: a conversion to the wire dtype then overlaps with sending the previous chunk)."""
+
+    __slots__ = ("header", "produce")
+
+    def __init__(self, header: bytes, produce: Any) -> None:
+        self.header, self.produce = header, produce
+
+    def __call__(self) -> list[memoryview]:
+        return [memoryview(self.header), memoryview(self.produce()).cast("B")]
 
 
 class _Converter:
-    """Converts one chunk to its wire dtype on the sender thread, into that stream's scratch."""
+    """Converts one chunk to its wire dtype on the writing thread, into that stream's scratch."""
 
     __slots__ = ("arr", "start", "stop", "dtype", "stream")
 

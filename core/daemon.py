@@ -21,6 +21,7 @@ processes (one per core), each its own entry in the workers' reducer list.
 from __future__ import annotations
 
 import collections
+import functools
 import ipaddress
 import itertools
 import logging
@@ -35,9 +36,21 @@ from dataclasses import dataclass
 from . import auth, wire
 from . import constants as C
 from .config import congestion_setting, require_positive
-from .errors import ConfigError, RemoteProtocolError
+from .errors import ConfigError
 from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
-from .transport import ConnectionBroken, FramedSocket, choose_congestion_control, configure_socket, peer_name, send_views
+from .transport import (
+    CONTROL,
+    SKIP,
+    WAIT,
+    ConnectionBroken,
+    FramedSocket,
+    FrameReader,
+    FrameWriter,
+    HeaderStep,
+    choose_congestion_control,
+    configure_socket,
+    peer_name,
+)
 
 __all__ = ["ReducerDaemon", "DaemonSettings"]
 
@@ -68,50 +81,28 @@ class DaemonSettings:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
 
 
-#: What a connection's reader is in the middle of.
-_PREFIX, _HEADER, _PAYLOAD, _DISCARD, _CONTROL = range(5)
-#: Payloads from this size are received with a low-water mark (one wake-up per chunk).
-_LOWAT_FROM = 64 * 1024
-#: Largest low-water mark: bounds how long the loop may go without seeing a slow link's bytes.
-_LOWAT_MAX = 4 * 1024 * 1024
 #: Frames handled per connection per wake-up before the loop serves the others.
 _FRAMES_PER_TURN = 16
 #: Budget backpressure: how often a worker over its job's budget is retried.
 _BLOCKED_RETRY_S = 0.002
-_DISCARD_BUFFER = memoryview(bytearray(256 * 1024))  # payloads read only to skip them
-
-
-@dataclass
-class _Outgoing:
-    views: list[memoryview]
-    done: Callable[[bool], None] | None
 
 
 class _Conn:
-    """A joined worker connection: its read state, its queue of unsent frames, its deadlines."""
+    """A joined worker connection: its reader and writer, its deadlines."""
 
-    def __init__(self, conn_id: int, sock: socket.socket, label: str, now: float) -> None:
+    def __init__(self, daemon: ReducerDaemon, conn_id: int, sock: socket.socket, label: str, now: float) -> None:
         self.id = conn_id
         self.sock = sock
         self.peer = peer_name(sock)
         self.label = label
         self.joined = False
-        self.head = memoryview(bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE))
-        self.stage = _PREFIX
-        self.target: memoryview = self.head[: wire.PREFIX.size]
-        self.got = 0
-        self.what = "a frame"  # for timeout messages
-        self.frame_type = wire.FrameType.HEARTBEAT
-        self.payload_len = 0
-        self.header: wire.FrameHeader | None = None
+        self.reader = FrameReader(sock, max_payload=daemon.settings.max_frame_payload, now=now,
+                                  on_header=functools.partial(daemon._on_header, self),
+                                  on_payload=functools.partial(daemon._on_payload, self),
+                                  on_control=functools.partial(daemon._on_control, self))
+        self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
-        self.discard_left = 0
-        self.lowat = 1
-        self.last_recv = now
         self.blocked_until: float | None = None  # over the job's budget: not reading until then at most
-        self.out: collections.deque[_Outgoing] = collections.deque()
-        self.last_send = now
-        self.last_progress = now  # the last time a queued frame moved
         self.events = 0
         self.closing_until: float | None = None  # sending a final frame, then closed
         self.closed = False
@@ -311,13 +302,14 @@ class ReducerDaemon:
             if conn.closed:
                 continue
             try:
-                if conn.out and now - conn.last_progress > s.send_timeout:
+                writer, reader = conn.writer, conn.reader
+                if writer.out and now - writer.last_progress > s.send_timeout:
                     raise ConnectionBroken("timeout", f"{conn.peer} stopped reading: send timed out")
-                if conn.blocked_until is None and conn.closing_until is None and now - conn.last_recv > silent_for:
+                if conn.blocked_until is None and conn.closing_until is None and now - reader.last_recv > silent_for:
                     self._read(conn)  # a low-water mark may hide bytes that did arrive
-                    if self._now - conn.last_recv > silent_for:
-                        raise ConnectionBroken("timeout", f"no data from {conn.peer} while reading {conn.what}")
-                if conn.joined and not conn.out and now - conn.last_send >= s.heartbeat_interval:
+                    if self._now - reader.last_recv > silent_for:
+                        raise ConnectionBroken("timeout", f"no data from {conn.peer} while reading {reader.what}")
+                if conn.joined and not writer.out and now - writer.last_send >= s.heartbeat_interval:
                     self._send(conn, [memoryview(heartbeat)], None)
             except Exception as exc:
                 self._contain(conn, exc)
@@ -414,7 +406,7 @@ class ReducerDaemon:
             self._admitted.clear()
         for conn_id, sock, label, hello in admitted:
             sock.setblocking(False)
-            conn = _Conn(conn_id, sock, label, self._now)
+            conn = _Conn(self, conn_id, sock, label, self._now)
             self._conns[conn.id] = conn
             self._set_events(conn, selectors.EVENT_READ)
             try:
@@ -441,104 +433,34 @@ class ReducerDaemon:
 
     def _read(self, conn: _Conn) -> None:
         """Receive what the socket holds, a bounded number of frames at a time."""
-        frames = 0
-        sock = conn.sock
-        while frames < _FRAMES_PER_TURN and conn.blocked_until is None and conn.closing_until is None and not conn.closed:
-            want = len(conn.target) - conn.got
-            if not want:  # never read zero bytes: the 0 that returns would look like end-of-file
-                if self._advance(conn):
-                    frames += 1
-                continue
-            try:
-                got = sock.recv_into(conn.target[conn.got :], want)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                raise ConnectionBroken("reset", f"connection to {conn.peer} failed while reading {conn.what}: {exc}") from None
-            if got == 0:
-                mid = conn.got or conn.stage != _PREFIX
-                raise ConnectionBroken("eof", f"{conn.peer} closed the connection" + (f" in the middle of {conn.what}" if mid else ""))
-            conn.last_recv = self._now
-            conn.got += got
-            if got < want:
-                if conn.stage == _PAYLOAD and len(conn.target) >= _LOWAT_FROM:
-                    self._set_lowat(conn, min(want - got, _LOWAT_MAX))
-                return  # the socket is drained: wait for the rest
-            if self._advance(conn):
-                frames += 1
+        if conn.blocked_until is None and conn.closing_until is None and not conn.closed:
+            conn.reader.read(self._now, _FRAMES_PER_TURN)
 
-    def _set_lowat(self, conn: _Conn, nbytes: int) -> None:
-        if conn.lowat != nbytes:
-            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-            conn.lowat = nbytes
+    def _on_header(self, conn: _Conn, header: wire.FrameHeader) -> HeaderStep:
+        t = header.type
+        if t is wire.FrameType.PUSH:
+            return self._begin_push(conn, header)
+        if t is wire.FrameType.HEARTBEAT:
+            return SKIP
+        if t is wire.FrameType.ERROR:
+            return CONTROL
+        raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a worker after the handshake")
 
-    def _expect(self, conn: _Conn, stage: int, target: memoryview, what: str) -> None:
-        conn.stage, conn.target, conn.got, conn.what = stage, target, 0, what
+    def _on_payload(self, conn: _Conn) -> None:
+        ticket = conn.ticket
+        assert ticket is not None
+        conn.ticket = None
+        with self._lock:
+            actions = self.core.finish_push(ticket, self._now)
+        self._execute(actions)
 
-    def _next_frame(self, conn: _Conn) -> None:
-        if conn.lowat != 1:
-            self._set_lowat(conn, 1)  # or a small header would never wake the loop
-        self._expect(conn, _PREFIX, conn.head[: wire.PREFIX.size], "a frame")
+    def _on_control(self, conn: _Conn, frame: wire.Frame) -> None:
+        assert isinstance(frame, wire.Error)
+        raise _Rejected(f"worker reported: {frame.message}")
 
-    def _advance(self, conn: _Conn) -> bool:
-        """The current target is full: move the connection's reader on. True when a frame ended."""
-        while True:
-            stage = conn.stage
-            if stage == _PREFIX:
-                try:
-                    frame_type, header_len, payload_len = wire.parse_prefix(conn.head[: wire.PREFIX.size], self.settings.max_frame_payload)
-                except RemoteProtocolError as exc:
-                    raise ConnectionBroken("protocol", str(exc)) from None
-                conn.frame_type, conn.payload_len = frame_type, payload_len
-                self._expect(conn, _HEADER, conn.head[wire.PREFIX.size : wire.PREFIX.size + header_len], f"a {frame_type.name} header")
-                if header_len:
-                    return False
-                continue
-            if stage == _HEADER:
-                try:
-                    header = wire.parse_header(conn.frame_type, conn.target, conn.payload_len)
-                except RemoteProtocolError as exc:
-                    raise ConnectionBroken("protocol", str(exc)) from None
-                conn.header = header
-                t = header.type
-                if t is wire.FrameType.PUSH:
-                    if not self._begin_push(conn):
-                        return False
-                elif t is wire.FrameType.HEARTBEAT:
-                    self._next_frame(conn)
-                    return True
-                elif t is wire.FrameType.ERROR:
-                    self._expect(conn, _CONTROL, memoryview(bytearray(header.payload_len)), "an ERROR payload")
-                else:
-                    raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a worker after the handshake")
-            elif stage == _PAYLOAD:
-                ticket = conn.ticket
-                assert ticket is not None
-                conn.ticket = None
-                self._next_frame(conn)
-                with self._lock:
-                    actions = self.core.finish_push(ticket, self._now)
-                self._execute(actions)
-                return True
-            elif stage == _DISCARD:
-                conn.discard_left -= len(conn.target)
-                if not conn.discard_left:
-                    self._next_frame(conn)
-                    return True
-                self._expect(conn, _DISCARD, _DISCARD_BUFFER[: min(conn.discard_left, len(_DISCARD_BUFFER))], "a discarded payload")
-            elif stage == _CONTROL:
-                assert conn.header is not None
-                frame = wire.parse_payload(conn.header, conn.target)
-                assert isinstance(frame, wire.Error)
-                raise _Rejected(f"worker reported: {frame.message}")
-            if len(conn.target) > conn.got:
-                return False
-
-    def _begin_push(self, conn: _Conn) -> bool:
-        """A push header is in. False when the job is over its budget: the connection stops being
-        read (TCP backpressure) and the push is retried."""
-        header = conn.header
-        assert header is not None
+    def _begin_push(self, conn: _Conn, header: wire.FrameHeader) -> HeaderStep:
+        """A push header is in: where its payload goes. ``WAIT`` when the job is over its budget:
+        the connection stops being read (TCP backpressure) and the push is retried."""
         push = wire.parse_payload(header, b"")
         assert isinstance(push, wire.Push)
         with self._lock:
@@ -548,21 +470,17 @@ class ReducerDaemon:
                 conn.blocked_until = self._now + self.settings.send_timeout
                 self._blocked.add(conn)
                 self._set_events(conn, conn.events & ~selectors.EVENT_READ)
-            return False
+            return WAIT
         if conn.blocked_until is not None:
             conn.blocked_until = None
             self._blocked.discard(conn)
             self._set_events(conn, conn.events | selectors.EVENT_READ)
         if isinstance(outcome, list):
-            conn.discard_left = header.payload_len
-            self._expect(conn, _DISCARD, _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))], "a discarded payload")
             self._execute(outcome)
-            return True
+            return SKIP
         conn.ticket = outcome
-        what = f"push payload (key {push.key:#x} chunk {push.chunk})"
         buffer = outcome.buffer
-        self._expect(conn, _PAYLOAD, memoryview(b"") if buffer is None else buffer.data.cast("B"), what)
-        return True
+        return (memoryview(b"") if buffer is None else buffer.data.cast("B")), f"push payload (key {push.key:#x} chunk {push.chunk})"
 
     def _retry_blocked(self) -> None:
         for conn in list(self._blocked):
@@ -570,9 +488,8 @@ class ReducerDaemon:
                 self._blocked.discard(conn)
                 continue
             try:
-                if self._begin_push(conn):
-                    self._read(conn)  # an empty payload is moved past there too
-                elif self._now > (conn.blocked_until or 0.0) or self._stopping.is_set():
+                conn.reader.read(self._now, _FRAMES_PER_TURN)  # asks the state machine again first
+                if conn.blocked_until is not None and (self._now > conn.blocked_until or self._stopping.is_set()):
                     raise _Rejected(f"job budget of {self.settings.job_budget_bytes} bytes stayed exhausted for "
                                     f"{self.settings.send_timeout:.1f}s")
             except Exception as exc:
@@ -587,45 +504,31 @@ class ReducerDaemon:
             if done is not None:
                 done(False)
             return
-        if conn.out:
-            conn.out.append(_Outgoing(views, done))
-            return
+        finished: list[Callable[[bool], None]] = []
         try:
-            rest = self._write(conn, views)
+            conn.writer.send(views, done, self._now, finished)
         except ConnectionBroken as exc:
             if done is not None:
                 done(False)
             self._broken(conn, exc)
             return
-        conn.last_send = self._now
-        if rest:
-            conn.out.append(_Outgoing(rest, done))
-            conn.last_progress = self._now
+        if conn.writer.out:
             self._set_events(conn, conn.events | selectors.EVENT_WRITE)
-        elif done is not None:
-            done(True)
+        for callback in finished:
+            callback(True)
 
     def _flush(self, conn: _Conn) -> None:
-        while conn.out:
-            item = conn.out[0]
-            before = sum(len(v) for v in item.views)
-            rest = self._write(conn, item.views)
-            if rest:
-                if sum(len(v) for v in rest) != before:
-                    conn.last_progress = conn.last_send = self._now
-                item.views = rest
-                return
-            conn.out.popleft()
-            conn.last_progress = conn.last_send = self._now
-            if item.done is not None:
-                item.done(True)
+        finished: list[Callable[[bool], None]] = []
+        try:
+            conn.writer.flush(self._now, finished)
+        finally:
+            for callback in finished:
+                callback(True)
+        if conn.writer.out:
+            return
         self._set_events(conn, conn.events & ~selectors.EVENT_WRITE)
         if conn.closing_until is not None:
             self._finish_close(conn)
-
-    def _write(self, conn: _Conn, views: list[memoryview]) -> list[memoryview]:
-        """Write what the socket takes without blocking; return what is left."""
-        return send_views(conn.sock, views, socket.MSG_DONTWAIT, conn.peer)
 
     def _set_events(self, conn: _Conn, events: int) -> None:
         assert self._selector is not None
@@ -655,12 +558,13 @@ class ReducerDaemon:
                 conn.ticket = None
             actions = self.core.leave(conn.id, reason, self._now) if conn.joined else []
         conn.joined = False
+        conn.reader.stopped = True
         conn.closing_until = self._now + min(1.0, self.settings.close_timeout)
         self._closing.add(conn)
         self._set_events(conn, conn.events & ~selectors.EVENT_READ)
         if final is not None:
             self._send(conn, [memoryview(final)], None)
-        if not conn.out and not conn.closed:
+        if not conn.writer.out and not conn.closed:
             self._finish_close(conn)
         self._execute(actions)
 
@@ -671,12 +575,11 @@ class ReducerDaemon:
         conn.closed = True
         self._closing.discard(conn)
         self._conns.pop(conn.id, None)
-        leftovers = list(conn.out)
-        conn.out.clear()
+        conn.reader.stopped = True
+        leftovers = conn.writer.abandon()
         _close_socket(conn.sock)
-        for item in leftovers:
-            if item.done is not None:
-                item.done(False)
+        for done in leftovers:
+            done(False)
 
     def _shutdown(self) -> None:
         """On the loop, once ``stop()`` was called: fail every open operation, tell every worker

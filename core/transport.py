@@ -1,24 +1,22 @@
-"""Blocking sockets for the client and for handshakes: framed reads straight into caller buffers,
-and a sender thread per connection (the reducer serves joined connections from its own loop).
+"""Sockets: blocking framed reads for handshakes, and the non-blocking frame reader and writer that
+the reducer's and the client's event loops drive.
 
 The only module besides the daemon and client entry points that touches the network. Every
-blocking call has a deadline: reads time out after the heartbeat bound (a silent peer is
-frozen), sends after the send timeout (a peer that stopped reading).
+blocking call has a deadline (handshake reads and writes time out); on the event-loop side the
+owners keep the deadlines: a peer silent for the heartbeat bound is frozen, one that stopped
+reading for the send timeout is dropped.
 
-Sockets stay in blocking mode with kernel timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``) rather than
-Python's poll-then-read timeouts, so a chunk's payload arrives in one ``recv_into(...,
-MSG_WAITALL)`` call and one thread wake-up instead of one per batch of network segments.
+Once joined, a connection is served by one event loop per process (the reducer's, the client's)
+rather than a reader and a sender thread per connection: each thread cost a wake-up and a GIL
+hand-off per frame, which on a loaded host was most of a small all-reduce's time.
 """
 
 from __future__ import annotations
 
 import collections
 import errno
-import select
 import socket
 import struct
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,8 +24,9 @@ from . import wire
 from .constants import DEFAULT_MAX_FRAME_PAYLOAD
 from .errors import RemoteProtocolError
 
-__all__ = ["FramedSocket", "Sender", "ConnectionBroken", "configure_socket", "set_kernel_timeout", "set_send_lowat",
-           "set_congestion_control", "choose_congestion_control", "congestion_control", "send_views"]
+__all__ = ["FramedSocket", "FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
+           "set_send_lowat", "set_congestion_control", "choose_congestion_control", "congestion_control", "send_views",
+           "peer_name", "SKIP", "CONTROL", "WAIT"]
 
 
 class ConnectionBroken(Exception):
@@ -104,12 +103,7 @@ def set_kernel_timeout(sock: socket.socket, option: int, seconds: float) -> None
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
 
 
-#: Largest piece received in one MSG_WAITALL call: bounds how long one call may run on a slow
-#: link, so a partial read is reported and the deadline re-armed, never a false "frozen peer".
-_RECV_PIECE = 4 * 1024 * 1024
 _TIMED_OUT = (errno.EAGAIN, errno.EWOULDBLOCK)
-#: Payload pieces from this size are received with a low-water mark (see ``_recv_into``).
-_LOWAT_FROM = 64 * 1024
 
 
 def peer_name(sock: socket.socket) -> str:
@@ -124,11 +118,9 @@ def peer_name(sock: socket.socket) -> str:
 
 
 class FramedSocket:
-    """Reads frames from a socket with the sans-IO functions in :mod:`wire`.
-
-    Headers go into a preallocated buffer; payloads go wherever the caller says (``recv_into``
-    straight into the result array), so steady-state receiving allocates nothing.
-    """
+    """Whole frames from a blocking socket, each read bounded by the read timeout: the
+    handshakes, which read a few small frames as straight-line code before a connection joins
+    an event loop."""
 
     def __init__(self, sock: socket.socket, *, read_timeout: float, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD) -> None:
         self.sock = sock
@@ -136,29 +128,16 @@ class FramedSocket:
         self.max_payload = max_payload
         self._header_buf = bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE)
         self._header_view = memoryview(self._header_buf)
-        self._discard = bytearray(256 * 1024)
-        self._poller: select.poll | None = None
-        if sock.family in (socket.AF_INET, socket.AF_INET6):
-            self._poller = select.poll()
-            self._poller.register(sock, select.POLLIN)
         configure_socket(sock)
-        self.set_read_timeout(read_timeout)
-        # Handshake writes go straight to the socket; the Sender re-arms this for data.
+        set_kernel_timeout(sock, socket.SO_RCVTIMEO, read_timeout)
         set_kernel_timeout(sock, socket.SO_SNDTIMEO, read_timeout)
 
-    def set_read_timeout(self, timeout: float) -> None:
-        self._read_timeout_ms = max(1, int(timeout * 1000))
-        set_kernel_timeout(self.sock, socket.SO_RCVTIMEO, timeout)
-
-    def _recv_into(self, view: memoryview, what: str, *, wake_when_all_in: bool = False) -> None:
+    def _recv_into(self, view: memoryview, what: str) -> None:
         got = 0
         n = len(view)
         while got < n:
-            piece = min(n - got, _RECV_PIECE)
             try:
-                if wake_when_all_in and self._poller is not None and piece >= _LOWAT_FROM:
-                    self._wait_until_queued(piece, what)
-                r = self.sock.recv_into(view[got:], piece, socket.MSG_WAITALL)
+                r = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             except OSError as exc:
                 if exc.errno in _TIMED_OUT:
                     raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}") from None
@@ -166,24 +145,6 @@ class FramedSocket:
             if r == 0:
                 raise ConnectionBroken("eof", f"{self.peer} closed the connection" + (f" in the middle of {what}" if got or what != "a frame" else ""))
             got += r
-
-    def _wait_until_queued(self, nbytes: int, what: str) -> None:
-        """Sleep until ``nbytes`` wait in the kernel's receive queue, with one wake-up.
-
-        A blocking read is woken for every few segments that arrive, copies them and sleeps
-        again: most of the context switches of a reducer at n=4. A low-water mark makes the
-        kernel wake a poller only once the bytes are in; the read that follows then copies them
-        in one go. (A read cannot wait on the mark itself: it consumes as it goes, so what is
-        left to arrive would never reach the mark.) Reset after, or a small header would never
-        wake the reader."""
-        assert self._poller is not None
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
-        try:
-            ready = self._poller.poll(self._read_timeout_ms)
-        finally:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
-        if not ready:
-            raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}")
 
     def read_header(self) -> wire.FrameHeader:
         prefix = self._header_view[: wire.PREFIX.size]
@@ -199,23 +160,13 @@ class FramedSocket:
         except RemoteProtocolError as exc:
             raise ConnectionBroken("protocol", str(exc)) from None
 
-    def read_into(self, view: memoryview, what: str = "a payload") -> None:
-        self._recv_into(view, what, wake_when_all_in=True)
-
     def read_bytes(self, n: int, what: str = "a payload") -> bytes:
         buf = bytearray(n)
         self._recv_into(memoryview(buf), what)
         return bytes(buf)
 
-    def discard(self, n: int) -> None:
-        view = memoryview(self._discard)
-        while n > 0:
-            step = min(n, len(view))
-            self._recv_into(view[:step], "a discarded payload")
-            n -= step
-
     def read_frame(self) -> wire.Frame:
-        """A whole frame, payload copied (control path only)."""
+        """A whole frame, payload copied."""
         header = self.read_header()
         payload = self.read_bytes(header.payload_len) if header.payload_len else b""
         try:
@@ -224,192 +175,236 @@ class FramedSocket:
             raise ConnectionBroken("protocol", str(exc)) from None
 
 
-@dataclass
-class _Item:
-    header: bytes
-    payload: memoryview | Callable[[], memoryview] | None
-    nbytes: int
-    done: Callable[[bool], None] | None
-    rest: list[memoryview] | None = None  # what an inline send left over, sent before anything else
+# --- event-loop connections: the reducer's and the client's data path ---------------------
+
+#: What a :class:`FrameReader` is in the middle of.
+_PREFIX, _HEADER, _PAYLOAD, _DISCARD, _CONTROL = range(5)
+#: Payloads from this size are received with a low-water mark (one wake-up per chunk).
+_LOWAT_FROM = 64 * 1024
+#: Largest low-water mark: bounds how long a loop may go without seeing a slow link's bytes.
+_LOWAT_MAX = 4 * 1024 * 1024
+_DISCARD_BUFFER = memoryview(bytearray(256 * 1024))  # payloads read only to skip them
+
+#: What ``on_header`` returns instead of a ``(view, what)`` to receive the payload into.
+SKIP = "skip"  # read the payload and drop it
+CONTROL = "control"  # read the (small) payload, then call ``on_control`` with the parsed frame
+WAIT = "wait"  # stop reading this connection now; the next ``read`` asks again for this header
+
+HeaderStep = tuple[memoryview, str] | str
 
 
-class Sender:
-    """One thread that writes queued frames to a socket, in order.
+class FrameReader:
+    """Reads frames from a non-blocking socket for an event loop, resuming wherever the last
+    call stopped, straight into the buffers its owner names.
 
-    Sends a heartbeat whenever nothing was written for ``heartbeat_interval``. Payloads are
-    memoryviews written with ``sendmsg`` next to their header (no concatenation copy), or
-    callables that produce the view on this thread (e.g. a float32 -> bfloat16 conversion, which
-    then overlaps with sending the previous chunk). ``unsent_bytes`` drives least-loaded dispatch.
+    The owner's callbacks decide what each frame's payload becomes: ``on_header(header)`` returns
+    ``(view, what)`` to receive the payload into ``view`` (``what`` names it in timeout
+    messages), or :data:`SKIP`, :data:`CONTROL` or :data:`WAIT`; ``on_payload()``, once the view
+    is full, returns the next ``(view, what)`` of the same payload or ``None`` when the frame is
+    done; ``on_control(frame)`` gets a whole parsed control frame.
+
+    A large payload is received with a low-water mark (``SO_RCVLOWAT``): the loop wakes when the
+    rest of it (up to 4 MiB) is in, not for every few segments; it is reset before the next
+    frame, or a small header would never wake the loop. A read never asks for zero bytes, whose
+    0 would read as end-of-file.
     """
 
-    def __init__(
-        self,
-        sock: socket.socket,
-        *,
-        name: str,
-        heartbeat_interval: float,
-        send_timeout: float,
-        on_error: Callable[[ConnectionBroken], None],
-    ) -> None:
-        # A duplicate descriptor carries its own timeout: long for sends (a peer applying
-        # backpressure is legitimate for a while), short for the reader's heartbeat bound.
-        self._sock = sock.dup()
-        self._sock.settimeout(None)
-        set_kernel_timeout(self._sock, socket.SO_SNDTIMEO, send_timeout)
+    __slots__ = ("sock", "peer", "max_payload", "on_header", "on_payload", "on_control", "head", "stage", "target",
+                 "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat", "last_recv", "stopped",
+                 "_waiting")
+
+    def __init__(self, sock: socket.socket, *, max_payload: int, now: float,
+                 on_header: Callable[[wire.FrameHeader], HeaderStep],
+                 on_payload: Callable[[], tuple[memoryview, str] | None],
+                 on_control: Callable[[wire.Frame], None]) -> None:
+        self.sock = sock
         self.peer = peer_name(sock)
-        self._heartbeat_interval = heartbeat_interval
-        self._heartbeat = wire.encode(wire.Heartbeat())
-        self._queue: collections.deque[_Item] = collections.deque()
-        self._cond = threading.Condition()
-        self._writing = False  # someone (the thread, or a caller inline) owns the socket's write side
-        self._last_send = time.monotonic()
-        self._closing = False
-        self._close_after_drain = False
-        self._on_error = on_error
-        self.unsent_bytes = 0
-        self.failed: ConnectionBroken | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self.max_payload = max_payload
+        self.on_header, self.on_payload, self.on_control = on_header, on_payload, on_control
+        self.head = memoryview(bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE))
+        self.stage = _PREFIX
+        self.target: memoryview = self.head[: wire.PREFIX.size]
+        self.got = 0
+        self.what = "a frame"
+        self.frame_type = wire.FrameType.HEARTBEAT
+        self.payload_len = 0
+        self.header: wire.FrameHeader | None = None
+        self.discard_left = 0
+        self.lowat = 1
+        self.last_recv = now  # the last time any byte arrived: the owner's frozen-peer clock
+        self.stopped = False  # set by the owner when it closes the connection from a callback
+        self._waiting = False
 
-    def send(self, header: bytes, payload: memoryview | Callable[[], memoryview] | None = None, nbytes: int = 0,
-             done: Callable[[bool], None] | None = None, *, inline: bool = False) -> None:
-        """Queue a frame. ``done(ok)`` runs once the payload is no longer needed (``ok`` False
-        when the connection failed first).
+    def read(self, now: float, max_frames: int) -> None:
+        """Receive what the socket holds, at most ``max_frames`` frames (so one busy connection
+        cannot starve the loop's others). Raises :class:`ConnectionBroken`."""
+        frames = 0
+        sock = self.sock
+        self._waiting = False
+        while frames < max_frames and not self._waiting and not self.stopped:
+            want = len(self.target) - self.got
+            if not want:
+                if self._advance():
+                    frames += 1
+                continue
+            try:
+                got = sock.recv_into(self.target[self.got :], want)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                raise ConnectionBroken("reset", f"connection to {self.peer} failed while reading {self.what}: {exc}") from None
+            if got == 0:
+                mid = self.got or self.stage != _PREFIX
+                raise ConnectionBroken("eof", f"{self.peer} closed the connection" + (f" in the middle of {self.what}" if mid else ""))
+            self.last_recv = now
+            self.got += got
+            if got < want:
+                if self.stage == _PAYLOAD and len(self.target) >= _LOWAT_FROM:
+                    self._set_lowat(min(want - got, _LOWAT_MAX))
+                return  # the socket is drained: wait for the rest
+            if self._advance():
+                frames += 1
 
-        ``inline=True``: when nothing is queued, write from the calling thread without blocking
-        (``MSG_DONTWAIT``) and hand only a remainder to the sender thread. This saves a thread
-        hand-off per frame, which dominated the reducer's CPU time per chunk.
-        """
-        item = _Item(header, payload, nbytes, done)
-        fast = False
-        with self._cond:
-            if self._closing or self.failed is not None:
-                failed = True
-            else:
-                failed = False
-                if inline and not self._queue and not self._writing and not callable(payload):
-                    self._writing = fast = True
+    def _set_lowat(self, nbytes: int) -> None:
+        if self.lowat != nbytes:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self.lowat = nbytes
+
+    def _expect(self, stage: int, target: memoryview, what: str) -> None:
+        self.stage, self.target, self.got, self.what = stage, target, 0, what
+
+    def _next_frame(self) -> None:
+        if self.lowat != 1:
+            self._set_lowat(1)
+        self._expect(_PREFIX, self.head[: wire.PREFIX.size], "a frame")
+
+    def _advance(self) -> bool:
+        """The current target is full: move on. True when a frame ended."""
+        while True:
+            stage = self.stage
+            if stage == _PREFIX:
+                try:
+                    frame_type, header_len, payload_len = wire.parse_prefix(self.head[: wire.PREFIX.size], self.max_payload)
+                except RemoteProtocolError as exc:
+                    raise ConnectionBroken("protocol", str(exc)) from None
+                self.frame_type, self.payload_len = frame_type, payload_len
+                self._expect(_HEADER, self.head[wire.PREFIX.size : wire.PREFIX.size + header_len], f"a {frame_type.name} header")
+                if header_len:
+                    return False
+                continue
+            if stage == _HEADER:
+                try:
+                    header = wire.parse_header(self.frame_type, self.target, self.payload_len)
+                except RemoteProtocolError as exc:
+                    raise ConnectionBroken("protocol", str(exc)) from None
+                self.header = header
+                step = self.on_header(header)
+                if step is WAIT:
+                    self._waiting = True
+                    return False
+                if step is SKIP:
+                    if not header.payload_len:
+                        self._next_frame()
+                        return True
+                    self.discard_left = header.payload_len
+                    self._expect(_DISCARD, _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))], "a discarded payload")
+                elif step is CONTROL:
+                    self._expect(_CONTROL, memoryview(bytearray(header.payload_len)), f"a {header.type.name} payload")
                 else:
-                    self._queue.append(item)
-                    self._cond.notify()
-                self.unsent_bytes += len(header) + nbytes
-        if failed:
-            if done is not None:
-                done(False)
-            return
-        if fast:
-            self._send_inline(item)
+                    assert isinstance(step, tuple)
+                    self._expect(_PAYLOAD, *step)
+            elif stage == _PAYLOAD:
+                self._next_frame()
+                more = self.on_payload()
+                if more is None:
+                    return True
+                self._expect(_PAYLOAD, *more)
+            elif stage == _DISCARD:
+                self.discard_left -= len(self.target)
+                if not self.discard_left:
+                    self._next_frame()
+                    return True
+                self._expect(_DISCARD, _DISCARD_BUFFER[: min(self.discard_left, len(_DISCARD_BUFFER))], "a discarded payload")
+            elif stage == _CONTROL:
+                assert self.header is not None
+                payload = self.target
+                self._next_frame()
+                try:
+                    frame = wire.parse_payload(self.header, payload)
+                except RemoteProtocolError as exc:
+                    raise ConnectionBroken("protocol", str(exc)) from None
+                self.on_control(frame)
+                return True
+            if len(self.target) > self.got or self.stopped:
+                return False
 
-    def _send_inline(self, item: _Item) -> None:
-        assert not callable(item.payload)
-        views = [memoryview(item.header).cast("B")] + ([] if item.payload is None else [memoryview(item.payload).cast("B")])
-        try:
-            rest = self._write(views, socket.MSG_DONTWAIT)
-        except ConnectionBroken as exc:
-            with self._cond:
-                self._writing = False
-                self.failed = exc
-                self._closing = True
-                self._cond.notify()
-            if item.done is not None:
-                item.done(False)
-            self._on_error(exc)
+
+#: A frame's bytes, or a callable that produces them when the frame is about to be written (a
+#: float32 -> bfloat16 conversion then runs on the writing thread, next to the write).
+Views = list[memoryview] | Callable[[], list[memoryview]]
+
+
+@dataclass
+class _Outgoing:
+    views: Views
+    done: Callable[[bool], None] | None
+
+
+class FrameWriter:
+    """The write side of a non-blocking connection: frames go out in order, straight from the
+    callers' buffers (``sendmsg``, no concatenation). Not thread-safe; its owner serialises
+    calls. ``send`` and ``flush`` never block: what the socket does not take waits in ``out``
+    until the owner's loop sees the socket writable and calls ``flush``.
+
+    ``done(ok)`` callbacks are not run here but returned, for the owner to run outside whatever
+    lock it holds (they may start the next frame)."""
+
+    __slots__ = ("sock", "peer", "out", "last_send", "last_progress")
+
+    def __init__(self, sock: socket.socket, now: float) -> None:
+        self.sock = sock
+        self.peer = peer_name(sock)
+        self.out: collections.deque[_Outgoing] = collections.deque()
+        self.last_send = now  # the last time anything was written (heartbeats are due after a pause)
+        self.last_progress = now  # the last time a queued frame moved (a peer that stopped reading)
+
+    def send(self, views: Views, done: Callable[[bool], None] | None, now: float, finished: list[Callable[[bool], None]]) -> None:
+        """Write a frame now if nothing is queued ahead of it, else queue it. Appends ``done``
+        to ``finished`` when the frame is out. Raises :class:`ConnectionBroken`."""
+        if self.out:
+            self.out.append(_Outgoing(views, done))
             return
-        with self._cond:
-            self._writing = False
-            self._last_send = time.monotonic()
+        rest = send_views(self.sock, views() if callable(views) else views, socket.MSG_DONTWAIT, self.peer)
+        self.last_send = now
+        if rest:
+            self.out.append(_Outgoing(rest, done))
+            self.last_progress = now
+        elif done is not None:
+            finished.append(done)
+
+    def flush(self, now: float, finished: list[Callable[[bool], None]]) -> None:
+        """Write queued frames until the socket is full or nothing is left."""
+        out = self.out
+        while out:
+            item = out[0]
+            views = item.views() if callable(item.views) else item.views
+            before = sum(len(v) for v in views)
+            rest = send_views(self.sock, views, socket.MSG_DONTWAIT, self.peer)
             if rest:
-                item.rest = rest
-                self._queue.appendleft(item)
-                self._cond.notify()
-            else:
-                self.unsent_bytes -= len(item.header) + item.nbytes
-                if self._queue or self._close_after_drain:
-                    self._cond.notify()  # frames queued meanwhile wait for us; otherwise let it sleep
-        if not rest and item.done is not None:
-            item.done(True)
+                if sum(len(v) for v in rest) != before:
+                    self.last_progress = self.last_send = now
+                item.views = rest
+                return
+            out.popleft()
+            self.last_progress = self.last_send = now
+            if item.done is not None:
+                finished.append(item.done)
 
-    def close_after_drain(self) -> None:
-        """Send what is queued, then stop (used for a final error frame)."""
-        with self._cond:
-            self._close_after_drain = True
-            self._cond.notify()
-
-    def stop(self) -> None:
-        """Stop now; queued items complete with ``done(False)``."""
-        with self._cond:
-            self._closing = True
-            self._cond.notify()
-
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._cond:
-                    while (self._writing or not self._queue) and not self._closing:
-                        if self._close_after_drain and not self._writing:
-                            break
-                        remaining = self._last_send + self._heartbeat_interval - time.monotonic()
-                        if remaining <= 0 and not self._writing:
-                            break
-                        self._cond.wait(remaining if remaining > 0 else self._heartbeat_interval)
-                    if self._closing:
-                        return
-                    if not self._queue and self._close_after_drain:
-                        self._shutdown_write()
-                        return
-                    item = self._queue.popleft() if self._queue else None
-                    self._writing = True  # from here until the frame is out, no inline writer
-                if item is None:
-                    self._sendall([self._heartbeat])
-                    with self._cond:
-                        self._writing = False
-                else:
-                    ok = False
-                    try:
-                        if item.rest is not None:
-                            self._sendall(item.rest)
-                        else:
-                            payload = item.payload() if callable(item.payload) else item.payload
-                            self._sendall([item.header] if payload is None else [item.header, payload])
-                        ok = True
-                    finally:
-                        with self._cond:
-                            self._writing = False
-                            self.unsent_bytes -= len(item.header) + item.nbytes
-                        if item.done is not None:
-                            item.done(ok)
-                self._last_send = time.monotonic()
-        except ConnectionBroken as exc:
-            self.failed = exc
-            self._on_error(exc)
-        finally:
-            with self._cond:
-                self._closing = True
-                leftovers = list(self._queue)
-                self._queue.clear()
-                self.unsent_bytes = 0
-            for item in leftovers:
-                if item.done is not None:
-                    item.done(False)
-
-    def _shutdown_write(self) -> None:
-        try:
-            self._sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def _sendall(self, parts: list) -> None:  # type: ignore[type-arg]
-        self._write([memoryview(p).cast("B") for p in parts], 0)
-
-    def _write(self, views: list[memoryview], flags: int) -> list[memoryview]:
-        return send_views(self._sock, views, flags, self.peer)
+    def abandon(self) -> list[Callable[[bool], None]]:
+        """The connection is gone: the ``done`` callbacks of everything still queued."""
+        leftovers = [item.done for item in self.out if item.done is not None]
+        self.out.clear()
+        return leftovers
 
 
 def send_views(sock: socket.socket, views: list[memoryview], flags: int, peer: str) -> list[memoryview]:

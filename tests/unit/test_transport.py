@@ -1,79 +1,162 @@
-"""The transport over a socket pair: frames from many threads, inline and queued, never interleave."""
+"""The transport: the event loops' frame reader and writer, fed through real sockets (frames
+arrive whole and in order, payloads land where the owner said, large payloads wake the reader
+once), and the handshakes' blocking reads (deadlines)."""
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from redsrv.core import wire
-from redsrv.core.transport import ConnectionBroken, FramedSocket, Sender, congestion_control, set_congestion_control
+from redsrv.core.transport import (
+    CONTROL,
+    SKIP,
+    WAIT,
+    ConnectionBroken,
+    FramedSocket,
+    FrameReader,
+    FrameWriter,
+    congestion_control,
+    set_congestion_control,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def test_concurrent_inline_and_queued_frames_arrive_whole_and_in_order_per_thread() -> None:
+class _Collector:
+    """A reader's owner that keeps each RESULT payload in a buffer of its own, drops pushes and
+    keeps control frames."""
+
+    def __init__(self, sock: socket.socket, *, wait_first: int = 0) -> None:
+        self.results: list[tuple[wire.FrameHeader, bytearray]] = []
+        self.controls: list[wire.Frame] = []
+        self.skipped = 0
+        self.headers_asked = 0
+        self.wait_first = wait_first  # answer WAIT this many times first (budget backpressure)
+        self.reader = FrameReader(sock, max_payload=1 << 26, now=time.monotonic(), on_header=self.on_header,
+                                  on_payload=self.on_payload, on_control=self.controls.append)
+
+    def on_header(self, header: wire.FrameHeader) -> tuple[memoryview, str] | str:
+        self.headers_asked += 1
+        if self.wait_first:
+            self.wait_first -= 1
+            return WAIT
+        if header.type is wire.FrameType.RESULT:
+            buffer = bytearray(header.payload_len)
+            self.results.append((header, buffer))
+            return memoryview(buffer), "a result"
+        if header.type is wire.FrameType.ERROR:
+            return CONTROL
+        self.skipped += 1
+        return SKIP
+
+    def on_payload(self) -> None:
+        return None
+
+
+def _drive(reader: FrameReader, until: Callable[[], bool], timeout: float = 10.0) -> None:
+    """A one-socket event loop: poll, read what is there, until ``until()`` or the deadline."""
+    poller = select.poll()
+    poller.register(reader.sock, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert time.monotonic() < deadline, f"reader stuck in {reader.what} ({reader.got} of {len(reader.target)} bytes)"
+        if poller.poll(100):
+            reader.read(time.monotonic(), 16)
+
+
+def _result_frame(key: int, index: int, data: np.ndarray) -> tuple[bytes, memoryview]:
+    header = wire.result_header(wire.Result(key, index, data.size, 0, wire.DType.INT32, 1, b"\x01"), data.nbytes)
+    return header, memoryview(data.tobytes())  # the header ends with the bitmap
+
+
+def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
+    # Callers write under their owner's lock, as the client's do; what the socket does not take
+    # waits in the writer until the owner flushes it.
     a, b = socket.socketpair()
-    errors: list[ConnectionBroken] = []
-    sender = Sender(a, name="redsrv-test-send", heartbeat_interval=0.05, send_timeout=10, on_error=errors.append)
-    reader = FramedSocket(b, read_timeout=10)
-    threads, per_thread, size = 4, 150, 20_000
+    a.setblocking(False)
+    b.setblocking(False)
+    writer = FrameWriter(a, time.monotonic())
+    lock = threading.Lock()
+    threads, per_thread, size = 4, 100, 20_000
+    done: list[bool] = []
 
     def produce(t: int) -> None:
         for i in range(per_thread):
-            data = np.full(size + (i % 7), t * 1000 + i, dtype=np.int32)
-            result = wire.Result(t, i, data.size, 0, wire.DType.INT32, 1, b"\x01")
-            sender.send(wire.result_header(result, data.nbytes), data.view(np.uint8).data, data.nbytes, inline=bool(i % 2))
+            header, payload = _result_frame(t, i, np.full(size + (i % 7), t * 1000 + i, dtype=np.int32))
+            finished: list[Callable[[bool], None]] = []
+            views = [memoryview(header), payload] if i % 2 else (lambda h=header, p=payload: [memoryview(h), p])
+            with lock:
+                writer.send(views, done.append, time.monotonic(), finished)
+            for callback in finished:
+                callback(True)
 
-    producers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
-    for p in producers:
-        p.start()
+    def flush_until_done() -> None:
+        while len(done) < threads * per_thread:
+            finished: list[Callable[[bool], None]] = []
+            with lock:
+                writer.flush(time.monotonic(), finished)
+            for callback in finished:
+                callback(True)
+            time.sleep(0.001)
+
+    collector = _Collector(b)
+    workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)] + [threading.Thread(target=flush_until_done)]
+    for w in workers:
+        w.start()
+    _drive(collector.reader, lambda: len(collector.results) == threads * per_thread)
+    for w in workers:
+        w.join(10)
     seen = {t: 0 for t in range(threads)}
-    received = 0
-    while received < threads * per_thread:
-        header = reader.read_header()
-        if header.type is wire.FrameType.HEARTBEAT:
-            continue
-        frame = wire.parse_payload(header, reader.read_bytes(header.payload_len))
+    for header, payload in collector.results:
+        frame = wire.parse_payload(header, payload)
         assert isinstance(frame, wire.Result)
         values = np.frombuffer(bytes(frame.payload), dtype=np.int32)
         assert values.size == size + frame.offset % 7
         assert (values == frame.key * 1000 + frame.offset).all(), "a frame was torn"
         assert frame.offset == seen[frame.key], "frames of one thread were reordered"
         seen[frame.key] += 1
-        received += 1
-    for p in producers:
-        p.join()
-    sender.stop()
-    sender.join(5)
+    assert done == [True] * (threads * per_thread)
+    assert not writer.out
     a.close()
     b.close()
-    assert not errors
 
 
-def test_a_silent_peer_times_out_and_a_closed_one_is_eof() -> None:
+def test_the_reader_skips_what_it_is_told_to_and_parses_control_frames() -> None:
     a, b = socket.socketpair()
-    reader = FramedSocket(b, read_timeout=0.3)
-    with pytest.raises(ConnectionBroken) as info:
-        reader.read_header()
-    assert info.value.kind == "timeout"
+    b.setblocking(False)
+    push = wire.Push(5, 1, 100, 0, 100, 0, wire.DType.INT32, wire.ReduceOp.SUM, 0)
+    header, payload = _result_frame(9, 3, np.arange(10, dtype=np.int32))
+    a.sendall(wire.push_header(push, 400) + bytes(400) + wire.encode(wire.Heartbeat()) + header + bytes(payload)
+              + wire.encode(wire.Error(wire.ErrorCode.STALE, False, "late", 5, 1)))
+    collector = _Collector(b)
+    _drive(collector.reader, lambda: bool(collector.controls))
+    assert collector.skipped == 2  # the push (400 bytes dropped) and the heartbeat
+    [(result, data)] = collector.results
+    assert result.fields[0] == 9 and bytes(data) == b"\x01" + bytes(payload)
+    [error] = collector.controls
+    assert isinstance(error, wire.Error) and error.message == "late"
     a.close()
-    with pytest.raises(ConnectionBroken) as info:
-        reader.read_header()
-    assert info.value.kind == "eof"
     b.close()
 
 
-def test_sender_sends_heartbeats_when_idle() -> None:
+def test_a_header_answered_wait_is_asked_again_on_the_next_read() -> None:
     a, b = socket.socketpair()
-    sender = Sender(a, name="redsrv-test-hb", heartbeat_interval=0.05, send_timeout=5, on_error=lambda e: None)
-    reader = FramedSocket(b, read_timeout=1)
-    assert reader.read_header().type is wire.FrameType.HEARTBEAT
-    sender.stop()
-    sender.join(5)
+    b.setblocking(False)
+    header, payload = _result_frame(1, 0, np.arange(4, dtype=np.int32))
+    a.sendall(header + bytes(payload))
+    collector = _Collector(b, wait_first=2)
+    _drive(collector.reader, lambda: collector.headers_asked >= 1)
+    collector.reader.read(time.monotonic(), 16)  # nothing new on the socket: the header is asked again
+    collector.reader.read(time.monotonic(), 16)
+    assert collector.headers_asked == 3 and len(collector.results) == 1
+    assert bytes(collector.results[0][1]) == b"\x01" + bytes(payload)
     a.close()
     b.close()
 
@@ -86,49 +169,58 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def test_a_large_payload_arriving_in_pieces_is_read_whole_and_the_next_header_still_wakes_the_reader() -> None:
-    # Over TCP a payload piece is awaited with a receive low-water mark; it must be reset after, or
-    # the small frame that follows would never wake the reader (it would time out instead).
+    # A large payload is awaited with a receive low-water mark; it must be reset after, or the
+    # small frame that follows would never wake the loop.
     a, b = _tcp_pair()
-    reader = FramedSocket(b, read_timeout=5)
+    b.setblocking(False)
     data = np.arange(256 * 1024, dtype=np.int32)  # 1 MiB
-    result = wire.Result(7, 0, data.size, 0, wire.DType.INT32, 1, b"\x01")
-    raw = wire.result_header(result, data.nbytes) + data.tobytes()
+    header, payload = _result_frame(7, 0, data)
+    raw = header + bytes(payload)
 
     def trickle() -> None:
         for start in range(0, len(raw), 100_000):
             a.sendall(raw[start : start + 100_000])
             time.sleep(0.01)
-        time.sleep(0.2)  # the reader is now blocked on the next header
-        a.sendall(wire.encode(wire.Heartbeat()))
+        time.sleep(0.2)  # the reader now waits for the next header
+        a.sendall(wire.encode(wire.Error(wire.ErrorCode.STALE, False, "next", 7, 0)))
 
+    collector = _Collector(b)
     writer = threading.Thread(target=trickle)
     started = time.monotonic()
     writer.start()
-    header = reader.read_header()
-    out = bytearray(header.payload_len)
-    reader.read_into(memoryview(out))
-    frame = wire.parse_payload(header, out)
-    assert isinstance(frame, wire.Result)
-    assert np.array_equal(np.frombuffer(bytes(frame.payload), dtype=np.int32), data)
-    assert reader.read_header().type is wire.FrameType.HEARTBEAT
-    # The writer is done after about 0.3 s; a reader left waiting on a stale mark sits out the 5 s
-    # read timeout (measured: 5.25 s without the reset).
-    assert time.monotonic() - started < 2, "the reader waited for the read timeout"
+    _drive(collector.reader, lambda: bool(collector.controls), timeout=5)
+    assert time.monotonic() - started < 2, "the reader missed the small frame after the large one"
+    [(_, received)] = collector.results
+    assert np.array_equal(np.frombuffer(bytes(received)[1:], dtype=np.int32), data)
+    assert collector.reader.lowat == 1
     writer.join(5)
     a.close()
     b.close()
 
 
-def test_a_peer_that_stops_in_the_middle_of_a_large_payload_times_out() -> None:
-    a, b = _tcp_pair()
-    reader = FramedSocket(b, read_timeout=0.5)
-    a.sendall(b"\0" * 300_000)  # less than the piece awaited below
-    started = time.monotonic()
-    with pytest.raises(ConnectionBroken) as info:
-        reader.read_into(memoryview(bytearray(1024 * 1024)))
-    assert info.value.kind == "timeout"
-    assert time.monotonic() - started < 3
+def test_a_peer_that_closes_in_the_middle_of_a_payload_is_eof_naming_it() -> None:
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    header, payload = _result_frame(7, 0, np.arange(1000, dtype=np.int32))
+    a.sendall(header + bytes(payload)[:1000])
     a.close()
+    collector = _Collector(b)
+    with pytest.raises(ConnectionBroken) as info:
+        _drive(collector.reader, lambda: False, timeout=5)
+    assert info.value.kind == "eof" and "in the middle of a result" in info.value.detail
+    b.close()
+
+
+def test_a_silent_peer_times_out_and_a_closed_one_is_eof() -> None:
+    a, b = socket.socketpair()
+    reader = FramedSocket(b, read_timeout=0.3)
+    with pytest.raises(ConnectionBroken) as info:
+        reader.read_header()
+    assert info.value.kind == "timeout"
+    a.close()
+    with pytest.raises(ConnectionBroken) as info:
+        reader.read_header()
+    assert info.value.kind == "eof"
     b.close()
 
 
