@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _reducer_threads() -> list[str]:
-    # Clients in this process name theirs redsrv-push/-pull/-deadlines; the daemon's are these.
+    # Clients in this process name theirs redsrv-io; the daemon's are these.
     return sorted(t.name for t in threading.enumerate() if t.name.startswith(("redsrv-loop", "redsrv-hello", "redsrv-conn")))
 
 

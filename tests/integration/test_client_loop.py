@@ -1,0 +1,65 @@
+"""The client serves every stream from one I/O loop: many reducers and streams cost a worker one
+thread, and a bug in that loop fails the operations in flight instead of leaving them to hang."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import redsrv
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _client_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name == "redsrv-io")
+
+
+def test_many_reducers_and_streams_cost_a_worker_one_thread() -> None:
+    daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(4)]
+    addresses = [f"{host}:{port}" for host, port in (d.start() for d in daemons)]
+    before = threading.active_count()
+    try:
+        # Two ranks, four reducers, four streams each: 16 connections per worker.
+        with redsrv.Client(addresses, rank=0, world_size=2, job="many", streams_per_reducer=4) as a, \
+             redsrv.Client(addresses, rank=1, world_size=2, job="many", streams_per_reducer=4) as b:
+            assert _client_threads() == ["redsrv-io", "redsrv-io"]
+            for step in range(3):
+                x = np.arange(2_000_000, dtype=np.float32) + step
+                fa, fb = a.allreduce_async(x, key=step), b.allreduce_async(x * 2, key=step)
+                assert np.array_equal(a.wait(fa), x * 3)
+                assert np.array_equal(b.wait(fb), x * 3)
+            # Each client adds its loop; the reducers' handshake threads are gone by now.
+            deadline = time.monotonic() + 5
+            while threading.active_count() > before + 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert threading.active_count() == before + 2
+        assert _client_threads() == []
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
+    host, port = daemon.start()
+    try:
+        with redsrv.Client([f"{host}:{port}"], rank=0, world_size=1, job="buggy") as client:
+            x = np.arange(1000, dtype=np.float32)
+            assert np.array_equal(client.allreduce(x, key=1), x)
+
+            def broken(stream, header):  # type: ignore[no-untyped-def]
+                raise RuntimeError("injected bug")
+
+            client._on_result_header = broken  # type: ignore[method-assign]
+            started = time.monotonic()
+            with pytest.raises(redsrv.PeerLostError, match="internal error"):
+                client.allreduce(x, key=2, timeout=30)
+            assert time.monotonic() - started < 5, "the operation waited for its deadline"
+            with pytest.raises(redsrv.PeerLostError):
+                client.allreduce(x, key=3)  # the client stays broken, and says so
+    finally:
+        daemon.stop()
