@@ -67,7 +67,7 @@ class SendError:
 
 @dataclass
 class SendResult:
-    """Send ``header`` then ``data`` to every connection in ``conns``; each connection's sender
+    """Send ``header`` then ``data`` to every connection in ``conns``; each connection's writer
     calls ``release()`` once when it is done with ``data`` (sent or dropped)."""
 
     conns: list[int]
