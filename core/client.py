@@ -777,12 +777,13 @@ class Client:
         try:
             with self._io_lock:
                 stream.writer.flush(self._now, finished)
-                if not stream.writer.out:
-                    stream.want_write = False
-                    self._set_events(stream, selectors.EVENT_READ)
         finally:
             for callback in finished:
-                callback(True)
+                callback(True)  # may queue the next chunk: then the socket stays watched for writing
+        with self._io_lock:
+            if not stream.writer.out and stream.want_write:
+                stream.want_write = False
+                self._set_events(stream, selectors.EVENT_READ)
 
     def _watch_writes(self) -> None:
         with self._io_lock:
