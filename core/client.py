@@ -226,6 +226,7 @@ class Client:
         self._wants_write: list[_Stream] = []  # streams whose writer a caller's thread left with frames
         self._now = time.monotonic()
         self._loop: threading.Thread | None = None
+        self._teardown_on_loop = False
         try:
             self._connect_all()
         except BaseException:
@@ -702,6 +703,8 @@ class Client:
             for streams in self._streams:
                 for stream in streams:
                     self._abandon(stream)
+            if self._teardown_on_loop:  # close() ran on this thread: the selector was left to us
+                self._close_selector()
 
     def _serve(self, stream: _Stream, mask: int) -> None:
         direction = "push"
@@ -823,6 +826,11 @@ class Client:
             leftovers = stream.writer.abandon()
         for done in leftovers:
             done(False)
+
+    def _close_selector(self) -> None:
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def _wake(self) -> None:
         try:
@@ -961,10 +969,10 @@ class Client:
                     s.sock.close()
                 except OSError:
                     pass
-        if not on_loop:  # else the loop is about to return, and still selecting
-            self._selector.close()
-            self._wake_r.close()
-            self._wake_w.close()
+        if on_loop:
+            self._teardown_on_loop = True  # the loop returns after this turn and closes the selector
+        else:
+            self._close_selector()
         if getattr(self, "_timeline", None) is not None:
             try:
                 self._timeline.write()  # type: ignore[union-attr]

@@ -63,3 +63,26 @@ def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error() -> No
                 client.allreduce(x, key=3)  # the client stays broken, and says so
     finally:
         daemon.stop()
+
+
+def test_closing_the_client_from_a_result_callback_on_its_own_loop_neither_hangs_nor_leaks() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
+    host, port = daemon.start()
+    try:
+        client = redsrv.Client([f"{host}:{port}"], rank=0, world_size=2, job="selfclose")
+        x = np.arange(1000, dtype=np.float32)
+        partner = redsrv.Client([f"{host}:{port}"], rank=1, world_size=2, job="selfclose")
+        pending = client.allreduce_async(x, key=2)  # never completes: the partner does not push key 2
+        first = client.allreduce_async(x, key=1)
+        first.add_done_callback(lambda _f: client.close())  # runs on the client's I/O loop
+        assert np.array_equal(partner.allreduce(x, key=1), x * 2)
+        assert np.array_equal(first.result(timeout=10), x * 2)
+        with pytest.raises(redsrv.ClientClosedError):
+            pending.result(timeout=10)
+        deadline = time.monotonic() + 5
+        while len(_client_threads()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _client_threads() == ["redsrv-io"]  # the partner's
+        partner.close()
+    finally:
+        daemon.stop()
