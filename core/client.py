@@ -46,17 +46,18 @@ from .errors import (
 )
 from .timeline import Timeline
 from .transport import (
-    CONTROL,
     SKIP,
     ConnectionBroken,
     FramedSocket,
     FrameReader,
     FrameWriter,
     HeaderStep,
+    Waker,
     choose_congestion_control,
     configure_socket,
     peer_name,
     set_send_lowat,
+    watch,
 )
 
 __all__ = ["Client", "ReduceFuture", "Contributors", "OPS"]
@@ -139,14 +140,15 @@ class _Stream:
         self.scratch = np.empty(0, dtype=np.uint8)  # for widening compressed results
         self.push_scratch = np.empty(0, dtype=np.uint8)
         self.reader = FrameReader(sock, max_payload=client.config.max_frame_payload, now=now,
-                                  on_header=functools.partial(client._on_header, self),
+                                  data_frame=wire.FrameType.RESULT, sender="a reducer",
+                                  on_header=functools.partial(client._on_result_header, self),
                                   on_payload=functools.partial(client._on_payload, self),
-                                  on_control=functools.partial(client._on_control, self))
+                                  on_error=functools.partial(client._on_error, self))
         self.writer = FrameWriter(sock, now)
         self.events = 0  # what the loop's selector watches
         self.want_write = False  # the writer holds frames the socket did not take (guarded by the I/O lock)
         self.dead = False
-        # The result frame being received (see Client._on_header).
+        # The result frame being received (see Client._on_result_header).
         self.result: _Incoming | None = None
         self.bitmap = bytearray(0)
 
@@ -219,10 +221,8 @@ class Client:
         # write at once, sends heartbeats and keeps every deadline.
         self._io_lock = threading.Lock()  # the streams' writers; taken after _dispatch_lock, never before
         self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._waker = Waker()
+        self._selector.register(self._waker.read_end, selectors.EVENT_READ, None)
         self._wants_write: list[_Stream] = []  # streams whose writer a caller's thread left with frames
         self._now = time.monotonic()
         self._loop: threading.Thread | None = None
@@ -489,24 +489,13 @@ class Client:
 
         return (produce if payload is not None else None), done
 
-    def _on_header(self, stream: _Stream, header: wire.FrameHeader) -> HeaderStep:
-        """A frame from a reducer: where its payload goes (on the I/O loop)."""
-        t = header.type
-        if t is wire.FrameType.RESULT:
-            return self._on_result_header(stream, header)
-        if t is wire.FrameType.HEARTBEAT:
-            return SKIP
-        if t is wire.FrameType.ERROR:
-            return CONTROL
-        raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a reducer")
-
-    def _on_control(self, stream: _Stream, frame: wire.Frame) -> None:
-        assert isinstance(frame, wire.Error)
+    def _on_error(self, stream: _Stream, frame: wire.Error) -> None:
         self._on_error_frame(stream, frame)
         if frame.fatal:
             stream.reader.stopped = True  # the reducer closes the connection after a fatal error
 
     def _on_result_header(self, stream: _Stream, header: wire.FrameHeader) -> HeaderStep:
+        """A result header is in (on the I/O loop): where its bitmap and data go."""
         arrived = time.monotonic()
         key, offset, count, chunk_index, raw_dtype, contributors, bitmap_len = header.fields
         with self._lock:
@@ -688,7 +677,7 @@ class Client:
                 for key, mask in events:
                     stream = key.data
                     if stream is None:
-                        self._drain_wake()
+                        self._waker.drain()
                     else:
                         self._serve(stream, mask)
                 if self._wants_write:
@@ -773,7 +762,7 @@ class Client:
             if not stream.dead:
                 self._fail_connection(stream, broken, "push")  # breaks the client; the loop cleans up
         if wake:
-            self._wake()
+            self._waker.wake()
 
     def _flush(self, stream: _Stream) -> None:
         finished: list[Any] = []
@@ -797,15 +786,8 @@ class Client:
 
     def _set_events(self, stream: _Stream, events: int) -> None:
         """On the loop only (the selector is not shared with callers' threads)."""
-        if stream.dead or events == stream.events:
-            return
-        if stream.events == 0:
-            self._selector.register(stream.sock, events, stream)
-        elif events == 0:
-            self._selector.unregister(stream.sock)
-        else:
-            self._selector.modify(stream.sock, events, stream)
-        stream.events = events
+        if not stream.dead:
+            stream.events = watch(self._selector, stream.sock, stream, stream.events, events)
 
     def _stream_broken(self, stream: _Stream, exc: ConnectionBroken, direction: str) -> None:
         """On the loop: stop serving ``stream`` and fail the client (one broken stream means the
@@ -829,21 +811,7 @@ class Client:
 
     def _close_selector(self) -> None:
         self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
-
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass  # full (a wake-up is already pending) or closed
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except OSError:
-            pass
+        self._waker.close()
 
     # --- connections ---
 
@@ -957,7 +925,7 @@ class Client:
         loop = self._loop
         on_loop = loop is threading.current_thread()
         if loop is not None and not on_loop:
-            self._wake()
+            self._waker.wake()
             loop.join(max(0.0, deadline - time.monotonic()))
         elif loop is None:
             for streams in self._streams:

@@ -39,7 +39,6 @@ from .config import congestion_setting, require_positive
 from .errors import ConfigError
 from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
 from .transport import (
-    CONTROL,
     SKIP,
     WAIT,
     ConnectionBroken,
@@ -47,9 +46,11 @@ from .transport import (
     FrameReader,
     FrameWriter,
     HeaderStep,
+    Waker,
     choose_congestion_control,
     configure_socket,
     peer_name,
+    watch,
 )
 
 __all__ = ["ReducerDaemon", "DaemonSettings"]
@@ -97,9 +98,10 @@ class _Conn:
         self.label = label
         self.joined = False
         self.reader = FrameReader(sock, max_payload=daemon.settings.max_frame_payload, now=now,
-                                  on_header=functools.partial(daemon._on_header, self),
+                                  data_frame=wire.FrameType.PUSH, sender="a worker after the handshake",
+                                  on_header=functools.partial(daemon._begin_push, self),
                                   on_payload=functools.partial(daemon._on_payload, self),
-                                  on_control=functools.partial(daemon._on_control, self))
+                                  on_error=functools.partial(daemon._on_error, self))
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
         self.blocked_until: float | None = None  # over the job's budget: not reading until then at most
@@ -130,9 +132,7 @@ class ReducerDaemon:
         self._handshakes: set[threading.Thread] = set()
         self._admitted: collections.deque[tuple[int, socket.socket, str, wire.Hello]] = collections.deque()
         self._admit_lock = threading.Lock()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
+        self._waker = Waker()
         self._listener: socket.socket | None = None
         self._accept_paused_until = 0.0
         self._blocked: set[_Conn] = set()
@@ -167,7 +167,7 @@ class ReducerDaemon:
             )
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ, self._accept_ready)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        self._selector.register(self._waker.read_end, selectors.EVENT_READ, self._waker.drain)
         self._loop = threading.Thread(target=self._run, name="redsrv-loop", daemon=True)
         self._loop.start()
         log.info("listening on %s:%d incarnation=%#x auth=%s", self.address[0], self.address[1], self.incarnation,
@@ -181,7 +181,7 @@ class ReducerDaemon:
         self._stop_reason = reason
         self._stopping.set()
         deadline = time.monotonic() + self.settings.close_timeout
-        self._wake()
+        self._waker.wake()
         if self._loop is not None and self._loop is not threading.current_thread():
             self._loop.join(max(0.0, deadline - time.monotonic()))
         elif self._loop is None:
@@ -271,19 +271,6 @@ class ReducerDaemon:
         final = wire.encode(wire.Error(wire.ErrorCode.PROTOCOL, True, exc.detail)) if exc.kind == "protocol" else None
         self._close(conn, exc.detail, final)
 
-    def _wake(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except OSError:
-            pass  # full (a wake-up is already pending) or closed (stopped)
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except OSError:
-            pass
-
     def _tick(self) -> None:
         now = self._now
         if self._listener is not None and self._accept_paused_until and now >= self._accept_paused_until:
@@ -361,7 +348,7 @@ class ReducerDaemon:
                 if self._stopping.is_set():
                     raise _Rejected("reducer is shutting down")
                 self._admitted.append((conn_id, sock, label, hello))
-            self._wake()
+            self._waker.wake()
         except ConnectionBroken as exc:
             if exc.kind == "protocol":
                 _reject(sock, wire.Error(wire.ErrorCode.PROTOCOL, True, exc.detail))
@@ -436,16 +423,6 @@ class ReducerDaemon:
         if conn.blocked_until is None and conn.closing_until is None and not conn.closed:
             conn.reader.read(self._now, _FRAMES_PER_TURN)
 
-    def _on_header(self, conn: _Conn, header: wire.FrameHeader) -> HeaderStep:
-        t = header.type
-        if t is wire.FrameType.PUSH:
-            return self._begin_push(conn, header)
-        if t is wire.FrameType.HEARTBEAT:
-            return SKIP
-        if t is wire.FrameType.ERROR:
-            return CONTROL
-        raise ConnectionBroken("protocol", f"unexpected {t.name} frame from a worker after the handshake")
-
     def _on_payload(self, conn: _Conn) -> None:
         ticket = conn.ticket
         assert ticket is not None
@@ -454,8 +431,7 @@ class ReducerDaemon:
             actions = self.core.finish_push(ticket, self._now)
         self._execute(actions)
 
-    def _on_control(self, conn: _Conn, frame: wire.Frame) -> None:
-        assert isinstance(frame, wire.Error)
+    def _on_error(self, conn: _Conn, frame: wire.Error) -> None:
         raise _Rejected(f"worker reported: {frame.message}")
 
     def _begin_push(self, conn: _Conn, header: wire.FrameHeader) -> HeaderStep:
@@ -532,15 +508,8 @@ class ReducerDaemon:
 
     def _set_events(self, conn: _Conn, events: int) -> None:
         assert self._selector is not None
-        if conn.closed or events == conn.events:
-            return
-        if conn.events == 0:
-            self._selector.register(conn.sock, events, conn)
-        elif events == 0:
-            self._selector.unregister(conn.sock)
-        else:
-            self._selector.modify(conn.sock, events, conn)
-        conn.events = events
+        if not conn.closed:
+            conn.events = watch(self._selector, conn.sock, conn, conn.events, events)
 
     # --- closing ---
 
@@ -625,8 +594,7 @@ class ReducerDaemon:
         self._closing.clear()
         if self._listener is not None:
             self._listener.close()
-        for sock in (self._wake_r, self._wake_w):
-            sock.close()
+        self._waker.close()
 
     # --- actions ---
 

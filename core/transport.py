@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import selectors
 import socket
 import struct
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from .errors import RemoteProtocolError
 
 __all__ = ["FramedSocket", "FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
            "set_send_lowat", "set_congestion_control", "choose_congestion_control", "congestion_control", "send_views",
-           "peer_name", "SKIP", "CONTROL", "WAIT"]
+           "peer_name", "SKIP", "WAIT", "Waker", "watch"]
 
 
 class ConnectionBroken(Exception):
@@ -187,7 +188,6 @@ _DISCARD_BUFFER = memoryview(bytearray(256 * 1024))  # payloads read only to ski
 
 #: What ``on_header`` returns instead of a ``(view, what)`` to receive the payload into.
 SKIP = "skip"  # read the payload and drop it
-CONTROL = "control"  # read the (small) payload, then call ``on_control`` with the parsed frame
 WAIT = "wait"  # stop reading this connection now; the next ``read`` asks again for this header
 
 HeaderStep = tuple[memoryview, str] | str
@@ -197,11 +197,13 @@ class FrameReader:
     """Reads frames from a non-blocking socket for an event loop, resuming wherever the last
     call stopped, straight into the buffers its owner names.
 
-    The owner's callbacks decide what each frame's payload becomes: ``on_header(header)`` returns
-    ``(view, what)`` to receive the payload into ``view`` (``what`` names it in timeout
-    messages), or :data:`SKIP`, :data:`CONTROL` or :data:`WAIT`; ``on_payload()``, once the view
-    is full, returns the next ``(view, what)`` of the same payload or ``None`` when the frame is
-    done; ``on_control(frame)`` gets a whole parsed control frame.
+    Heartbeats are read and dropped here, and an ERROR frame is parsed whole and handed to
+    ``on_error``; any type other than these and ``data_frame`` (PUSH for the reducer, RESULT for
+    the client) is a protocol error from ``sender``. For each data frame the owner's callbacks
+    decide where the payload goes: ``on_header(header)`` returns ``(view, what)`` to receive it
+    into ``view`` (``what`` names it in timeout messages), or :data:`SKIP` or :data:`WAIT`;
+    ``on_payload()``, once the view is full, returns the next ``(view, what)`` of the same
+    payload or ``None`` when the frame is done.
 
     A large payload is received with a low-water mark (``SO_RCVLOWAT``): the loop wakes when the
     rest of it (up to 4 MiB) is in, not for every few segments; it is reset before the next
@@ -209,18 +211,19 @@ class FrameReader:
     0 would read as end-of-file.
     """
 
-    __slots__ = ("sock", "peer", "max_payload", "on_header", "on_payload", "on_control", "head", "stage", "target",
-                 "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat", "last_recv", "stopped",
-                 "_waiting")
+    __slots__ = ("sock", "peer", "max_payload", "data_frame", "sender", "on_header", "on_payload", "on_error", "head",
+                 "stage", "target", "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat",
+                 "last_recv", "stopped", "_waiting")
 
-    def __init__(self, sock: socket.socket, *, max_payload: int, now: float,
+    def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
                  on_payload: Callable[[], tuple[memoryview, str] | None],
-                 on_control: Callable[[wire.Frame], None]) -> None:
+                 on_error: Callable[[wire.Error], None]) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
         self.max_payload = max_payload
-        self.on_header, self.on_payload, self.on_control = on_header, on_payload, on_control
+        self.data_frame, self.sender = data_frame, sender
+        self.on_header, self.on_payload, self.on_error = on_header, on_payload, on_error
         self.head = memoryview(bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE))
         self.stage = _PREFIX
         self.target: memoryview = self.head[: wire.PREFIX.size]
@@ -298,21 +301,25 @@ class FrameReader:
                 except RemoteProtocolError as exc:
                     raise ConnectionBroken("protocol", str(exc)) from None
                 self.header = header
-                step = self.on_header(header)
-                if step is WAIT:
-                    self._waiting = True
-                    return False
-                if step is SKIP:
-                    if not header.payload_len:
-                        self._next_frame()
-                        return True
-                    self.discard_left = header.payload_len
-                    self._expect(_DISCARD, _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))], "a discarded payload")
-                elif step is CONTROL:
-                    self._expect(_CONTROL, memoryview(bytearray(header.payload_len)), f"a {header.type.name} payload")
+                t = header.type
+                if t is wire.FrameType.ERROR:
+                    self._expect(_CONTROL, memoryview(bytearray(header.payload_len)), "an ERROR payload")
                 else:
-                    assert isinstance(step, tuple)
-                    self._expect(_PAYLOAD, *step)
+                    if t is self.data_frame:
+                        step = self.on_header(header)
+                    elif t is wire.FrameType.HEARTBEAT:
+                        step = SKIP
+                    else:
+                        raise ConnectionBroken("protocol", f"unexpected {t.name} frame from {self.sender}")
+                    if step is WAIT:
+                        self._waiting = True
+                        return False
+                    if step is SKIP:
+                        self.discard_left = header.payload_len
+                        self._expect(_DISCARD, _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))], "a discarded payload")
+                    else:
+                        assert isinstance(step, tuple)
+                        self._expect(_PAYLOAD, *step)
             elif stage == _PAYLOAD:
                 self._next_frame()
                 more = self.on_payload()
@@ -333,10 +340,51 @@ class FrameReader:
                     frame = wire.parse_payload(self.header, payload)
                 except RemoteProtocolError as exc:
                     raise ConnectionBroken("protocol", str(exc)) from None
-                self.on_control(frame)
+                assert isinstance(frame, wire.Error)
+                self.on_error(frame)
                 return True
             if len(self.target) > self.got or self.stopped:
                 return False
+
+
+class Waker:
+    """Wakes an event loop from another thread: a socket pair whose read end the loop watches."""
+
+    def __init__(self) -> None:
+        self.read_end, self._write_end = socket.socketpair()
+        self.read_end.setblocking(False)
+        self._write_end.setblocking(False)
+
+    def wake(self) -> None:
+        try:
+            self._write_end.send(b"\0")
+        except OSError:
+            pass  # full (a wake-up is already pending) or closed (the loop is gone)
+
+    def drain(self) -> None:
+        """On the loop, once woken."""
+        try:
+            while self.read_end.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.read_end.close()
+        self._write_end.close()
+
+
+def watch(selector: selectors.BaseSelector, sock: socket.socket, data: object, current: int, events: int) -> int:
+    """Make ``selector`` watch ``sock`` for ``events`` (0: not at all) instead of ``current``, with
+    ``data`` as the key's data. Returns ``events``, the new ``current``."""
+    if events != current:
+        if current == 0:
+            selector.register(sock, events, data)
+        elif events == 0:
+            selector.unregister(sock)
+        else:
+            selector.modify(sock, events, data)
+    return events
 
 
 #: A frame's bytes, or a callable that produces them when the frame is about to be written (a

@@ -22,8 +22,10 @@ from redsrv.core import wire
 
 GARBAGE = b"\x00garbage that is not a redsrv frame\xff" * 8
 SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
-#: (direction is worker->reducer, frame event) that marks each phase.
+#: How long the "wait" phase holds each of the victim's reads: under the heartbeat bound (1 s in
+#: these tests), so the victim looks slow to the reducer, never frozen.
 HELD_PAUSE_S = 0.5
+#: (direction is worker->reducer, frame event) that marks each phase.
 TRIGGERS = {"handshake": (True, "end:HELLO"), "push": (True, "half:PUSH"), "wait": (True, "end:PUSH"), "pull": (False, "half:RESULT")}
 
 

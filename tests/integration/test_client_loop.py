@@ -51,10 +51,10 @@ def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error() -> No
             x = np.arange(1000, dtype=np.float32)
             assert np.array_equal(client.allreduce(x, key=1), x)
 
-            def broken(stream, header):  # type: ignore[no-untyped-def]
+            def broken(stream, incoming):  # type: ignore[no-untyped-def]
                 raise RuntimeError("injected bug")
 
-            client._on_result_header = broken  # type: ignore[method-assign]
+            client._finish_result = broken  # type: ignore[method-assign]
             started = time.monotonic()
             with pytest.raises(redsrv.PeerLostError, match="internal error"):
                 client.allreduce(x, key=2, timeout=30)

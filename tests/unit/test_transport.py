@@ -15,7 +15,6 @@ import pytest
 
 from redsrv.core import wire
 from redsrv.core.transport import (
-    CONTROL,
     SKIP,
     WAIT,
     ConnectionBroken,
@@ -30,31 +29,31 @@ pytestmark = pytest.mark.timeout(60)
 
 
 class _Collector:
-    """A reader's owner that keeps each RESULT payload in a buffer of its own, drops pushes and
-    keeps control frames."""
+    """A reader's owner that keeps each RESULT payload in a buffer of its own (but skips the keys
+    in ``skip_keys``) and keeps ERROR frames."""
 
-    def __init__(self, sock: socket.socket, *, wait_first: int = 0) -> None:
+    def __init__(self, sock: socket.socket, *, wait_first: int = 0, skip_keys: tuple[int, ...] = ()) -> None:
         self.results: list[tuple[wire.FrameHeader, bytearray]] = []
-        self.controls: list[wire.Frame] = []
+        self.errors: list[wire.Error] = []
         self.skipped = 0
+        self.skip_keys = skip_keys
         self.headers_asked = 0
         self.wait_first = wait_first  # answer WAIT this many times first (budget backpressure)
-        self.reader = FrameReader(sock, max_payload=1 << 26, now=time.monotonic(), on_header=self.on_header,
-                                  on_payload=self.on_payload, on_control=self.controls.append)
+        self.reader = FrameReader(sock, max_payload=1 << 26, now=time.monotonic(), data_frame=wire.FrameType.RESULT,
+                                  sender="the test", on_header=self.on_header, on_payload=self.on_payload,
+                                  on_error=self.errors.append)
 
     def on_header(self, header: wire.FrameHeader) -> tuple[memoryview, str] | str:
         self.headers_asked += 1
         if self.wait_first:
             self.wait_first -= 1
             return WAIT
-        if header.type is wire.FrameType.RESULT:
-            buffer = bytearray(header.payload_len)
-            self.results.append((header, buffer))
-            return memoryview(buffer), "a result"
-        if header.type is wire.FrameType.ERROR:
-            return CONTROL
-        self.skipped += 1
-        return SKIP
+        if header.fields[0] in self.skip_keys:
+            self.skipped += 1
+            return SKIP
+        buffer = bytearray(header.payload_len)
+        self.results.append((header, buffer))
+        return memoryview(buffer), "a result"
 
     def on_payload(self) -> None:
         return None
@@ -128,20 +127,34 @@ def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
     b.close()
 
 
-def test_the_reader_skips_what_it_is_told_to_and_parses_control_frames() -> None:
+def test_the_reader_drops_heartbeats_and_what_it_is_told_to_skip_and_hands_over_errors() -> None:
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    skipped_header, skipped_payload = _result_frame(5, 1, np.arange(100, dtype=np.int32))
+    header, payload = _result_frame(9, 3, np.arange(10, dtype=np.int32))
+    a.sendall(skipped_header + bytes(skipped_payload) + wire.encode(wire.Heartbeat()) + header + bytes(payload)
+              + wire.encode(wire.Error(wire.ErrorCode.STALE, False, "late", 5, 1)))
+    collector = _Collector(b, skip_keys=(5,))
+    _drive(collector.reader, lambda: bool(collector.errors))
+    assert collector.skipped == 1 and collector.headers_asked == 2  # the heartbeat never reached the owner
+    [(result, data)] = collector.results
+    assert result.fields[0] == 9 and bytes(data) == b"\x01" + bytes(payload)
+    [error] = collector.errors
+    assert error.message == "late" and error.code is wire.ErrorCode.STALE
+    a.close()
+    b.close()
+
+
+def test_a_frame_of_a_type_the_reader_does_not_serve_is_a_protocol_error() -> None:
     a, b = socket.socketpair()
     b.setblocking(False)
     push = wire.Push(5, 1, 100, 0, 100, 0, wire.DType.INT32, wire.ReduceOp.SUM, 0)
-    header, payload = _result_frame(9, 3, np.arange(10, dtype=np.int32))
-    a.sendall(wire.push_header(push, 400) + bytes(400) + wire.encode(wire.Heartbeat()) + header + bytes(payload)
-              + wire.encode(wire.Error(wire.ErrorCode.STALE, False, "late", 5, 1)))
+    a.sendall(wire.push_header(push, 400) + bytes(400))
     collector = _Collector(b)
-    _drive(collector.reader, lambda: bool(collector.controls))
-    assert collector.skipped == 2  # the push (400 bytes dropped) and the heartbeat
-    [(result, data)] = collector.results
-    assert result.fields[0] == 9 and bytes(data) == b"\x01" + bytes(payload)
-    [error] = collector.controls
-    assert isinstance(error, wire.Error) and error.message == "late"
+    with pytest.raises(ConnectionBroken) as info:
+        _drive(collector.reader, lambda: False, timeout=5)
+    assert info.value.kind == "protocol" and "unexpected PUSH frame from the test" in info.value.detail
+    assert collector.headers_asked == 0
     a.close()
     b.close()
 
@@ -188,7 +201,7 @@ def test_a_large_payload_arriving_in_pieces_is_read_whole_and_the_next_header_st
     writer = threading.Thread(target=trickle)
     started = time.monotonic()
     writer.start()
-    _drive(collector.reader, lambda: bool(collector.controls), timeout=5)
+    _drive(collector.reader, lambda: bool(collector.errors), timeout=5)
     assert time.monotonic() - started < 2, "the reader missed the small frame after the large one"
     [(_, received)] = collector.results
     assert np.array_equal(np.frombuffer(bytes(received)[1:], dtype=np.int32), data)
