@@ -71,6 +71,7 @@ class _Frames:
                     break
                 ftype, hlen, plen = wire.parse_prefix(bytes(self.prefix), 1 << 30)
                 self.prefix.clear()
+                events.append((f"start:{ftype.name}", i))
                 self.type, self.remaining, self.total = ftype, hlen + plen, hlen + plen
                 if self.remaining == 0:
                     events.append((f"end:{ftype.name}", i))
@@ -108,6 +109,11 @@ class FaultProxy:
         self.listener.settimeout(0.1)
         self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.stopping = threading.Event()
+        # Wait phase: set once another rank starts a push after arming. Only then is the victim
+        # held back: holding it in the middle of a step whose other pushes had all gone through
+        # before arming would only make that step time out (the hold outlasts the operation
+        # timeout), and with every worker failed no push would ever come to fire the fault.
+        self.others_pushing = threading.Event()
         self.conns: list[_Conn] = []
         self.threads: list[threading.Thread] = []
         self._spawn(self._accept, "accept")
@@ -203,8 +209,11 @@ class FaultProxy:
             events = frames.feed(data)
             if to_reducer and conn.rank is None and frames.rank() is not None and any(e == "end:HELLO" for e, _ in events):
                 conn.rank = frames.rank()
+            if (to_reducer and self.armed.is_set() and conn.rank is not None and conn.rank != self.fault.victim
+                    and any(name == "start:PUSH" for name, _ in events)):
+                self.others_pushing.set()
             held = (self.fault.phase == "wait" and to_reducer and conn.rank == self.fault.victim
-                    and self.armed.is_set() and self.fault.fired_at is None)
+                    and self.others_pushing.is_set() and self.fault.fired_at is None)
             if held:
                 # The victim's link is slow: the reducer waits for its contribution. Slow, not
                 # silent: a pause as long as the heartbeat bound (0.2 s x 5) raced the reducer's
