@@ -382,7 +382,7 @@ class Client:
         item = wire_dt.itemsize
         reducers = chunker.placement(arr.size * item, self.num_reducers, C.MIN_SPAN_BYTES, key_u64)
         chunk_elements = chunker.full_chunk(arr.size, len(reducers), max(1, self.config.chunk_bytes // item),
-                                            C.MIN_FULL_CHUNK_BYTES // item, C.CHUNKS_PER_SPAN)
+                                            C.MIN_FULL_CHUNK_BYTES // item, self.config.chunks_per_span)
         ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // item)
         plan = chunker.plan(arr.size, len(reducers), chunk_elements, ramp_from, reducers)
         now = time.monotonic()

@@ -189,6 +189,7 @@ class Config:
     deadline: float = 0.0
     wire_dtype: str | None = None
     chunk_bytes: int = C.DEFAULT_CHUNK_BYTES
+    chunks_per_span: int = C.CHUNKS_PER_SPAN
     streams_per_reducer: int = C.DEFAULT_STREAMS_PER_REDUCER
     push_window_chunks: int = C.DEFAULT_PUSH_WINDOW_CHUNKS
     send_lowat_bytes: int = C.DEFAULT_SEND_LOWAT_BYTES
@@ -236,7 +237,8 @@ class Config:
             object.__setattr__(self, "wire_dtype", WIRE_DTYPES[self.wire_dtype])
         require_positive(self, ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout",
                                 "stall_warning"))
-        for name in ("chunk_bytes", "streams_per_reducer", "heartbeat_misses", "max_frame_payload", "job_budget_bytes"):
+        for name in ("chunk_bytes", "chunks_per_span", "streams_per_reducer", "heartbeat_misses", "max_frame_payload",
+                     "job_budget_bytes"):
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_frame_payload:

@@ -28,11 +28,15 @@ DEFAULT_BIND_HOST = "127.0.0.1"
 #: 0.72x with 512 KiB ones; 2 MiB saved little more CPU and was 7% slower at 1 Gbit/s.
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 
-#: Full chunks per reducer span (within MIN_FULL_CHUNK_BYTES..chunk size): an all-reduce ends
-#: about one full chunk's transfer after its last push (see chunker.full_chunk), so 32 keeps that
-#: tail near 3%. n=m=4 at 1 Gbit/s, against a fixed 1 MiB (3fddf85, same session): 64 MiB 0.595 s
-#: vs 0.614 s (1.44x vs 1.39x gloo), 16 MiB 0.172 s vs 0.182 s; the 2 Gbit/s 64 MiB run fell from
-#: 1.21x to 1.03x gloo (more chunks, CPU-bound) but stays above it.
+#: Default full chunks per reducer span (``Config.chunks_per_span``, within
+#: MIN_FULL_CHUNK_BYTES..chunk size): an all-reduce ends about one full chunk's transfer after its
+#: last push (see chunker.full_chunk), so 32 keeps that tail near 3%. n=m=4 at 1 Gbit/s, against a
+#: fixed 1 MiB (3fddf85, same session): 64 MiB 0.595 s vs 0.614 s (1.44x vs 1.39x gloo), 16 MiB
+#: 0.172 s vs 0.182 s; the 2 Gbit/s 64 MiB run fell from 1.21x to 1.03x gloo (more chunks,
+#: CPU-bound) but stays above it. 64 halves the tail for more CPU per byte: on 2026-11-24, 64 MiB,
+#: two alternated pairs, n=2 0.98x gloo against 0.96x at +10% CPU per GB, n=4 0.965 of the line
+#: rate against 0.952 at +25% (README, "Chunks per span"); on a CPU-bound host that costs more
+#: than the tail saves, so 32 stays the default.
 CHUNKS_PER_SPAN = 32
 
 #: Smallest reducer span (one first ramp chunk): a message smaller than this many bytes per

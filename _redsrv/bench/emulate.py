@@ -68,6 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None,
                    help="redsrv compresses float32 to this on the wire (gloo keeps --dtype)")
     b.add_argument("--chunk-kib", type=int, default=None, help="redsrv pipeline chunk size in KiB (default: the client's)")
+    b.add_argument("--chunks-per-span", type=int, default=None, metavar="N",
+                   help="redsrv full chunks per reducer span (REDSRV_CHUNKS_PER_SPAN; default: the client's, 32): more "
+                        "shortens the one-chunk tail and costs CPU per chunk")
     b.add_argument("--streams", type=int, default=None, help="redsrv TCP streams per reducer (default: the client's)")
     b.add_argument("--tcp-congestion", default=None, metavar="NAME",
                    help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
@@ -100,6 +103,7 @@ class Options:
     dtype: str = "float32"
     wire_dtype: str | None = None
     chunk_bytes: int | None = None
+    chunks_per_span: int | None = None
     streams: int | None = None
     tcp_congestion: str | None = None  # None: redsrv's default
     timeline: str | None = None  # folder for the workers' timelines
@@ -141,6 +145,8 @@ class Options:
                 raise EmulationError(f"--{name} must be >= 1")
         if self.chunk_bytes is not None and not 1024 <= self.chunk_bytes <= 64 * 2**20:
             raise EmulationError("--chunk-kib must be in 1..65536")
+        if self.chunks_per_span is not None and self.chunks_per_span < 1:
+            raise EmulationError("--chunks-per-span must be >= 1")
         if self.streams is not None and not 1 <= self.streams <= 64:
             raise EmulationError("--streams must be in 1..64")
         if self.tcp_congestion is not None:
@@ -164,7 +170,8 @@ def _main(a: argparse.Namespace) -> int:
             workers=tuple(a.workers), reducers=a.reducers, rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
-            streams=a.streams, tcp_congestion=a.tcp_congestion, timeline=a.timeline, delay_us=a.delay_us,
+            chunks_per_span=a.chunks_per_span, streams=a.streams, tcp_congestion=a.tcp_congestion, timeline=a.timeline,
+            delay_us=a.delay_us,
             colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu, measure_goodput=a.measure_goodput, out=a.out,
             prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
@@ -275,7 +282,10 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     _say(opts, f"redsrv bench emulate: {opts.hosts} hosts at {format_rate(opts.rate_bps)} per link (both directions), "
                f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
-               + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else ""))
+               + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else "")
+               + "".join(f"; redsrv {flag} {value}" for flag, value in (("--chunk-kib", (opts.chunk_bytes or 0) // 1024),
+                                                                        ("--chunks-per-span", opts.chunks_per_span),
+                                                                        ("--streams", opts.streams)) if value))
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
         try:
@@ -348,7 +358,8 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
         spec_base = {
             "world": n, "impls": impls, "sizes": list(opts.sizes_bytes), "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
             "warmup": opts.warmup, "rounds": opts.rounds, "dtype": opts.dtype, "wire_dtype": opts.wire_dtype,
-            "chunk_bytes": opts.chunk_bytes, "streams": opts.streams, "reducers": addresses,
+            "chunk_bytes": opts.chunk_bytes, "chunks_per_span": opts.chunks_per_span, "streams": opts.streams,
+            "reducers": addresses,
             "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-emulate-n{n}-{uuid.uuid4().hex[:8]}",
         }
         specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
@@ -576,7 +587,8 @@ def _worker(spec_json: str) -> int:
     rank, n = spec["rank"], spec["world"]
 
     np_dtype = _numpy_dtype(spec["dtype"])
-    options = {k: v for k, v in (("chunk_bytes", spec["chunk_bytes"]), ("streams_per_reducer", spec["streams"])) if v}
+    options = {k: v for k, v in (("chunk_bytes", spec["chunk_bytes"]), ("chunks_per_span", spec.get("chunks_per_span")),
+                                 ("streams_per_reducer", spec["streams"])) if v}
     client = redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"], wire_dtype=spec["wire_dtype"],
                            **options)
     impls: list[_Gloo | _Redsrv] = []

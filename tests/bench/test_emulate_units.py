@@ -80,6 +80,8 @@ def test_options_validation():
         Options(workers=(1,)).validate()
     with pytest.raises(EmulationError, match="memory"):
         Options(workers=(8,), sizes_bytes=(2**40,)).validate()
+    with pytest.raises(EmulationError, match="--chunks-per-span must be >= 1"):
+        Options(chunks_per_span=0).validate()
     assert Options(workers=(2, 4)).hosts == 8
     assert Options(workers=(4,), colocate=True).hosts == 4
     assert Options(workers=(4,), reducers=2).hosts == 6

@@ -49,3 +49,34 @@ def test_small_messages_go_whole_to_the_reducer_their_key_names_and_large_ones_t
             c.close()
         for d in daemons:
             d.stop()
+
+
+def _chunks_closed(daemons: list[redsrv.ReducerDaemon], job: str) -> int:
+    return sum(d.snapshot()[job]["stats"].chunks_closed for d in daemons)  # type: ignore[attr-defined]
+
+
+def test_chunks_per_span_sets_how_finely_a_large_message_is_cut() -> None:
+    """``chunks_per_span`` (REDSRV_CHUNKS_PER_SPAN) is what the plan uses: twice as many full
+    chunks per span give about twice the chunks, and the sums stay exact."""
+    daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(2)]
+    addresses = [f"{h}:{p}" for h, p in (d.start() for d in daemons)]
+    size = 2 * 8 * 2**20 // 4  # 8 MiB of float32 per reducer span
+    closed: dict[int, int] = {}
+    try:
+        for per_span in (8, 16):
+            job = f"per-span-{per_span}"
+            clients = [redsrv.Client(addresses, rank=r, world_size=2, job=job, chunks_per_span=per_span) for r in range(2)]
+            try:
+                futures = [c.allreduce_async(np.full(size, r + 1, dtype=np.float32), key=1) for r, c in enumerate(clients)]
+                for c, f in zip(clients, futures):
+                    assert np.array_equal(c.wait(f), np.full(size, 3, dtype=np.float32))
+            finally:
+                for c in clients:
+                    c.close()
+            closed[per_span] = _chunks_closed(daemons, job)
+            full = 8 * 2**20 // per_span  # 1 MiB and 512 KiB: within MIN_FULL_CHUNK_BYTES..chunk_bytes
+            assert 2 * (8 * 2**20 // full) <= closed[per_span] <= 2 * (8 * 2**20 // full + 8)  # plus the ramps
+    finally:
+        for d in daemons:
+            d.stop()
+    assert closed[16] - closed[8] >= 8  # 8 more full chunks per span, one ramp step fewer at each end
