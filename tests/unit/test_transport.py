@@ -159,6 +159,28 @@ def test_a_frame_of_a_type_the_reader_does_not_serve_is_a_protocol_error() -> No
     b.close()
 
 
+def test_frames_packed_back_to_back_are_all_read_even_one_frame_per_turn() -> None:
+    # One frame per turn, the rest of the burst already in the socket: each turn must leave the
+    # reader ready for the next (a frame held back in user space would never wake the loop).
+    a, b = socket.socketpair()
+    b.setblocking(False)
+    frames = [_result_frame(key, 0, np.arange(key % 7, key % 7 + 30, dtype=np.int32)) for key in range(1, 41)]
+    a.sendall(b"".join(header + bytes(payload) + wire.encode(wire.Heartbeat()) for header, payload in frames)
+              + wire.encode(wire.Error(wire.ErrorCode.STALE, False, "last", 40, 0)))
+    collector = _Collector(b)
+    poller = select.poll()
+    poller.register(b, select.POLLIN)
+    deadline = time.monotonic() + 5
+    while not collector.errors:
+        assert time.monotonic() < deadline, f"stuck after {len(collector.results)} frames"
+        if poller.poll(100):
+            collector.reader.read(time.monotonic(), 1)
+    assert [h.fields[0] for h, _ in collector.results] == list(range(1, 41))
+    assert all(bytes(data) == b"\x01" + bytes(payload) for (_, data), (_, payload) in zip(collector.results, frames))
+    a.close()
+    b.close()
+
+
 def test_a_header_answered_wait_is_asked_again_on_the_next_read() -> None:
     a, b = socket.socketpair()
     b.setblocking(False)
