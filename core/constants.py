@@ -104,8 +104,9 @@ DEFAULT_PUSH_WINDOW_CHUNKS = 1
 #: push window above bite (the default send buffer would hide megabytes). 0 leaves it unset.
 #: One largest chunk: a socket then takes a whole chunk in one call and wakes the sender about
 #: once per chunk. At 128 KiB it woke every 64 KiB sent; on 2026-11-24 (n=m=4, 64 MiB, 1 Gbit/s,
-#: 8 alternated pairs) that cost 2.19-2.79 CPU s/GB against 1.86-2.14 at 512 KiB-2 MiB, with the
-#: same time (0.588-0.594 s against 0.590-0.593 s).
+#: four alternated pairs) that cost 2.19-2.79 CPU s/GB against 1.92-2.13, with the same time
+#: (0.588-0.594 s against 0.590-0.593 s); 512 KiB and 2 MiB measured like 1 MiB (README,
+#: "2026-11-24").
 DEFAULT_SEND_LOWAT_BYTES = DEFAULT_CHUNK_BYTES
 
 #: Largest payload a decoder accepts in one frame. Bounds what a malicious or corrupt length
