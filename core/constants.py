@@ -35,7 +35,7 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 #: 0.172 s vs 0.182 s; the 2 Gbit/s 64 MiB run fell from 1.21x to 1.03x gloo (more chunks,
 #: CPU-bound) but stays above it. 64 halves the tail for more CPU per byte: on 2026-11-24, 64 MiB,
 #: two alternated pairs, n=2 0.98x gloo against 0.96x at +10% CPU per GB, n=4 0.965 of the line
-#: rate against 0.952 at +25% (README, "Chunks per span"); on a CPU-bound host that costs more
+#: rate against 0.952 at +25% (README, "2026-11-24"); on a CPU-bound host that costs more
 #: than the tail saves, so 32 stays the default.
 CHUNKS_PER_SPAN = 32
 

@@ -171,9 +171,8 @@ def _main(a: argparse.Namespace) -> int:
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
             chunks_per_span=a.chunks_per_span, streams=a.streams, tcp_congestion=a.tcp_congestion, timeline=a.timeline,
-            delay_us=a.delay_us,
-            colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu, measure_goodput=a.measure_goodput, out=a.out,
-            prefix=a.prefix)
+            delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
+            measure_goodput=a.measure_goodput, out=a.out, prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
 
     status: int = harness.run_command("emulate", a, run=run, rereport=_rereport)
