@@ -57,7 +57,8 @@ def _chunks_closed(daemons: list[redsrv.ReducerDaemon], job: str) -> int:
 
 def test_chunks_per_span_sets_how_finely_a_large_message_is_cut() -> None:
     """``chunks_per_span`` (REDSRV_CHUNKS_PER_SPAN) is what the plan uses: twice as many full
-    chunks per span give about twice the chunks, and the sums stay exact."""
+    chunks per span give twice the full chunks (the ramps at both ends of a span stay), and the
+    sums stay exact."""
     daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(2)]
     addresses = [f"{h}:{p}" for h, p in (d.start() for d in daemons)]
     size = 2 * 8 * 2**20 // 4  # 8 MiB of float32 per reducer span

@@ -59,7 +59,7 @@ class _Collector:
         return None
 
 
-def _drive(reader: FrameReader, until: Callable[[], bool], timeout: float = 10.0) -> None:
+def _drive(reader: FrameReader, until: Callable[[], bool], timeout: float = 10.0, max_frames: int = 16) -> None:
     """A one-socket event loop: poll, read what is there, until ``until()`` or the deadline."""
     poller = select.poll()
     poller.register(reader.sock, select.POLLIN)
@@ -67,7 +67,7 @@ def _drive(reader: FrameReader, until: Callable[[], bool], timeout: float = 10.0
     while not until():
         assert time.monotonic() < deadline, f"reader stuck in {reader.what} ({reader.got} of {len(reader.target)} bytes)"
         if poller.poll(100):
-            reader.read(time.monotonic(), 16)
+            reader.read(time.monotonic(), max_frames)
 
 
 def _result_frame(key: int, index: int, data: np.ndarray) -> tuple[bytes, memoryview]:
@@ -168,13 +168,7 @@ def test_frames_packed_back_to_back_are_all_read_even_one_frame_per_turn() -> No
     a.sendall(b"".join(header + bytes(payload) + wire.encode(wire.Heartbeat()) for header, payload in frames)
               + wire.encode(wire.Error(wire.ErrorCode.STALE, False, "last", 40, 0)))
     collector = _Collector(b)
-    poller = select.poll()
-    poller.register(b, select.POLLIN)
-    deadline = time.monotonic() + 5
-    while not collector.errors:
-        assert time.monotonic() < deadline, f"stuck after {len(collector.results)} frames"
-        if poller.poll(100):
-            collector.reader.read(time.monotonic(), 1)
+    _drive(collector.reader, lambda: bool(collector.errors), timeout=5, max_frames=1)
     assert [h.fields[0] for h, _ in collector.results] == list(range(1, 41))
     assert all(bytes(data) == b"\x01" + bytes(payload) for (_, data), (_, payload) in zip(collector.results, frames))
     a.close()
