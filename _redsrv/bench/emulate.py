@@ -72,6 +72,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="redsrv full chunks per reducer span (REDSRV_CHUNKS_PER_SPAN; default: the client's, 32): more "
                         "shortens the one-chunk tail and costs CPU per chunk")
     b.add_argument("--streams", type=int, default=None, help="redsrv TCP streams per reducer (default: the client's)")
+    b.add_argument("--send-lowat-kib", type=int, default=None, metavar="KIB",
+                   help="TCP_NOTSENT_LOWAT of redsrv's data sockets in KiB (REDSRV_SEND_LOWAT_BYTES; default: the "
+                        "client's, 1024; 0 leaves it unset)")
     b.add_argument("--tcp-congestion", default=None, metavar="NAME",
                    help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
                         "client's, cubic); gloo keeps the system default")
@@ -105,6 +108,7 @@ class Options:
     chunk_bytes: int | None = None
     chunks_per_span: int | None = None
     streams: int | None = None
+    send_lowat_bytes: int | None = None
     tcp_congestion: str | None = None  # None: redsrv's default
     timeline: str | None = None  # folder for the workers' timelines
     delay_us: int = 0
@@ -123,6 +127,13 @@ class Options:
         if self.reps is not None:
             return self.reps
         return 5 if size >= 64 * 2**20 else 20 if size >= 2**20 else 50
+
+    def client_options(self) -> dict[str, int]:
+        """The redsrv client settings this run sets (``Config`` field names); the rest stay the
+        client's defaults."""
+        chosen = {"chunk_bytes": self.chunk_bytes, "chunks_per_span": self.chunks_per_span,
+                  "streams_per_reducer": self.streams, "send_lowat_bytes": self.send_lowat_bytes}
+        return {name: value for name, value in chosen.items() if value is not None}
 
     @property
     def hosts(self) -> int:
@@ -149,6 +160,8 @@ class Options:
             raise EmulationError("--chunks-per-span must be >= 1")
         if self.streams is not None and not 1 <= self.streams <= 64:
             raise EmulationError("--streams must be in 1..64")
+        if self.send_lowat_bytes is not None and self.send_lowat_bytes < 0:
+            raise EmulationError("--send-lowat-kib must be >= 0")
         if self.tcp_congestion is not None:
             try:
                 congestion_setting(self.tcp_congestion)
@@ -170,7 +183,8 @@ def _main(a: argparse.Namespace) -> int:
             workers=tuple(a.workers), reducers=a.reducers, rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
-            chunks_per_span=a.chunks_per_span, streams=a.streams, tcp_congestion=a.tcp_congestion, timeline=a.timeline,
+            chunks_per_span=a.chunks_per_span, streams=a.streams,
+            send_lowat_bytes=None if a.send_lowat_kib is None else a.send_lowat_kib * 1024, tcp_congestion=a.tcp_congestion, timeline=a.timeline,
             delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
             measure_goodput=a.measure_goodput, out=a.out, prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
@@ -282,9 +296,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
                + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else "")
-               + "".join(f"; redsrv {flag} {value}" for flag, value in (("--chunk-kib", (opts.chunk_bytes or 0) // 1024),
-                                                                        ("--chunks-per-span", opts.chunks_per_span),
-                                                                        ("--streams", opts.streams)) if value))
+               + "".join(f"; redsrv {name}={value}" for name, value in opts.client_options().items()))
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
         try:
@@ -357,8 +369,7 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
         spec_base = {
             "world": n, "impls": impls, "sizes": list(opts.sizes_bytes), "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
             "warmup": opts.warmup, "rounds": opts.rounds, "dtype": opts.dtype, "wire_dtype": opts.wire_dtype,
-            "chunk_bytes": opts.chunk_bytes, "chunks_per_span": opts.chunks_per_span, "streams": opts.streams,
-            "reducers": addresses,
+            "client_options": opts.client_options(), "reducers": addresses,
             "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-emulate-n{n}-{uuid.uuid4().hex[:8]}",
         }
         specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
@@ -586,10 +597,8 @@ def _worker(spec_json: str) -> int:
     rank, n = spec["rank"], spec["world"]
 
     np_dtype = _numpy_dtype(spec["dtype"])
-    options = {k: v for k, v in (("chunk_bytes", spec["chunk_bytes"]), ("chunks_per_span", spec.get("chunks_per_span")),
-                                 ("streams_per_reducer", spec["streams"])) if v}
     client = redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"], wire_dtype=spec["wire_dtype"],
-                           **options)
+                           **spec["client_options"])
     impls: list[_Gloo | _Redsrv] = []
     dist: Any = None
     torch: Any = None

@@ -12,6 +12,7 @@ import pytest
 from redsrv.bench import report
 from redsrv.bench.emulate import Options
 from redsrv.bench.netns import MAX_HOSTS, Cluster, EmulationError, our_namespaces, parse_rate, tcp_goodput_bps
+from redsrv.core.config import Config
 
 
 @pytest.mark.parametrize("text,bps", [("1gbit", 10**9), ("500Mbit", 5 * 10**8), ("2.5gbit", 25 * 10**8),
@@ -82,6 +83,13 @@ def test_options_validation():
         Options(workers=(8,), sizes_bytes=(2**40,)).validate()
     with pytest.raises(EmulationError, match="--chunks-per-span must be >= 1"):
         Options(chunks_per_span=0).validate()
+    with pytest.raises(EmulationError, match="--send-lowat-kib must be >= 0"):
+        Options(send_lowat_bytes=-1).validate()
+    # Only what a run sets reaches the workers' clients, under the Config field names; 0 is a setting.
+    assert Options().client_options() == {}
+    assert Options(chunks_per_span=64, streams=2, send_lowat_bytes=0).client_options() == {
+        "chunks_per_span": 64, "streams_per_reducer": 2, "send_lowat_bytes": 0}
+    Config(**Options(chunk_bytes=2**20, chunks_per_span=64, streams=2, send_lowat_bytes=0).client_options())
     assert Options(workers=(2, 4)).hosts == 8
     assert Options(workers=(4,), colocate=True).hosts == 4
     assert Options(workers=(4,), reducers=2).hosts == 6
