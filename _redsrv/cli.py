@@ -60,7 +60,7 @@ def _reducer(args: argparse.Namespace) -> int:
         heartbeat_interval=env.heartbeat_interval, heartbeat_misses=env.heartbeat_misses,
         handshake_timeout=env.handshake_timeout, send_timeout=env.op_timeout, close_timeout=env.close_timeout,
         stall_warning=env.stall_warning, max_frame_payload=env.max_frame_payload, job_budget_bytes=env.job_budget_bytes,
-        tcp_congestion=env.tcp_congestion,
+        result_piece_bytes=env.result_piece_bytes, tcp_congestion=env.tcp_congestion,
     )
     daemon = ReducerDaemon(settings)
     stop = threading.Event()

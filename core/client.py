@@ -106,6 +106,9 @@ class _Op:
     max_count: int = 0
     all_ranks: int = -1  # intersection of contributor bitmaps
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Chunks whose result is arriving in pieces (cut-through), touched on the I/O loop only:
+    # (reducer, index) -> elements received so far, and when the first piece arrived.
+    received: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -168,10 +171,12 @@ class _Incoming:
 
     op: _Op
     chunk: chunker.Chunk
+    start: int  # the elements this frame carries: all of the chunk or its next piece
+    stop: int
     contributors: int
     bitmap_len: int
     data_len: int
-    arrived: float
+    arrived: float  # when the chunk's first piece arrived
     in_bitmap: bool
 
 
@@ -503,13 +508,17 @@ class Client:
         chunk = op.chunks.get((stream.reducer, chunk_index)) if op is not None else None
         if op is None or chunk is None:
             return SKIP  # an operation that already failed or timed out
-        if chunk.start != offset or chunk.count != count or wire.numpy_dtype(wire.DType(raw_dtype)) != op.wire_dtype:
+        # A chunk's result comes whole or in pieces that tile it in order.
+        done, first_arrived = op.received.get((stream.reducer, chunk_index), (0, arrived))
+        if (offset != chunk.start + done or not 0 < count <= chunk.count - done
+                or wire.numpy_dtype(wire.DType(raw_dtype)) != op.wire_dtype):
             self._fail_op(op, RemoteProtocolError(
-                f"reducer {stream.peer} answered with {count} elements at offset {offset}, expected {chunk.count} at "
-                f"{chunk.start}", peer=stream.peer, job=self.config.job, rank=self.rank, key=_label(op.label), chunk=chunk_index))
+                f"reducer {stream.peer} answered with {count} elements at offset {offset}, expected at most "
+                f"{chunk.count - done} at {chunk.start + done}", peer=stream.peer, job=self.config.job, rank=self.rank,
+                key=_label(op.label), chunk=chunk_index))
             return SKIP
-        incoming = stream.result = _Incoming(op, chunk, contributors, bitmap_len, header.payload_len - bitmap_len, arrived,
-                                             in_bitmap=bitmap_len > 0)
+        incoming = stream.result = _Incoming(op, chunk, offset, offset + count, contributors, bitmap_len,
+                                             header.payload_len - bitmap_len, first_arrived, in_bitmap=bitmap_len > 0)
         if incoming.in_bitmap:
             if len(stream.bitmap) < bitmap_len:
                 stream.bitmap = bytearray(bitmap_len)
@@ -520,7 +529,7 @@ class Client:
         op, chunk = incoming.op, incoming.chunk
         what = f"result (key {op.label!r} chunk {chunk.index})"
         if op.wire_dtype == op.out.dtype:
-            return op.out[chunk.start : chunk.stop].view(np.uint8).data, what
+            return op.out[incoming.start : incoming.stop].view(np.uint8).data, what
         return stream.take_scratch(incoming.data_len).data, what
 
     def _on_payload(self, stream: _Stream) -> tuple[memoryview, str] | None:
@@ -535,13 +544,19 @@ class Client:
 
     def _finish_result(self, stream: _Stream, incoming: _Incoming) -> None:
         op, chunk, contributors, chunk_index = incoming.op, incoming.chunk, incoming.contributors, incoming.chunk.index
-        target = op.out[chunk.start : chunk.stop]
+        target = op.out[incoming.start : incoming.stop]
         if op.wire_dtype != op.out.dtype:
             np.copyto(target, stream.take_scratch(incoming.data_len).view(op.wire_dtype), casting="unsafe")
         if op.mean and contributors > 1:
             np.divide(target, contributors, out=target, casting="unsafe")
         self.bytes_pulled += incoming.data_len
-        if self._timeline is not None:
+        place = (stream.reducer, chunk_index)
+        whole = incoming.stop == chunk.stop
+        if whole:
+            op.received.pop(place, None)
+        else:  # more pieces of this chunk to come
+            op.received[place] = (incoming.stop - chunk.start, incoming.arrived)
+        if whole and self._timeline is not None:
             track = f"reducer {stream.reducer} stream {stream.index}"
             pushed = self._pushed_at.pop((op.key, stream.reducer, chunk_index), None)
             if pushed is not None and pushed < incoming.arrived:
@@ -550,11 +565,11 @@ class Client:
                                 contributors=contributors)
         ranks = int.from_bytes(stream.bitmap[: incoming.bitmap_len], "little")
         with op.lock:
-            if op.chunks.pop((stream.reducer, chunk_index), None) is None:
-                return
             op.min_count = min(op.min_count, contributors)
             op.max_count = max(op.max_count, contributors)
             op.all_ranks &= ranks
+            if not whole or op.chunks.pop(place, None) is None:
+                return
             done = not op.chunks
         if done:
             with self._lock:

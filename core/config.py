@@ -203,6 +203,7 @@ class Config:
     stall_warning: float = C.DEFAULT_STALL_WARNING_S
     max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
     job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
+    result_piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # reducer: cut-through piece, 0 = whole chunks
     timeline: str | None = None  # Chrome-trace file; "{rank}" is replaced by the rank
 
     def __post_init__(self) -> None:
@@ -243,7 +244,7 @@ class Config:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_frame_payload:
             raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) exceeds max_frame_payload ({self.max_frame_payload})")
-        for name in ("push_window_chunks", "send_lowat_bytes"):
+        for name in ("push_window_chunks", "send_lowat_bytes", "result_piece_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         if self.tcp_congestion is not None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 #: (an HTTP probe, a port scanner, an old build) is rejected at its first frame.
 MAGIC = b"RDSV"
 
-#: Bumped on any incompatible change to a header layout; checked in every frame.
-PROTOCOL_VERSION = 1
+#: Bumped on any incompatible change to a header layout or to what a frame means; checked in
+#: every frame. 2: a chunk's result may arrive as several RESULT frames, in order (cut-through).
+PROTOCOL_VERSION = 2
 
 #: Default reducer port. Unassigned by IANA and above the ephemeral-port floor on most Linux
 #: configurations would be a trap, so it sits below 32768.
@@ -38,6 +39,13 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 #: rate against 0.952 at +25% (README, "2026-11-24"); on a CPU-bound host that costs more
 #: than the tail saves, so 32 stays the default.
 CHUNKS_PER_SPAN = 32
+
+#: Cut-through (REDSRV_RESULT_PIECE_BYTES): where every rank must contribute (the default
+#: straggler mode), a reducer sums and sends a piece of a chunk as soon as every worker's bytes
+#: of it are in, instead of waiting for whole payloads. Results then trail the pushes by about
+#: one piece per reducer instead of one full chunk, without the CPU that smaller chunks cost on
+#: the push side (one push frame and dispatch per chunk stays). 0 forwards whole chunks only.
+DEFAULT_RESULT_PIECE_BYTES = 128 * 1024
 
 #: Smallest reducer span (one first ramp chunk): a message smaller than this many bytes per
 #: reducer goes to fewer reducers, ``key`` choosing the first (chunker.placement). Below it the
@@ -108,6 +116,10 @@ DEFAULT_PUSH_WINDOW_CHUNKS = 1
 #: (0.588-0.594 s against 0.590-0.593 s); 512 KiB and 2 MiB measured like 1 MiB (README,
 #: "2026-11-24").
 DEFAULT_SEND_LOWAT_BYTES = DEFAULT_CHUNK_BYTES
+
+#: Largest receive low-water mark (``SO_RCVLOWAT``) for a large payload: bounds how long an
+#: event loop may go without seeing a slow link's bytes.
+MAX_RECEIVE_LOWAT_BYTES = 4 * 1024 * 1024
 
 #: Largest payload a decoder accepts in one frame. Bounds what a malicious or corrupt length
 #: field can make us allocate (RELIABILITY R12/R13). Chunks are far smaller.

@@ -71,6 +71,7 @@ class DaemonSettings:
     stall_warning: float = C.DEFAULT_STALL_WARNING_S
     max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
     job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
+    result_piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # cut-through piece; 0: whole chunks
     max_connections: int = 4096
     tcp_congestion: str | None = C.DEFAULT_TCP_CONGESTION  # None or "system": the system default
 
@@ -80,6 +81,8 @@ class DaemonSettings:
         require_positive(self, ("handshake_timeout", "heartbeat_interval", "send_timeout", "close_timeout", "stall_warning"))
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.result_piece_bytes < 0:
+            raise ConfigError(f"result_piece_bytes must be >= 0, got {self.result_piece_bytes}")
 
 
 #: Frames handled per connection per wake-up before the loop serves the others.
@@ -101,7 +104,9 @@ class _Conn:
                                   data_frame=wire.FrameType.PUSH, sender="a worker after the handshake",
                                   on_header=functools.partial(daemon._begin_push, self),
                                   on_payload=functools.partial(daemon._on_payload, self),
-                                  on_error=functools.partial(daemon._on_error, self))
+                                  on_error=functools.partial(daemon._on_error, self),
+                                  # cut-through: wake for every piece of a payload, not its end
+                                  max_lowat=daemon.settings.result_piece_bytes or C.MAX_RECEIVE_LOWAT_BYTES)
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
         self.blocked_until: float | None = None  # over the job's budget: not reading until then at most
@@ -118,7 +123,8 @@ class ReducerDaemon:
         self.settings = settings or DaemonSettings()
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little") or 1
         self.core = ReducerCore(
-            self.incarnation, job_budget_bytes=self.settings.job_budget_bytes, stall_warning=self.settings.stall_warning
+            self.incarnation, job_budget_bytes=self.settings.job_budget_bytes, stall_warning=self.settings.stall_warning,
+            piece_bytes=self.settings.result_piece_bytes,
         )
         # Guards the state machine against snapshot() from the metrics thread; the loop is its
         # only other user, so it is never contended on the data path.
@@ -421,7 +427,17 @@ class ReducerDaemon:
     def _read(self, conn: _Conn) -> None:
         """Receive what the socket holds, a bounded number of frames at a time."""
         if conn.blocked_until is None and conn.closing_until is None and not conn.closed:
-            conn.reader.read(self._now, _FRAMES_PER_TURN)
+            self._receive(conn)
+
+    def _receive(self, conn: _Conn) -> None:
+        conn.reader.read(self._now, _FRAMES_PER_TURN)
+        ticket = conn.ticket
+        if ticket is not None and ticket.part is not None:  # cut-through: part of a payload is in
+            received = conn.reader.payload_received
+            if received:
+                with self._lock:
+                    actions = self.core.progress(ticket, received, self._now)
+                self._execute(actions)
 
     def _on_payload(self, conn: _Conn) -> None:
         ticket = conn.ticket
@@ -464,7 +480,7 @@ class ReducerDaemon:
                 self._blocked.discard(conn)
                 continue
             try:
-                conn.reader.read(self._now, _FRAMES_PER_TURN)  # asks the state machine again first
+                self._receive(conn)  # asks the state machine again first
                 if conn.blocked_until is not None and (self._now > conn.blocked_until or self._stopping.is_set()):
                     raise _Rejected(f"job budget of {self.settings.job_budget_bytes} bytes stayed exhausted for "
                                     f"{self.settings.send_timeout:.1f}s")

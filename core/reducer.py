@@ -6,8 +6,15 @@ keyed by job, so one reducer serves many jobs; a job's trouble (a mismatch, a lo
 exhausted budget) produces errors for that job only.
 
 Determinism: the contributions to a chunk are summed in ascending rank order, whatever order
-they arrive in. Rank ``r``'s data is added as soon as ranks ``0..r-1`` are in; earlier arrivals
-wait in their receive buffers. 16-bit floats accumulate in float32 and are rounded once.
+they arrive in. 16-bit floats accumulate in float32 and are rounded once.
+
+Cut-through: where every rank must contribute (``StragglerMode.ALL``) and the op is a sum, a
+rank's receive buffer joins its chunk as soon as the push's header is in, the daemon reports how
+much of each payload has arrived (:meth:`ReducerCore.progress`), and the sum of every piece that
+all ranks have is sent as soon as it reaches ``piece_bytes``. Results then trail the pushes by
+about one piece instead of one whole chunk. In the straggler modes the set of contributors is
+only known when a chunk closes, so there rank ``r``'s data is added once ranks ``0..r-1`` are
+in (earlier arrivals wait in their buffers) and the result leaves whole.
 """
 
 from __future__ import annotations
@@ -118,11 +125,16 @@ class BufferPool:
 class _SharedBuffer:
     """A pool buffer with a reference count; returns to the pool when the count reaches 0."""
 
+
     __slots__ = ("buffer", "refs", "pool", "lock", "on_free")
 
     def __init__(self, buffer: np.ndarray, pool: BufferPool, refs: int, on_free: Callable[[int], None]) -> None:
         self.buffer, self.pool, self.refs, self.on_free = buffer, pool, refs, on_free
         self.lock = threading.Lock()
+
+    def retain(self, count: int) -> None:
+        with self.lock:
+            self.refs += count
 
     def release(self) -> None:
         with self.lock:
@@ -131,6 +143,18 @@ class _SharedBuffer:
         if done:
             self.on_free(self.buffer.nbytes)
             self.pool.give(self.buffer)
+
+
+@dataclass
+class _Part:
+    """One rank's contribution to a chunk that is summed piece by piece. Its buffer is shared by
+    the chunk and by the push still receiving into it, so a chunk that fails mid-payload never
+    hands the pool memory the daemon is still writing."""
+
+    rank: int
+    shared: _SharedBuffer
+    chunk: _OpenChunk | None  # None once the chunk closed or failed
+    received: int = 0  # payload bytes in the buffer
 
 
 # --- state ----------------------------------------------------------------------------------
@@ -189,6 +213,8 @@ class _OpenChunk:
     conns: dict[int, int] = field(default_factory=dict)  # rank -> connection to answer on
     stall_warned: bool = False
     broadcast_data: np.ndarray | None = None
+    parts: dict[int, _Part] | None = None  # rank -> contribution, when summed piece by piece
+    forwarded: int = 0  # payload bytes whose sum was sent (piece by piece)
 
 
 @dataclass
@@ -261,6 +287,7 @@ class PushTicket:
     push: Push
     buffer: np.ndarray | None  # receive payload_len bytes here (None: no payload)
     late: bool = False  # the chunk already closed; payload is read and dropped
+    part: _Part | None = None  # summed piece by piece: report arrivals with ReducerCore.progress
 
 
 @dataclass
@@ -280,12 +307,15 @@ class ReducerCore:
         *,
         job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES,
         stall_warning: float = C.DEFAULT_STALL_WARNING_S,
+        piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES,
         pool: BufferPool | None = None,
     ) -> None:
         self.incarnation = incarnation
         self.job_budget_bytes = job_budget_bytes
         self.stall_warning = stall_warning
+        self.piece_bytes = piece_bytes  # 0: forward whole chunks only
         self.pool = pool or BufferPool()
+        self._widened = np.empty(0, dtype=np.uint8)  # float32 scratch for summing 16-bit pieces
         self._jobs: dict[str, _Job] = {}
         self._conns: dict[int, _Conn] = {}
         self.job_stats: OrderedDict[str, JobStats] = OrderedDict()  # survives the job's state, bounded
@@ -410,7 +440,59 @@ class ReducerCore:
             # sent, results kept for stragglers) drains. Pushes to open chunks always proceed:
             # they are what closes chunks and frees memory.
             return None
-        return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
+        ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
+        if job.params.mode is StragglerMode.ALL and push.op is ReduceOp.SUM:
+            refused = self._attach(job, ticket, now)
+            if refused:
+                return refused
+        return ticket
+
+    def _attach(self, job: _Job, ticket: PushTicket, now: float) -> list[Action]:
+        """Make a push's buffer part of its chunk as its header arrives (cut-through), after the
+        checks that otherwise wait for the payload: nothing is forwarded before every rank's
+        push was found consistent."""
+        push, rank, buffer = ticket.push, ticket.rank, ticket.buffer
+        chunk_key = (push.key, push.chunk)
+        shape = _Shape(push.total, push.offset, push.count, push.dtype, push.op, push.root)
+        chunk = job.open.get(chunk_key)
+        if chunk is None:
+            chunk = job.open[chunk_key] = _OpenChunk(push.key, push.chunk, shape, rank, now, parts={})
+        refusal = self._refusal(chunk, rank, shape, 0 if buffer is None else buffer.nbytes)
+        if refusal is not None:
+            self._give(job, buffer)
+            ticket.buffer = None
+            return self._refuse(job, chunk, rank, ticket.conn, *refusal, now)
+        assert chunk.parts is not None and buffer is not None  # same shape: a sum, with a payload
+        part = _Part(rank, _SharedBuffer(buffer, self.pool, 2, self._freer(job)), chunk)
+        chunk.parts[rank] = part
+        chunk.conns[rank] = ticket.conn
+        ticket.part = part
+        return []
+
+    def _refusal(self, chunk: _OpenChunk, rank: int, shape: _Shape, got: int) -> tuple[ErrorCode, str] | None:
+        """Why rank ``rank``'s contribution of ``got`` payload bytes cannot join ``chunk``."""
+        if chunk.shape != shape:
+            return ErrorCode.CONTRIBUTION_MISMATCH, f"ranks disagree: rank {chunk.first_rank} sent {chunk.shape.describe()}, rank {rank} sent {shape.describe()}"
+        if chunk.contributors >> rank & 1 or (chunk.parts is not None and rank in chunk.parts):
+            return ErrorCode.DUPLICATE, f"rank {rank} contributed twice"
+        expected = 0 if (shape.op is ReduceOp.BROADCAST and rank != shape.root) else shape.count * numpy_dtype(shape.dtype).itemsize
+        if got != expected:
+            return ErrorCode.CONTRIBUTION_MISMATCH, f"rank {rank} sent {got} payload bytes for {shape.describe()}, expected {expected}"
+        return None
+
+    def _refuse(self, job: _Job, chunk: _OpenChunk, rank: int, conn: int, code: ErrorCode, why: str, now: float) -> list[Action]:
+        """Fail ``chunk`` for everyone in it; the offender hears it too (unless it is a rank
+        contributing twice, already answered on its first connection)."""
+        if code is not ErrorCode.DUPLICATE:
+            chunk.conns.setdefault(rank, conn)
+        return self._fail(job, (chunk.key, chunk.chunk), code, why, now)
+
+    @staticmethod
+    def _freer(job: _Job) -> Callable[[int], None]:
+        def freed(nbytes: int) -> None:
+            job.bytes_held -= nbytes
+
+        return freed
 
     def _take(self, job: _Job, nbytes: int) -> np.ndarray | None:
         if nbytes == 0:
@@ -438,12 +520,38 @@ class ReducerCore:
 
     def abort_push(self, ticket: PushTicket) -> None:
         """The connection failed while the payload was being received."""
-        self._give(self._jobs.get(ticket.job), ticket.buffer)
+        part = ticket.part
+        if part is None:
+            self._give(self._jobs.get(ticket.job), ticket.buffer)
+            return
+        ticket.buffer = None
+        chunk = part.chunk
+        if chunk is not None:  # the chunk now lacks this rank: the rank's departure fails it
+            assert chunk.parts is not None
+            del chunk.parts[part.rank]
+            part.chunk = None
+            part.shared.release()
+        part.shared.release()
+
+    def progress(self, ticket: PushTicket, received: int, now: float) -> list[Action]:
+        """``received`` bytes of a cut-through push's payload are in its buffer: send the sums
+        of what every rank has sent, once there is a piece's worth."""
+        part = ticket.part
+        if part is None or part.chunk is None:
+            return []
+        part.received = received
+        chunk = part.chunk
+        if not self.piece_bytes or received - chunk.forwarded < self.piece_bytes:
+            return []  # this rank is not a piece ahead, so nobody's frontier moved a piece
+        job = self._jobs.get(ticket.job)
+        return [] if job is None else self._forward(job, chunk, now)
 
     def finish_push(self, ticket: PushTicket, now: float) -> list[Action]:
         """The payload is in ``ticket.buffer``: sum it (in rank order) and close the chunk if it
         is complete."""
         job = self._jobs.get(ticket.job)
+        if ticket.part is not None:
+            return self._finish_part(job, ticket, now)
         if job is None or ticket.conn not in self._conns:
             self._give(job, ticket.buffer)
             return []
@@ -457,21 +565,10 @@ class ReducerCore:
         chunk = job.open.get(chunk_key)
         if chunk is None:
             chunk = job.open[chunk_key] = _OpenChunk(push.key, push.chunk, shape, rank, now)
-        elif chunk.shape != shape:
+        refusal = self._refusal(chunk, rank, shape, 0 if ticket.buffer is None else ticket.buffer.nbytes)
+        if refusal is not None:
             self._give(job, ticket.buffer)
-            chunk.conns.setdefault(rank, ticket.conn)
-            return self._fail(job, chunk_key, ErrorCode.CONTRIBUTION_MISMATCH,
-                              f"ranks disagree: rank {chunk.first_rank} sent {chunk.shape.describe()}, rank {rank} sent {shape.describe()}", now)
-        if chunk.contributors >> rank & 1:
-            self._give(job, ticket.buffer)
-            return self._fail(job, chunk_key, ErrorCode.DUPLICATE, f"rank {rank} contributed twice", now)
-        expected = 0 if (push.op is ReduceOp.BROADCAST and rank != push.root) else push.count * numpy_dtype(push.dtype).itemsize
-        got = 0 if ticket.buffer is None else ticket.buffer.nbytes
-        if got != expected:
-            self._give(job, ticket.buffer)
-            chunk.conns.setdefault(rank, ticket.conn)
-            return self._fail(job, chunk_key, ErrorCode.CONTRIBUTION_MISMATCH,
-                              f"rank {rank} sent {got} payload bytes for {shape.describe()}, expected {expected}", now)
+            return self._refuse(job, chunk, rank, ticket.conn, *refusal, now)
         chunk.contributors |= 1 << rank
         chunk.conns[rank] = ticket.conn
         self.stats(job.name).observe_lateness(rank, now - chunk.opened_at)
@@ -482,6 +579,84 @@ class ReducerCore:
                 chunk.pending[rank] = ticket.buffer
                 self._fold_prefix(job, chunk)
         return self._maybe_close(job, chunk, now)
+
+    def _finish_part(self, job: _Job | None, ticket: PushTicket, now: float) -> list[Action]:
+        part = ticket.part
+        assert part is not None
+        ticket.buffer = None
+        part.shared.release()  # the daemon is done writing into it
+        chunk = part.chunk
+        if job is None or chunk is None or ticket.conn not in self._conns:
+            return []  # the chunk failed meanwhile, and this rank was told when it did
+        part.received = part.shared.buffer.nbytes
+        self.stats(job.name).bytes_in += part.received
+        chunk.contributors |= 1 << part.rank
+        self.stats(job.name).observe_lateness(part.rank, now - chunk.opened_at)
+        return self._forward(job, chunk, now)
+
+    def _forward(self, job: _Job, chunk: _OpenChunk, now: float) -> list[Action]:
+        """Sum and send what every rank of a cut-through chunk has sent beyond what was sent:
+        whole pieces while payloads arrive, then the rest; close the chunk once every push
+        ended and the sum of its last byte left."""
+        parts = chunk.parts
+        assert parts is not None
+        world = job.params.world_size
+        if len(parts) < world:
+            return []
+        wire = numpy_dtype(chunk.shape.dtype)
+        size = chunk.shape.count * wire.itemsize
+        ready = min(part.received for part in parts.values())
+        ready -= ready % wire.itemsize
+        start = chunk.forwarded
+        actions: list[Action] = []
+        if ready > start and (ready == size or (self.piece_bytes and ready - start >= self.piece_bytes)):
+            actions += self._send_piece(job, chunk, start, ready)
+        if chunk.forwarded == size and chunk.contributors == (1 << world) - 1:  # every push ended
+            del job.open[(chunk.key, chunk.chunk)]
+            stats = self.stats(job.name)
+            stats.chunks_closed += 1
+            stats.observe_latency(now - chunk.opened_at)
+            self._remember(job, (chunk.key, chunk.chunk), _Closed(answered=chunk.contributors))
+            self._free_chunk(job, chunk)
+        return actions
+
+    def _send_piece(self, job: _Job, chunk: _OpenChunk, start: int, stop: int) -> list[Action]:
+        parts = chunk.parts
+        assert parts is not None
+        world = job.params.world_size
+        shape = chunk.shape
+        self._sum_piece([parts[rank].shared.buffer[start:stop] for rank in range(world)], shape.dtype)
+        chunk.forwarded = stop
+        item = numpy_dtype(shape.dtype).itemsize
+        result = Result(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk, shape.dtype,
+                        world, bitmap_from_ranks((1 << world) - 1, world))
+        targets = [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
+        self.stats(job.name).bytes_out += len(targets) * (stop - start)
+        if not targets:
+            return []
+        out = parts[0].shared  # rank 0's buffer holds the sum
+        out.retain(len(targets))
+        return [SendResult(targets, result_header(result, stop - start), out.buffer[start:stop].data, out.release)]
+
+    def _sum_piece(self, pieces: list[np.ndarray], dtype: DType) -> None:
+        """Sum byte ranges of every rank's payload into the first, in rank order (16-bit floats
+        through a float32 scratch, rounded once): the same operations, in the same order, as
+        summing whole payloads."""
+        wire = numpy_dtype(dtype)
+        out = pieces[0].view(wire)
+        acc_dtype = ACCUMULATION_DTYPES.get(dtype, wire)
+        if acc_dtype == wire:
+            for piece in pieces[1:]:
+                np.add(out, piece.view(wire), out=out)
+            return
+        nbytes = out.size * acc_dtype.itemsize
+        if self._widened.nbytes < nbytes:
+            self._widened = np.empty(nbytes, dtype=np.uint8)
+        acc = self._widened[:nbytes].view(acc_dtype)
+        np.copyto(acc, out, casting="unsafe")
+        for piece in pieces[1:]:
+            np.add(acc, piece.view(wire), out=acc, casting="unsafe")
+        np.copyto(out, acc, casting="unsafe")
 
     def _fold_prefix(self, job: _Job, chunk: _OpenChunk) -> None:
         """Sum pending contributions whose lower-ranked predecessors are all in."""
@@ -545,12 +720,7 @@ class ReducerCore:
         targets = [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
         stats.bytes_out += len(targets) * shape.count * wire.itemsize
         retain = bin(chunk.contributors).count("1") < job.params.world_size
-        job_ref = job
-
-        def freed(nbytes: int) -> None:
-            job_ref.bytes_held -= nbytes
-
-        shared = _SharedBuffer(out_raw, self.pool, len(targets) + (1 if retain else 0), freed)
+        shared = _SharedBuffer(out_raw, self.pool, len(targets) + (1 if retain else 0), self._freer(job))
         data = out_raw.data
         closed = _Closed(answered=chunk.contributors)
         if retain:
@@ -578,8 +748,7 @@ class ReducerCore:
         closed.answered |= 1 << rank
         self.stats(job.name).bytes_out += len(closed.data)
         shared = closed.result
-        with shared.lock:
-            shared.refs += 1
+        shared.retain(1)
         actions: list[Action] = [SendResult([conn], closed.header, closed.data, shared.release)]
         if bin(closed.answered).count("1") >= job.params.world_size:
             self._drop_retained(closed)
@@ -607,6 +776,11 @@ class ReducerCore:
         if chunk.broadcast_data is not None:
             self._give(job, chunk.broadcast_data)
             chunk.broadcast_data = None
+        if chunk.parts:
+            for part in chunk.parts.values():  # memory a push still writes into is freed when it ends
+                part.chunk = None
+                part.shared.release()
+            chunk.parts.clear()
 
     def _fail(self, job: _Job, chunk_key: tuple[int, int], code: ErrorCode, why: str, now: float) -> list[Action]:
         chunk = job.open.pop(chunk_key, None)

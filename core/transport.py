@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import wire
-from .constants import DEFAULT_MAX_FRAME_PAYLOAD
+from .constants import DEFAULT_MAX_FRAME_PAYLOAD, MAX_RECEIVE_LOWAT_BYTES
 from .errors import RemoteProtocolError
 
 __all__ = ["FramedSocket", "FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
@@ -182,8 +182,6 @@ class FramedSocket:
 _PREFIX, _HEADER, _PAYLOAD, _DISCARD, _CONTROL = range(5)
 #: Payloads from this size are received with a low-water mark (one wake-up per chunk).
 _LOWAT_FROM = 64 * 1024
-#: Largest low-water mark: bounds how long a loop may go without seeing a slow link's bytes.
-_LOWAT_MAX = 4 * 1024 * 1024
 _DISCARD_BUFFER = memoryview(bytearray(256 * 1024))  # payloads read only to skip them
 
 #: What ``on_header`` returns instead of a ``(view, what)`` to receive the payload into.
@@ -206,19 +204,21 @@ class FrameReader:
     payload or ``None`` when the frame is done.
 
     A large payload is received with a low-water mark (``SO_RCVLOWAT``): the loop wakes when the
-    rest of it (up to 4 MiB) is in, not for every few segments; it is reset before the next
-    frame, or a small header would never wake the loop. A read never asks for zero bytes, whose
+    rest of it (up to ``max_lowat``, 4 MiB by default) is in, not for every few segments; it is
+    reset before the next frame, or a small header would never wake the loop. An owner that acts
+    on part of a payload (the reducer's cut-through) lowers ``max_lowat`` to the part it acts on
+    and reads ``payload_received``. A read never asks for zero bytes, whose
     0 would read as end-of-file.
     """
 
     __slots__ = ("sock", "peer", "max_payload", "data_frame", "sender", "on_header", "on_payload", "on_error", "head",
                  "stage", "target", "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat",
-                 "last_recv", "stopped", "_waiting")
+                 "max_lowat", "last_recv", "stopped", "_waiting")
 
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
                  on_payload: Callable[[], tuple[memoryview, str] | None],
-                 on_error: Callable[[wire.Error], None]) -> None:
+                 on_error: Callable[[wire.Error], None], max_lowat: int = MAX_RECEIVE_LOWAT_BYTES) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
         self.max_payload = max_payload
@@ -234,6 +234,7 @@ class FrameReader:
         self.header: wire.FrameHeader | None = None
         self.discard_left = 0
         self.lowat = 1
+        self.max_lowat = max(1, max_lowat)
         self.last_recv = now  # the last time any byte arrived: the owner's frozen-peer clock
         self.stopped = False  # set by the owner when it closes the connection from a callback
         self._waiting = False
@@ -263,10 +264,15 @@ class FrameReader:
             self.got += got
             if got < want:
                 if self.stage == _PAYLOAD and len(self.target) >= _LOWAT_FROM:
-                    self._set_lowat(min(want - got, _LOWAT_MAX))
+                    self._set_lowat(min(want - got, self.max_lowat))
                 return  # the socket is drained: wait for the rest
             if self._advance():
                 frames += 1
+
+    @property
+    def payload_received(self) -> int:
+        """Bytes of the current data frame's payload target received so far (0 between payloads)."""
+        return self.got if self.stage == _PAYLOAD else 0
 
     def _set_lowat(self, nbytes: int) -> None:
         if self.lowat != nbytes:

@@ -193,6 +193,10 @@ class Push:
 
 @dataclass(frozen=True)
 class Result:
+    """The sum of elements ``[offset, offset + count)``: a whole chunk, or one piece of it when
+    the reducer forwards a chunk as it arrives (pieces of a chunk come in order, on the stream
+    its push came on, and tile it)."""
+
     key: int
     offset: int
     count: int

@@ -75,6 +75,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--send-lowat-kib", type=int, default=None, metavar="KIB",
                    help="TCP_NOTSENT_LOWAT of redsrv's data sockets in KiB (REDSRV_SEND_LOWAT_BYTES; default: the "
                         "client's, 1024; 0 leaves it unset)")
+    b.add_argument("--piece-kib", type=int, default=None, metavar="KIB",
+                   help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default: the reducer's, "
+                        "128): a chunk's sum leaves in pieces of this size as they arrive; 0 sends whole chunks")
     b.add_argument("--tcp-congestion", default=None, metavar="NAME",
                    help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
                         "client's, cubic); gloo keeps the system default")
@@ -109,6 +112,7 @@ class Options:
     chunks_per_span: int | None = None
     streams: int | None = None
     send_lowat_bytes: int | None = None
+    result_piece_bytes: int | None = None  # the reducers'
     tcp_congestion: str | None = None  # None: redsrv's default
     timeline: str | None = None  # folder for the workers' timelines
     delay_us: int = 0
@@ -162,6 +166,8 @@ class Options:
             raise EmulationError("--streams must be in 1..64")
         if self.send_lowat_bytes is not None and self.send_lowat_bytes < 0:
             raise EmulationError("--send-lowat-kib must be >= 0")
+        if self.result_piece_bytes is not None and self.result_piece_bytes < 0:
+            raise EmulationError("--piece-kib must be >= 0")
         if self.tcp_congestion is not None:
             try:
                 congestion_setting(self.tcp_congestion)
@@ -184,7 +190,9 @@ def _main(a: argparse.Namespace) -> int:
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
             chunks_per_span=a.chunks_per_span, streams=a.streams,
-            send_lowat_bytes=None if a.send_lowat_kib is None else a.send_lowat_kib * 1024, tcp_congestion=a.tcp_congestion, timeline=a.timeline,
+            send_lowat_bytes=None if a.send_lowat_kib is None else a.send_lowat_kib * 1024,
+            result_piece_bytes=None if a.piece_kib is None else a.piece_kib * 1024, tcp_congestion=a.tcp_congestion,
+            timeline=a.timeline,
             delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
             measure_goodput=a.measure_goodput, out=a.out, prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
@@ -296,7 +304,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
                + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else "")
-               + "".join(f"; redsrv {name}={value}" for name, value in opts.client_options().items()))
+               + "".join(f"; redsrv {name}={value}" for name, value in opts.client_options().items())
+               + ("" if opts.result_piece_bytes is None else f"; redsrv reducers' result_piece_bytes={opts.result_piece_bytes}"))
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
         try:
@@ -359,6 +368,8 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
     env = harness.child_env(secret)
     if opts.tcp_congestion is not None:
         env["REDSRV_TCP_CONGESTION"] = opts.tcp_congestion
+    if opts.result_piece_bytes is not None:
+        env["REDSRV_RESULT_PIECE_BYTES"] = str(opts.result_piece_bytes)
     reducer_hosts = [j % n for j in range(m)] if opts.colocate else [nmax + j for j in range(m)]
     _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
                + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))

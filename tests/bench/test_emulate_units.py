@@ -85,6 +85,8 @@ def test_options_validation():
         Options(chunks_per_span=0).validate()
     with pytest.raises(EmulationError, match="--send-lowat-kib must be >= 0"):
         Options(send_lowat_bytes=-1).validate()
+    with pytest.raises(EmulationError, match="--piece-kib must be >= 0"):
+        Options(result_piece_bytes=-1).validate()
     # Only what a run sets reaches the workers' clients, under the Config field names; 0 is a setting.
     assert Options().client_options() == {}
     assert Options(chunks_per_span=64, streams=2, send_lowat_bytes=0).client_options() == {

@@ -15,6 +15,7 @@ import pytest
 
 import redsrv
 from redsrv.core import wire
+from redsrv.core.constants import PROTOCOL_VERSION
 
 from tests_support import make_input, rank_order_sum, read_frames
 
@@ -135,7 +136,7 @@ GARBAGE = {
     "http request": b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
     "bad version": struct.pack("<4sBBHI", b"RDSV", 9, 1, 60, 0) + bytes(60),
     "push before hello": wire.encode(wire.Push(1, 1, 4, 0, 4, 0, wire.DType.FLOAT32, payload=bytes(16))),
-    "oversized length": struct.pack("<4sBBHI", b"RDSV", 1, 5, 44, 2**32 - 1) + bytes(44),
+    "oversized length": struct.pack("<4sBBHI", b"RDSV", PROTOCOL_VERSION, 5, 44, 2**32 - 1) + bytes(44),
 }
 
 
@@ -164,7 +165,7 @@ def test_malformed_push_after_a_valid_handshake_closes_only_that_connection(flee
             rogue.sendall(wire.encode(wire.Proof(bytes(32))))
             assert isinstance(_read_one(rogue), wire.Welcome)
             # a push whose header claims 4 float32 but whose dtype code is unknown
-            rogue.sendall(struct.pack("<4sBBHI", b"RDSV", 1, 5, 44, 16) + struct.pack("<QQQQIIBBH", 1, challenge.incarnation, 4, 0, 4, 0, 99, 0, 0) + bytes(16))
+            rogue.sendall(struct.pack("<4sBBHI", b"RDSV", PROTOCOL_VERSION, 5, 44, 16) + struct.pack("<QQQQIIBBH", 1, challenge.incarnation, 4, 0, 4, 0, 99, 0, 0) + bytes(16))
             frames = read_frames(rogue)
             assert any(isinstance(f, wire.Error) and f.code is wire.ErrorCode.PROTOCOL for f in frames), frames
         for step in range(20):
@@ -175,9 +176,9 @@ def test_malformed_push_after_a_valid_handshake_closes_only_that_connection(flee
 
 
 def test_a_slow_but_steady_push_is_not_taken_for_a_frozen_worker(fleet) -> None:  # type: ignore[no-untyped-def]
-    """The reducer waits for a large payload with a low-water mark, so it is not woken while the
-    bytes trickle in; a push that takes longer than the heartbeat bound but never pauses that
-    long must still complete."""
+    """The reducer waits for each piece of a large payload with a low-water mark; a push that
+    takes longer than the heartbeat bound but never pauses that long must still complete, and
+    (one worker: every rank's bytes are in) its sums leave in pieces while it trickles in."""
     (reducer,) = fleet(1)
     x = np.arange(256 * 1024, dtype=np.float32)  # 1 MiB
     payload = x.tobytes()
@@ -199,7 +200,7 @@ def test_a_slow_but_steady_push_is_not_taken_for_a_frozen_worker(fleet) -> None:
         decoder = wire.FrameDecoder(max_payload=len(payload) + 64)
         slow.settimeout(5)
         results: list[wire.Result] = []
-        while not results:
+        while sum(r.count for r in results) < x.size:
             data = slow.recv(1 << 20)
             assert data, "the reducer closed the connection"
             decoder.receive_data(data)
@@ -207,7 +208,9 @@ def test_a_slow_but_steady_push_is_not_taken_for_a_frozen_worker(fleet) -> None:
                 assert not isinstance(frame, wire.Error), frame
                 if isinstance(frame, wire.Result):
                     results.append(frame)
-        assert bytes(results[0].payload) == payload
+        assert [r.offset for r in results] == [sum(r.count for r in results[:i]) for i in range(len(results))]
+        assert len(results) > 1  # cut-through: sums left before the last byte came in
+        assert b"".join(bytes(r.payload) for r in results) == payload
 
 
 def _read_one(sock: socket.socket) -> wire.Frame:
@@ -339,3 +342,70 @@ def test_unknown_environment_variable_stops_the_daemon_at_start_up() -> None:
     proc = subprocess.run([sys.executable, "-m", "redsrv", "reducer", "--port", "0"], capture_output=True, text=True,
                           timeout=30, env=child_env({"REDSRV_HEARTBEAT": "1"}))
     assert proc.returncode == 2 and "REDSRV_HEARTBEAT" in proc.stderr
+
+
+def _scripted_reducer(answer) -> tuple[str, threading.Thread, socket.socket]:  # type: ignore[no-untyped-def]
+    """A one-connection reducer that handshakes, reads one push, and answers with the frames
+    ``answer(push)`` returns: for client behaviour no real reducer can be made to show."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            decoder = wire.FrameDecoder()
+
+            def next_frame() -> wire.Frame:
+                while (frame := decoder.next_frame()) is None:
+                    data = conn.recv(1 << 16)
+                    assert data, "the client hung up early"
+                    decoder.receive_data(data)
+                return frame
+
+            assert isinstance(next_frame(), wire.Hello)
+            conn.sendall(wire.encode(wire.Challenge(5, bytes(32), bytes(32), False)))
+            assert isinstance(next_frame(), wire.Proof)
+            conn.sendall(wire.encode(wire.Welcome(5, 1 << 26, 200)))
+            while not isinstance(push := next_frame(), wire.Push):
+                pass
+            conn.sendall(answer(push))
+            try:
+                while conn.recv(1 << 16):  # until the client closes
+                    pass
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    host, port = listener.getsockname()[:2]
+    return f"{host}:{port}", thread, listener
+
+
+def _piece(push: wire.Push, start: int, stop: int, value: float) -> bytes:
+    data = np.full(stop - start, value, np.float32).tobytes()
+    return wire.encode(wire.Result(push.key, push.offset + start, stop - start, push.chunk, push.dtype, 1, b"\x01", data))
+
+
+@pytest.mark.parametrize("order", ["in order", "a gap", "an overlap", "past the end"])
+def test_a_chunk_result_in_pieces_is_accepted_only_when_they_tile_it_in_order(order: str) -> None:
+    x = np.arange(1000, dtype=np.float32)
+    cuts = {"in order": [(0, 300), (300, 1000)], "a gap": [(0, 300), (400, 1000)],
+            "an overlap": [(0, 300), (200, 1000)], "past the end": [(0, 300), (300, 1001)]}[order]
+
+    def answer(push: wire.Push) -> bytes:
+        assert push.count == x.size  # one chunk: 4 KB is far below the smallest span
+        return b"".join(_piece(push, a, b, i + 1.0) for i, (a, b) in enumerate(cuts))
+
+    address, thread, listener = _scripted_reducer(answer)
+    try:
+        with redsrv.Client([address], rank=0, world_size=1, job="pieces", **FAST) as client:
+            if order == "in order":
+                out = client.allreduce(x, timeout=10)
+                assert out.tolist() == [1.0] * 300 + [2.0] * 700
+            else:
+                with pytest.raises(redsrv.RemoteProtocolError, match=r"expected at most 700 at 300"):
+                    client.allreduce(x, timeout=10)
+    finally:
+        thread.join(10)
+        listener.close()

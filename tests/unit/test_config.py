@@ -95,6 +95,7 @@ def test_config_is_frozen() -> None:
         ({"REDSRV_SECRET_FILE": "/nonexistent/redsrv-secret"}, "cannot read secret file"),
         ({"REDSRV_CHUNK_BYTES": "0"}, "chunk_bytes must be >= 1"),
         ({"REDSRV_CHUNKS_PER_SPAN": "0"}, "chunks_per_span must be >= 1"),
+        ({"REDSRV_RESULT_PIECE_BYTES": "-1"}, "result_piece_bytes must be >= 0"),
     ],
 )
 def test_invalid_settings_fail_at_start_up(env: dict[str, str], message: str) -> None:

@@ -324,3 +324,168 @@ def test_a_straggler_connecting_after_the_others_left_still_gets_the_result() ->
     core.leave(conn_id("j", 3), "finished", 2.0)
     core.tick(2.0)
     assert core.job_names() == []  # nothing left to keep: the job is gone
+
+
+# --- cut-through: sums forwarded in pieces while payloads arrive (StragglerMode.ALL) -----------
+
+
+def begin(core: ReducerCore, rank: int, data: np.ndarray, *, key: int = 1, now: float = 0.0) -> PushTicket:
+    p = wire.Push(key, INC, data.size, 0, data.size, 0, wire.dtype_code(data.dtype))
+    ticket = core.begin_push(conn_id("j", rank), p, data.nbytes, now)
+    assert isinstance(ticket, PushTicket) and ticket.part is not None, ticket
+    return ticket
+
+
+def arrive(core: ReducerCore, ticket: PushTicket, data: np.ndarray, upto: int) -> list:  # type: ignore[type-arg]
+    """What the daemon does as ``upto`` bytes of the payload are in: copy, report progress."""
+    assert ticket.buffer is not None and ticket.part is not None
+    already = ticket.part.received  # like recv_into, never rewrite bytes already in (rank 0's hold sums)
+    ticket.buffer[already:upto] = data.view(np.uint8).reshape(-1)[already:upto]
+    return core.progress(ticket, upto, 0.0)
+
+
+def pieces_of(actions: list) -> list[wire.Result]:  # type: ignore[type-arg]
+    frames = []
+    for res in (a for a in actions if isinstance(a, SendResult)):
+        decoder = wire.FrameDecoder()
+        decoder.receive_data(res.header + bytes(res.data))
+        frame = decoder.next_frame()
+        assert isinstance(frame, wire.Result)
+        frames.append(frame)
+        for _ in res.conns:
+            res.release()
+    return frames
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.sampled_from([np.float32, ml_dtypes.bfloat16, np.int32]), st.integers(1, 4000))
+def test_cut_through_pieces_tile_the_chunk_and_equal_the_rank_order_sum(data, dtype: type, size: int) -> None:  # type: ignore[no-untyped-def]
+    core = make_core(3)
+    core.piece_bytes = data.draw(st.sampled_from([64, 1000, 4096]))
+    rng = np.random.default_rng(size)
+    values = [(rng.standard_normal(size) * 100).astype(dtype) for _ in range(3)]
+    order = data.draw(st.permutations(range(3)))
+    tickets = {r: begin(core, r, values[r]) for r in order}
+    nbytes = values[0].nbytes
+    received = dict.fromkeys(range(3), 0)
+    actions: list = []  # type: ignore[type-arg]
+    while any(received[r] < nbytes for r in range(3)):
+        rank = data.draw(st.sampled_from([r for r in range(3) if received[r] < nbytes]))
+        received[rank] = data.draw(st.integers(received[rank] + 1, nbytes))
+        actions += arrive(core, tickets[rank], values[rank], received[rank])
+        if received[rank] == nbytes:
+            actions += core.finish_push(tickets[rank], 0.0)
+    pieces = pieces_of(actions)
+    assert pieces, actions
+    itemsize = values[0].itemsize
+    assert [p.offset for p in pieces] == list(itertools.accumulate([0] + [p.count for p in pieces[:-1]]))
+    assert sum(p.count for p in pieces) == size
+    assert all(p.count * itemsize >= core.piece_bytes for p in pieces[:-1])
+    assert all(p.contributors == 3 and wire.ranks_from_bitmap(p.bitmap) == [0, 1, 2] for p in pieces)
+    got = np.frombuffer(b"".join(bytes(p.payload) for p in pieces), dtype=dtype)
+    assert got.tobytes() == rank_order_sum(values, dtype).tobytes()
+    assert core.open_chunks("j") == 0 and core.bytes_held("j") == 0
+
+
+def rank_order_sum(values: list[np.ndarray], dtype: type) -> np.ndarray:
+    if np.dtype(dtype).itemsize == 2:
+        acc = values[0].astype(np.float32)
+        for v in values[1:]:
+            acc = acc + v.astype(np.float32)
+        return acc.astype(dtype)
+    acc = values[0].copy()
+    for v in values[1:]:
+        acc = acc + v
+    return acc
+
+
+def test_cut_through_forwards_nothing_until_every_rank_has_the_bytes() -> None:
+    core = make_core(2)
+    core.piece_bytes = 1024
+    a, b = np.ones(4096, np.float32), np.full(4096, 2, np.float32)
+    ta = begin(core, 0, a)
+    assert arrive(core, ta, a, 16384) == []  # rank 1 has not even started
+    tb = begin(core, 1, b)
+    assert arrive(core, tb, b, 1000) == []  # less than a piece from rank 1
+    (piece,) = pieces_of(arrive(core, tb, b, 6000))
+    assert (piece.offset, piece.count) == (0, 1500)  # all whole elements both ranks have
+    assert np.frombuffer(bytes(piece.payload), np.float32).tolist() == [3.0] * 1500
+    assert core.finish_push(ta, 0.0) == []
+    (last,) = pieces_of(arrive(core, tb, b, 16384))  # the rest, however short
+    assert (last.offset, last.count) == (1500, 4096 - 1500)
+    assert core.open_chunks("j") == 1  # closed when the push ends, not when its bytes are in
+    assert core.finish_push(tb, 0.0) == []
+    assert core.open_chunks("j") == 0 and core.bytes_held("j") == 0
+
+
+def test_whole_chunks_only_when_pieces_are_off() -> None:
+    core = make_core(2)
+    core.piece_bytes = 0
+    values = [np.full(1000, r + 1, np.float32) for r in range(2)]
+    tickets = [begin(core, r, values[r]) for r in range(2)]
+    for r in range(2):
+        assert arrive(core, tickets[r], values[r], 3000) == []
+    assert core.finish_push(tickets[0], 0.0) == []
+    assert arrive(core, tickets[1], values[1], 4000) == []
+    (whole,) = pieces_of(core.finish_push(tickets[1], 0.0))
+    assert (whole.offset, whole.count) == (0, 1000)
+    assert core.bytes_held("j") == 0
+
+
+def test_a_mismatch_is_refused_at_the_header_before_any_piece_leaves() -> None:
+    core = make_core(2)
+    core.piece_bytes = 64
+    x = np.ones(1000, np.float32)
+    t0 = begin(core, 0, x)
+    arrive(core, t0, x, 4000)
+    wrong = wire.Push(1, INC, 1000, 0, 1000, 0, wire.DType.FLOAT16)
+    refused = core.begin_push(conn_id("j", 1), wrong, 2000, 0.0)
+    assert isinstance(refused, list)
+    errs = errors(refused)
+    assert {e.conn for e in errs} == {conn_id("j", 0), conn_id("j", 1)}
+    assert errs[0].frame.code is wire.ErrorCode.CONTRIBUTION_MISMATCH and "float16[1000]" in errs[0].frame.message
+    assert core.finish_push(t0, 0.0) == []  # told already; no result ever leaves
+    assert core.bytes_held("j") == 0
+
+
+def test_a_chunk_failing_mid_payload_keeps_the_memory_a_push_still_writes_into() -> None:
+    core = make_core(3)
+    core.piece_bytes = 1024
+    values = [np.full(4096, r + 1, np.float32) for r in range(3)]
+    tickets = [begin(core, r, values[r]) for r in range(3)]
+    sent: list = []  # type: ignore[type-arg]
+    for r in range(3):
+        sent += arrive(core, tickets[r], values[r], 8192)
+    assert [(p.offset, p.count) for p in pieces_of(sent)] == [(0, 2048)]
+    # Rank 2's connection fails mid-payload: the daemon aborts its push, then the rank leaves.
+    core.abort_push(tickets[2])
+    failed = core.leave(conn_id("j", 2), "connection reset", 1.0)
+    errs = errors(failed)
+    assert {e.conn for e in errs} == {conn_id("j", 0), conn_id("j", 1)}
+    assert all(e.frame.code is wire.ErrorCode.PEER_LOST and "rank 2" in e.frame.message for e in errs)
+    # Ranks 0 and 1 are still receiving into their buffers: the pool must not hand them out.
+    assert tickets[0].part is not None and tickets[1].part is not None
+    live = [tickets[0].part.shared.buffer, tickets[1].part.shared.buffer]
+    fresh = [core.pool.take(values[0].nbytes) for _ in range(4)]
+    assert not any(np.shares_memory(f, b) for f in fresh for b in live)
+    for f in fresh:
+        core.pool.give(f)
+    for r in range(2):
+        arrive(core, tickets[r], values[r], values[r].nbytes)
+        assert core.finish_push(tickets[r], 1.0) == []
+    assert core.open_chunks("j") == 0 and core.bytes_held("j") == 0
+
+
+def test_a_cut_through_chunk_that_times_out_names_the_ranks_still_sending() -> None:
+    core = make_core(2, op_timeout_ms=1000)
+    x = np.ones(1000, np.float32)
+    t0, t1 = begin(core, 0, x), begin(core, 1, x)
+    arrive(core, t0, x, 4000)
+    core.finish_push(t0, 0.0)
+    arrive(core, t1, x, 100)
+    errs = errors(core.tick(2.0))
+    assert errs and all("waiting for rank(s) 1" in e.frame.message for e in errs)
+    assert core.bytes_held("j") > 0  # rank 1's buffer: its push is still arriving
+    arrive(core, t1, x, 4000)
+    core.finish_push(t1, 2.0)
+    assert core.bytes_held("j") == 0
