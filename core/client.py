@@ -540,6 +540,8 @@ class Client:
             return self._result_target(stream, incoming)
         stream.result = None
         self._finish_result(stream, incoming)
+        if incoming.stop < incoming.chunk.stop:  # more pieces of this chunk: one wake-up for all of them
+            stream.reader.expect_at_least((incoming.chunk.stop - incoming.stop) * incoming.op.wire_dtype.itemsize)
         return None
 
     def _finish_result(self, stream: _Stream, incoming: _Incoming) -> None:
@@ -738,6 +740,8 @@ class Client:
                     if writer.out and now - writer.last_progress > self.config.op_timeout:
                         self._stream_broken(stream, ConnectionBroken("timeout", f"{stream.peer} stopped reading: send timed out"), "push")
                         continue
+                    if reader.lowat > 1:  # waiting for the rest of a chunk: an ERROR that came instead wakes nobody
+                        reader.read(now, _FRAMES_PER_TURN)
                     if now - reader.last_recv > silent_for:
                         reader.read(now, _FRAMES_PER_TURN)  # a low-water mark may hide bytes that did arrive
                         if now - reader.last_recv > silent_for:

@@ -269,6 +269,14 @@ class FrameReader:
             if self._advance():
                 frames += 1
 
+    def expect_at_least(self, nbytes: int) -> None:
+        """Called from ``on_payload``: the owner knows that at least ``nbytes`` more will come
+        (the rest of a result sent in pieces, headers not counted), so the loop need not wake
+        before they are in. Whatever comes instead (an ERROR, a heartbeat) is smaller and wakes
+        nobody: the owner must ``read`` connections whose ``lowat`` is raised now and then."""
+        if self.stage == _PREFIX and not self.got and nbytes >= _LOWAT_FROM:
+            self._set_lowat(min(nbytes, self.max_lowat))
+
     @property
     def payload_received(self) -> int:
         """Bytes of the current data frame's payload target received so far (0 between payloads)."""

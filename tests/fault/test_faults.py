@@ -345,8 +345,9 @@ def test_unknown_environment_variable_stops_the_daemon_at_start_up() -> None:
 
 
 def _scripted_reducer(answer) -> tuple[str, threading.Thread, socket.socket]:  # type: ignore[no-untyped-def]
-    """A one-connection reducer that handshakes, reads one push, and answers with the frames
-    ``answer(push)`` returns: for client behaviour no real reducer can be made to show."""
+    """A one-connection reducer that handshakes, reads the pushes of one operation, and answers
+    with the byte strings ``answer(pushes)`` returns, 0.3 s apart: for client behaviour no real
+    reducer shows."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
 
@@ -367,9 +368,14 @@ def _scripted_reducer(answer) -> tuple[str, threading.Thread, socket.socket]:  #
             conn.sendall(wire.encode(wire.Challenge(5, bytes(32), bytes(32), False)))
             assert isinstance(next_frame(), wire.Proof)
             conn.sendall(wire.encode(wire.Welcome(5, 1 << 26, 200)))
-            while not isinstance(push := next_frame(), wire.Push):
-                pass
-            conn.sendall(answer(push))
+            pushes: list[wire.Push] = []
+            while not pushes or sum(p.count for p in pushes) < pushes[0].total:
+                if isinstance(frame := next_frame(), wire.Push):
+                    pushes.append(frame)
+            for i, data in enumerate(answer(pushes)):
+                if i:
+                    time.sleep(0.3)
+                conn.sendall(data)
             try:
                 while conn.recv(1 << 16):  # until the client closes
                     pass
@@ -393,9 +399,9 @@ def test_a_chunk_result_in_pieces_is_accepted_only_when_they_tile_it_in_order(or
     cuts = {"in order": [(0, 300), (300, 1000)], "a gap": [(0, 300), (400, 1000)],
             "an overlap": [(0, 300), (200, 1000)], "past the end": [(0, 300), (300, 1001)]}[order]
 
-    def answer(push: wire.Push) -> bytes:
-        assert push.count == x.size  # one chunk: 4 KB is far below the smallest span
-        return b"".join(_piece(push, a, b, i + 1.0) for i, (a, b) in enumerate(cuts))
+    def answer(pushes: list[wire.Push]) -> list[bytes]:
+        (push,) = pushes  # one chunk: 4 KB is far below the smallest span
+        return [b"".join(_piece(push, a, b, i + 1.0) for i, (a, b) in enumerate(cuts))]
 
     address, thread, listener = _scripted_reducer(answer)
     try:
@@ -406,6 +412,32 @@ def test_a_chunk_result_in_pieces_is_accepted_only_when_they_tile_it_in_order(or
             else:
                 with pytest.raises(redsrv.RemoteProtocolError, match=r"expected at most 700 at 300"):
                     client.allreduce(x, timeout=10)
+    finally:
+        thread.join(10)
+        listener.close()
+
+
+def test_an_error_instead_of_the_rest_of_a_chunk_in_pieces_is_seen_within_a_tick() -> None:
+    """While the client waits for the rest of a chunk whose first piece came, its loop sleeps
+    until that many bytes are in; an ERROR that comes instead is smaller, and the client's
+    periodic tick must find it (here well before the reducer's silence would be called a
+    freeze)."""
+    x = np.zeros(2**20, dtype=np.float32)
+    sent: list[float] = []
+
+    def answer(pushes: list[wire.Push]) -> list[bytes]:
+        largest = max(pushes, key=lambda p: p.count)
+        assert (largest.count - 1000) * 4 >= 65536  # the rest is worth a raised low-water mark
+        sent.append(time.monotonic() + 0.3)  # the ERROR leaves after the piece was read
+        return [_piece(largest, 0, 1000, 1.0), wire.encode(
+            wire.Error(wire.ErrorCode.PEER_LOST, False, "rank 7 of job 'pieces' disconnected", largest.key, largest.chunk))]
+
+    address, thread, listener = _scripted_reducer(answer)
+    try:
+        with redsrv.Client([address], rank=0, world_size=1, job="pieces", **dict(FAST, heartbeat_misses=25)) as client:
+            with pytest.raises(redsrv.PeerLostError, match="rank 7"):
+                client.allreduce(x, timeout=10)
+            assert time.monotonic() - sent[0] < 1.0  # a tick is 0.1 s; silence is called a freeze after 5 s
     finally:
         thread.join(10)
         listener.close()
