@@ -120,11 +120,12 @@ def full_chunk(num_elements: int, num_reducers: int, largest: int, smallest: int
     """The size of a span's full (middle) chunks: about ``per_span`` of them per span, within
     ``[smallest, largest]`` (``largest`` wins if they cross).
 
-    A reducer forwards a chunk's sum only once the chunk is in from every worker, and its results
-    leave at the rate pushes arrive, so that delay never drains: an all-reduce ends about one
-    full chunk's transfer after its last push, ramp or not. Cutting each span into ``per_span``
-    chunks bounds that tail to ~1/``per_span`` of the transfer; ``smallest`` stops small
-    messages from paying more per chunk than the tail saves.
+    Where a reducer forwards a chunk's sum only once the chunk is in from every worker (the
+    straggler modes, or cut-through turned off), and its results leave at the rate pushes arrive,
+    that delay never drains: an all-reduce ends about one full chunk's transfer after its last
+    push, ramp or not. Cutting each span into ``per_span`` chunks bounds that tail to
+    ~1/``per_span`` of the transfer; ``smallest`` stops small messages from paying more per
+    chunk than the tail saves.
 
     >>> full_chunk(64 * 2**20, 4, 2**20, 2**18, 32)   # 16 Mi elements per span: 512 Ki each
     524288

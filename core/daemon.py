@@ -5,8 +5,9 @@ with non-blocking ``recv_into`` straight into pool buffers handed out by the sta
 runs the state machine, and writes results with non-blocking ``sendmsg``. A thread per
 connection cost one wake-up and one GIL hand-off per frame, which on a loaded host was most of
 a small all-reduce's time and most of the reducer's CPU per chunk. Large payloads are received
-with a low-water mark (``SO_RCVLOWAT``), so the loop wakes once per chunk, not once per few
-segments. The only other threads run handshakes (blocking, bounded by the handshake timeout;
+with a low-water mark (``SO_RCVLOWAT``), so the loop wakes once per result piece (see
+``DaemonSettings.result_piece_bytes``), not once per few segments, and tells the state machine
+how much of each payload is in so it can forward sums before whole chunks arrive. The only other threads run handshakes (blocking, bounded by the handshake timeout;
 the shared-secret exchange is easier to read as straight-line code) and wait for nothing else.
 
 Deadlines live in the loop too: a worker that sends nothing (not even heartbeats) for the

@@ -125,7 +125,6 @@ class BufferPool:
 class _SharedBuffer:
     """A pool buffer with a reference count; returns to the pool when the count reaches 0."""
 
-
     __slots__ = ("buffer", "refs", "pool", "lock", "on_free")
 
     def __init__(self, buffer: np.ndarray, pool: BufferPool, refs: int, on_free: Callable[[int], None]) -> None:
