@@ -46,8 +46,9 @@ def test_bounds_and_theory():
 
 
 def _block(impl, rnd, times, busy=0.5):
+    workers = [0.25] * 4 if impl == "gloo" else [0.125] * 4  # redsrv: the reducers used the other half
     return {"n": 4, "m": 4, "round": rnd, "size_bytes": 64 * 2**20, "impl": impl, "times": times, "correct": True,
-            "cpu_busy": busy, "cpu_s": 1.0, "wall_s": sum(times), "cores": 2}
+            "cpu_busy": busy, "cpu_s": 1.0, "worker_cpu_s": workers, "wall_s": sum(times), "cores": 2}
 
 
 def test_summary_speedup_is_the_ratio_of_medians():
@@ -62,8 +63,12 @@ def test_summary_speedup_is_the_ratio_of_medians():
     assert red.theory == pytest.approx(1.5)
     assert red.fraction_of_bound == pytest.approx(64 * 2**20 / 0.6 / 1e9 / 0.1196)
     assert red.cpu_busy_max == 0.9
+    reduced_gb = 4 * 64 * 2**20 * 6 / 1e9  # n x size x reps, over both rounds
+    assert (gloo.cpu_s_per_gb, gloo.worker_cpu_s_per_gb) == (pytest.approx(2 / reduced_gb), pytest.approx(2 / reduced_gb))
+    assert (red.cpu_s_per_gb, red.worker_cpu_s_per_gb) == (pytest.approx(2 / reduced_gb), pytest.approx(1 / reduced_gb))
     table = report.format_table(rows)
     assert "1.42x (1.50x)" in table and "64 MiB" in table
+    assert f"{2 / reduced_gb:.2f} ({1 / reduced_gb:.2f})" in table
 
 
 def test_plot_writes_a_png(tmp_path):
