@@ -105,9 +105,7 @@ class _Conn:
                                   data_frame=wire.FrameType.PUSH, sender="a worker after the handshake",
                                   on_header=functools.partial(daemon._begin_push, self),
                                   on_payload=functools.partial(daemon._on_payload, self),
-                                  on_error=functools.partial(daemon._on_error, self),
-                                  # cut-through: wake for every piece of a payload, not its end
-                                  max_lowat=daemon.settings.result_piece_bytes or C.MAX_RECEIVE_LOWAT_BYTES)
+                                  on_error=functools.partial(daemon._on_error, self))
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
         self.blocked_until: float | None = None  # over the job's budget: not reading until then at most
@@ -418,6 +416,10 @@ class ReducerDaemon:
             return
         self._execute(actions)
         s = self.settings
+        if hello.mode is wire.StragglerMode.ALL and s.result_piece_bytes:
+            # Cut-through: wake for every piece of a payload, not at its end. The straggler modes
+            # forward whole chunks, so their connections keep the larger mark.
+            conn.reader.max_lowat = s.result_piece_bytes
         self._send(conn, [memoryview(wire.encode(wire.Welcome(self.incarnation, s.max_frame_payload,
                                                                 int(s.heartbeat_interval * 1000))))], None)
         conn.joined = True

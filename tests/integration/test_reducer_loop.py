@@ -79,3 +79,32 @@ def test_a_bug_while_serving_one_connection_costs_only_that_connection() -> None
         assert daemon.failure is None
     finally:
         daemon.stop()
+
+
+def test_cut_through_wakes_the_reducer_per_piece_only_where_sums_leave_in_pieces() -> None:
+    """Where every rank must contribute, the reducer wakes for every piece of a push (it forwards
+    sums as they arrive); in the straggler modes results leave whole, so it waits for the rest of
+    each payload at once. Both sum exactly."""
+    piece = 64 * 1024
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2, result_piece_bytes=piece))
+    host, port = daemon.start()
+    address = f"{host}:{port}"
+    try:
+        with redsrv.Client([address], rank=0, world_size=2, job="all") as a0, \
+             redsrv.Client([address], rank=1, world_size=2, job="all") as a1, \
+             redsrv.Client([address], rank=0, world_size=2, job="firstm", straggler_mode="first_m", min_contributors=2) as f0, \
+             redsrv.Client([address], rank=1, world_size=2, job="firstm", straggler_mode="first_m", min_contributors=2) as f1:
+            x = np.arange(1_000_000, dtype=np.float32)
+            for c0, c1 in ((a0, a1), (f0, f1)):
+                fut = c0.allreduce_async(x, key=1)
+                assert np.array_equal(c1.allreduce(x * 2, key=1), x * 3)
+                assert np.array_equal(c0.wait(fut), x * 3)
+            marks = {}
+            with daemon._lock:
+                for conn in daemon._conns.values():
+                    marks.setdefault(daemon.core._conns[conn.id].job, set()).add(conn.reader.max_lowat)
+            assert marks == {"all": {piece}, "firstm": {redsrv.core.constants.MAX_RECEIVE_LOWAT_BYTES}}
+            stats = {job: entry["stats"] for job, entry in daemon.snapshot().items()}
+            assert stats["all"].chunks_closed == stats["firstm"].chunks_closed > 1  # type: ignore[attr-defined]
+    finally:
+        daemon.stop()
