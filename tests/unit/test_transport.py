@@ -33,7 +33,8 @@ class _Collector:
     in ``skip_keys``) and keeps ERROR frames."""
 
     def __init__(self, sock: socket.socket, *, wait_first: int = 0, skip_keys: tuple[int, ...] = ()) -> None:
-        self.results: list[tuple[wire.FrameHeader, bytearray]] = []
+        self.results: list[tuple[wire.FrameHeader, bytearray]] = []  # from its header on
+        self.completed = 0  # results whose payload is all in
         self.errors: list[wire.Error] = []
         self.skipped = 0
         self.skip_keys = skip_keys
@@ -56,6 +57,7 @@ class _Collector:
         return memoryview(buffer), "a result"
 
     def on_payload(self) -> None:
+        self.completed += 1
         return None
 
 
@@ -79,52 +81,51 @@ def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
     # Callers write under their owner's lock, as the client's do; what the socket does not take
     # waits in the writer until the owner flushes it.
     a, b = socket.socketpair()
-    a.setblocking(False)
-    b.setblocking(False)
-    writer = FrameWriter(a, time.monotonic())
-    lock = threading.Lock()
-    threads, per_thread, size = 4, 100, 20_000
-    done: list[bool] = []
+    with a, b:  # closed even when an assertion fails, or the next test reports the leak
+        a.setblocking(False)
+        b.setblocking(False)
+        writer = FrameWriter(a, time.monotonic())
+        lock = threading.Lock()
+        threads, per_thread, size = 4, 100, 20_000
+        done: list[bool] = []
 
-    def produce(t: int) -> None:
-        for i in range(per_thread):
-            header, payload = _result_frame(t, i, np.full(size + (i % 7), t * 1000 + i, dtype=np.int32))
-            finished: list[Callable[[bool], None]] = []
-            views = [memoryview(header), payload] if i % 2 else (lambda h=header, p=payload: [memoryview(h), p])
-            with lock:
-                writer.send(views, done.append, time.monotonic(), finished)
-            for callback in finished:
-                callback(True)
+        def produce(t: int) -> None:
+            for i in range(per_thread):
+                header, payload = _result_frame(t, i, np.full(size + (i % 7), t * 1000 + i, dtype=np.int32))
+                finished: list[Callable[[bool], None]] = []
+                views = [memoryview(header), payload] if i % 2 else (lambda h=header, p=payload: [memoryview(h), p])
+                with lock:
+                    writer.send(views, done.append, time.monotonic(), finished)
+                for callback in finished:
+                    callback(True)
 
-    def flush_until_done() -> None:
-        while len(done) < threads * per_thread:
-            finished: list[Callable[[bool], None]] = []
-            with lock:
-                writer.flush(time.monotonic(), finished)
-            for callback in finished:
-                callback(True)
-            time.sleep(0.001)
+        def flush_until_done() -> None:
+            while len(done) < threads * per_thread:
+                finished: list[Callable[[bool], None]] = []
+                with lock:
+                    writer.flush(time.monotonic(), finished)
+                for callback in finished:
+                    callback(True)
+                time.sleep(0.001)
 
-    collector = _Collector(b)
-    workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)] + [threading.Thread(target=flush_until_done)]
-    for w in workers:
-        w.start()
-    _drive(collector.reader, lambda: len(collector.results) == threads * per_thread)
-    for w in workers:
-        w.join(10)
-    seen = {t: 0 for t in range(threads)}
-    for header, payload in collector.results:
-        frame = wire.parse_payload(header, payload)
-        assert isinstance(frame, wire.Result)
-        values = np.frombuffer(bytes(frame.payload), dtype=np.int32)
-        assert values.size == size + frame.offset % 7
-        assert (values == frame.key * 1000 + frame.offset).all(), "a frame was torn"
-        assert frame.offset == seen[frame.key], "frames of one thread were reordered"
-        seen[frame.key] += 1
-    assert done == [True] * (threads * per_thread)
-    assert not writer.out
-    a.close()
-    b.close()
+        collector = _Collector(b)
+        workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)] + [threading.Thread(target=flush_until_done)]
+        for w in workers:
+            w.start()
+        _drive(collector.reader, lambda: collector.completed == threads * per_thread)
+        for w in workers:
+            w.join(10)
+        seen = {t: 0 for t in range(threads)}
+        for header, payload in collector.results:
+            frame = wire.parse_payload(header, payload)
+            assert isinstance(frame, wire.Result)
+            values = np.frombuffer(bytes(frame.payload), dtype=np.int32)
+            assert values.size == size + frame.offset % 7
+            assert (values == frame.key * 1000 + frame.offset).all(), "a frame was torn"
+            assert frame.offset == seen[frame.key], "frames of one thread were reordered"
+            seen[frame.key] += 1
+        assert done == [True] * (threads * per_thread)
+        assert not writer.out
 
 
 def test_the_reader_drops_heartbeats_and_what_it_is_told_to_skip_and_hands_over_errors() -> None:
