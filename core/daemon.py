@@ -7,7 +7,8 @@ connection cost one wake-up and one GIL hand-off per frame, which on a loaded ho
 a small all-reduce's time and most of the reducer's CPU per chunk. Large payloads are received
 with a low-water mark (``SO_RCVLOWAT``), so the loop wakes once per result piece (see
 ``DaemonSettings.result_piece_bytes``), not once per few segments, and tells the state machine
-how much of each payload is in so it can forward sums before whole chunks arrive. The only other threads run handshakes (blocking, bounded by the handshake timeout;
+how much of each payload is in so it can forward sums before whole chunks arrive. The only
+other threads run handshakes (blocking, bounded by the handshake timeout;
 the shared-secret exchange is easier to read as straight-line code) and wait for nothing else.
 
 Deadlines live in the loop too: a worker that sends nothing (not even heartbeats) for the
@@ -416,10 +417,9 @@ class ReducerDaemon:
             return
         self._execute(actions)
         s = self.settings
-        if hello.mode is wire.StragglerMode.ALL and s.result_piece_bytes:
-            # Cut-through: wake for every piece of a payload, not at its end. The straggler modes
-            # forward whole chunks, so their connections keep the larger mark.
-            conn.reader.max_lowat = s.result_piece_bytes
+        piece = self.core.report_piece_bytes(hello.mode)
+        if piece:  # cut-through: wake for every piece of a payload, not at its end
+            conn.reader.max_lowat = piece
         self._send(conn, [memoryview(wire.encode(wire.Welcome(self.incarnation, s.max_frame_payload,
                                                                 int(s.heartbeat_interval * 1000))))], None)
         conn.joined = True

@@ -440,11 +440,17 @@ class ReducerCore:
             # they are what closes chunks and frees memory.
             return None
         ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
-        if job.params.mode is StragglerMode.ALL and push.op is ReduceOp.SUM:
+        if job.params.mode is StragglerMode.ALL and push.op is ReduceOp.SUM:  # summed as it arrives (report_piece_bytes)
             refused = self._attach(job, ticket, now)
             if refused:
                 return refused
         return ticket
+
+    def report_piece_bytes(self, mode: StragglerMode) -> int:
+        """How much of a push's payload the daemon should let arrive between :meth:`progress`
+        reports on a connection of a job in ``mode``; 0: report whole payloads only. Only where
+        every rank must contribute are sums forwarded before whole chunks are in."""
+        return self.piece_bytes if mode is StragglerMode.ALL else 0
 
     def _attach(self, job: _Job, ticket: PushTicket, now: float) -> list[Action]:
         """Make a push's buffer part of its chunk as its header arrives (cut-through), after the
@@ -629,13 +635,17 @@ class ReducerCore:
         item = numpy_dtype(shape.dtype).itemsize
         result = Result(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk, shape.dtype,
                         world, bitmap_from_ranks((1 << world) - 1, world))
-        targets = [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
+        targets = self._answer_to(chunk)
         self.stats(job.name).bytes_out += len(targets) * (stop - start)
         if not targets:
             return []
         out = parts[0].shared  # rank 0's buffer holds the sum
         out.retain(len(targets))
         return [SendResult(targets, result_header(result, stop - start), out.buffer[start:stop].data, out.release)]
+
+    def _answer_to(self, chunk: _OpenChunk) -> list[int]:
+        """The connections a chunk's result goes to: each contributor's, while it is open."""
+        return [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
 
     def _sum_piece(self, pieces: list[np.ndarray], dtype: DType) -> None:
         """Sum byte ranges of every rank's payload into the first, in rank order (16-bit floats
@@ -716,7 +726,7 @@ class ReducerCore:
         result = Result(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype,
                         bin(chunk.contributors).count("1"), bitmap_from_ranks(chunk.contributors, job.params.world_size))
         header = result_header(result, shape.count * wire.itemsize)
-        targets = [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
+        targets = self._answer_to(chunk)
         stats.bytes_out += len(targets) * shape.count * wire.itemsize
         retain = bin(chunk.contributors).count("1") < job.params.world_size
         shared = _SharedBuffer(out_raw, self.pool, len(targets) + (1 if retain else 0), self._freer(job))

@@ -218,7 +218,7 @@ class FrameReader:
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
                  on_payload: Callable[[], tuple[memoryview, str] | None],
-                 on_error: Callable[[wire.Error], None], max_lowat: int = MAX_RECEIVE_LOWAT_BYTES) -> None:
+                 on_error: Callable[[wire.Error], None]) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
         self.max_payload = max_payload
@@ -234,7 +234,7 @@ class FrameReader:
         self.header: wire.FrameHeader | None = None
         self.discard_left = 0
         self.lowat = 1
-        self.max_lowat = max(1, max_lowat)
+        self.max_lowat = MAX_RECEIVE_LOWAT_BYTES  # the owner may lower it
         self.last_recv = now  # the last time any byte arrived: the owner's frozen-peer clock
         self.stopped = False  # set by the owner when it closes the connection from a callback
         self._waiting = False
