@@ -64,7 +64,11 @@ __all__ = ["Client", "ReduceFuture", "Contributors", "OPS"]
 
 log = logging.getLogger("redsrv.client")
 
-OPS = ("sum", "mean")
+#: The reduction ops by name; "mean" is a sum divided by the number of contributors.
+_WIRE_OPS = {"sum": wire.ReduceOp.SUM, "mean": wire.ReduceOp.SUM, "min": wire.ReduceOp.MIN, "max": wire.ReduceOp.MAX,
+             "product": wire.ReduceOp.PRODUCT, "band": wire.ReduceOp.BAND, "bor": wire.ReduceOp.BOR,
+             "bxor": wire.ReduceOp.BXOR}
+OPS = tuple(_WIRE_OPS)
 _COMPRESSED = {"bfloat16": wire.numpy_dtype(wire.DType.BFLOAT16), "float16": wire.numpy_dtype(wire.DType.FLOAT16)}
 _AUTO_KEY_BIT = 1 << 63
 _HEARTBEAT = wire.encode(wire.Heartbeat())
@@ -256,7 +260,8 @@ class Client:
 
     def allreduce(self, x: np.ndarray, *, op: str = "sum", key: Any = None, wire_dtype: str | None = None,
                   timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Sum (or mean) of ``x`` over the ranks; same shape and dtype as ``x``. Blocks."""
+        """``op`` (sum, mean, min, max, product, band, bor, bxor) of ``x`` over the ranks; same
+        shape and dtype as ``x``. Blocks."""
         future = self.allreduce_async(x, op=op, key=key, wire_dtype=wire_dtype, timeout=timeout, out=out)
         return self.wait(future, timeout=timeout)
 
@@ -281,8 +286,11 @@ class Client:
         arr = _as_flat(x)
         if op == "mean" and not np.issubdtype(arr.dtype, np.floating) and arr.dtype.name != "bfloat16":
             raise LocalProtocolError(f"op='mean' needs floating-point data, got {arr.dtype}")
+        op_code = _WIRE_OPS[op]
+        if op_code in wire.BITWISE_OPS and wire.dtype_code(arr.dtype) not in wire.INTEGER_DTYPES:
+            raise LocalProtocolError(f"op={op!r} needs integer or bool data, got {arr.dtype}")
         wire_dt = self._wire_dtype(arr.dtype, wire_dtype)
-        return self._submit(arr, np.shape(x), key, wire_dt, wire.ReduceOp.SUM, 0, op == "mean", timeout,
+        return self._submit(arr, np.shape(x), key, wire_dt, op_code, 0, op == "mean", timeout,
                             None if out is None else _checked_out(out, arr))
 
     def broadcast(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None) -> np.ndarray:
@@ -404,7 +412,7 @@ class Client:
             if key_u64 in self._ops:
                 raise LocalProtocolError(f"operation key {key!r} is already in flight on this client")
             self._ops[key_u64] = op
-        sends_payload = op_code is wire.ReduceOp.SUM or self.rank == root
+        sends_payload = op_code is not wire.ReduceOp.BROADCAST or self.rank == root
         # Round-robin across reducers (chunk 0 of every reducer, then chunk 1, ...): with the push
         # window this keeps every reducer's flows in step (see DEFAULT_PUSH_WINDOW_CHUNKS).
         pushes = [_PendingPush(op, c, arr, wire_dt, wire_code, op_code, root, sends_payload)

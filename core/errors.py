@@ -84,10 +84,10 @@ class ProtocolError(RedsrvError):
     """A frame violated the wire protocol. The connection it arrived on is dead."""
 
 
-class LocalProtocolError(ProtocolError):
-    """Our caller misused the protocol API (e.g. encoding an out-of-range field).
+class LocalProtocolError(ProtocolError, ValueError):
+    """Our caller misused the API (an out-of-range field, an unsupported dtype or op).
 
-    A bug in the calling code; nothing was sent.
+    A bug in the calling code; nothing was sent. A ``ValueError``, like every argument misuse.
     """
 
 

@@ -56,8 +56,21 @@ __all__ = [
     "LATENCY_BUCKETS",
 ]
 
-#: Accumulation dtype per wire dtype: 16-bit floats are summed in float32 (RELIABILITY R14).
+#: Accumulation dtype per wire dtype: 16-bit floats are combined in float32 (RELIABILITY R14).
 ACCUMULATION_DTYPES = {DType.FLOAT16: np.dtype("<f4"), DType.BFLOAT16: np.dtype("<f4")}
+
+#: The element-wise NumPy function of each combining op. Every op is applied in ascending rank
+#: order, so even the non-associative ones (float sums and products) give the same bytes on
+#: every rank and in every run.
+UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
 
 NO_CHUNK = 0xFFFFFFFF
 
@@ -194,7 +207,9 @@ class _Shape:
 
     def describe(self) -> str:
         what = f"{numpy_dtype(self.dtype)}[{self.count}] at offset {self.offset} of {self.total}"
-        return what if self.op is ReduceOp.SUM else f"broadcast from rank {self.root} of {what}"
+        if self.op is ReduceOp.BROADCAST:
+            return f"broadcast from rank {self.root} of {what}"
+        return what if self.op is ReduceOp.SUM else f"{self.op.name} of {what}"
 
 
 @dataclass
@@ -440,7 +455,7 @@ class ReducerCore:
             # they are what closes chunks and frees memory.
             return None
         ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
-        if job.params.mode is StragglerMode.ALL and push.op is ReduceOp.SUM:  # summed as it arrives (report_piece_bytes)
+        if job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST:  # combined as it arrives (report_piece_bytes)
             refused = self._attach(job, ticket, now)
             if refused:
                 return refused
@@ -630,7 +645,7 @@ class ReducerCore:
         assert parts is not None
         world = job.params.world_size
         shape = chunk.shape
-        self._sum_piece([parts[rank].shared.buffer[start:stop] for rank in range(world)], shape.dtype)
+        self._combine_piece([parts[rank].shared.buffer[start:stop] for rank in range(world)], shape.dtype, shape.op)
         chunk.forwarded = stop
         item = numpy_dtype(shape.dtype).itemsize
         result = Result(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk, shape.dtype,
@@ -647,16 +662,17 @@ class ReducerCore:
         """The connections a chunk's result goes to: each contributor's, while it is open."""
         return [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
 
-    def _sum_piece(self, pieces: list[np.ndarray], dtype: DType) -> None:
-        """Sum byte ranges of every rank's payload into the first, in rank order (16-bit floats
-        through a float32 scratch, rounded once): the same operations, in the same order, as
-        summing whole payloads."""
+    def _combine_piece(self, pieces: list[np.ndarray], dtype: DType, op: ReduceOp) -> None:
+        """Combine byte ranges of every rank's payload into the first, in rank order (16-bit
+        floats through a float32 scratch, rounded once): the same operations, in the same order,
+        as combining whole payloads."""
         wire = numpy_dtype(dtype)
+        ufunc = UFUNCS[op]
         out = pieces[0].view(wire)
         acc_dtype = ACCUMULATION_DTYPES.get(dtype, wire)
         if acc_dtype == wire:
             for piece in pieces[1:]:
-                np.add(out, piece.view(wire), out=out)
+                ufunc(out, piece.view(wire), out=out)
             return
         nbytes = out.size * acc_dtype.itemsize
         if self._widened.nbytes < nbytes:
@@ -664,7 +680,7 @@ class ReducerCore:
         acc = self._widened[:nbytes].view(acc_dtype)
         np.copyto(acc, out, casting="unsafe")
         for piece in pieces[1:]:
-            np.add(acc, piece.view(wire), out=acc, casting="unsafe")
+            ufunc(acc, piece.view(wire), out=acc, casting="unsafe")
         np.copyto(out, acc, casting="unsafe")
 
     def _fold_prefix(self, job: _Job, chunk: _OpenChunk) -> None:
@@ -686,7 +702,7 @@ class ReducerCore:
             chunk.acc = chunk.acc_raw.view(acc_dtype)
             np.copyto(chunk.acc, data, casting="unsafe")
         else:
-            np.add(chunk.acc, data, out=chunk.acc, casting="unsafe")
+            UFUNCS[chunk.shape.op](chunk.acc, data, out=chunk.acc, casting="unsafe")
         self._give(job, raw)
 
     def _maybe_close(self, job: _Job, chunk: _OpenChunk, now: float) -> list[Action]:

@@ -38,6 +38,9 @@ __all__ = [
     "FrameType",
     "StragglerMode",
     "ReduceOp",
+    "COMBINING_OPS",
+    "BITWISE_OPS",
+    "INTEGER_DTYPES",
     "ErrorCode",
     "NONCE_BYTES",
     "PROOF_BYTES",
@@ -89,6 +92,9 @@ class DType(enum.IntEnum):
     BFLOAT16 = 4
     INT32 = 5
     INT64 = 6
+    INT8 = 7
+    UINT8 = 8
+    BOOL = 9
 
 
 _NUMPY_DTYPES: dict[DType, np.dtype] = {
@@ -98,6 +104,9 @@ _NUMPY_DTYPES: dict[DType, np.dtype] = {
     DType.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
     DType.INT32: np.dtype("<i4"),
     DType.INT64: np.dtype("<i8"),
+    DType.INT8: np.dtype("i1"),
+    DType.UINT8: np.dtype("u1"),
+    DType.BOOL: np.dtype("?"),
 }
 _CODES = {dt: code for code, dt in _NUMPY_DTYPES.items()}
 
@@ -126,6 +135,20 @@ class StragglerMode(enum.IntEnum):
 class ReduceOp(enum.IntEnum):
     SUM = 0
     BROADCAST = 1  # the root's data, sent to everyone; other ranks push no payload
+    MIN = 2
+    MAX = 3
+    PRODUCT = 4
+    BAND = 5  # bitwise and, or, xor: integer and bool data only
+    BOR = 6
+    BXOR = 7
+
+
+#: The ops that combine every rank's data element-wise (all but BROADCAST).
+COMBINING_OPS = frozenset(op for op in ReduceOp if op is not ReduceOp.BROADCAST)
+#: The bitwise ops, which are defined only for integer and bool dtypes.
+BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
+#: The dtypes the bitwise ops accept.
+INTEGER_DTYPES = frozenset({DType.INT8, DType.UINT8, DType.INT32, DType.INT64, DType.BOOL})
 
 
 class ErrorCode(enum.IntEnum):
@@ -378,6 +401,8 @@ def parse_header(frame_type: FrameType, header: bytes | memoryview, payload_len:
         _key, _inc, total, offset, count, _chunk, raw_dtype, raw_op, _root = fields
         dtype = _enum(DType, raw_dtype, "dtype")
         op = _enum(ReduceOp, raw_op, "op")
+        if op in BITWISE_OPS and dtype not in INTEGER_DTYPES:
+            raise RemoteProtocolError(f"push asks for {op.name} of {numpy_dtype(dtype)}: bitwise ops need integer or bool data")
         if offset + count > total:
             raise RemoteProtocolError(f"push covers [{offset}, {offset + count}) beyond the total of {total} elements")
         expected = count * numpy_dtype(dtype).itemsize

@@ -4,7 +4,7 @@
 
 SPEC: {"reducers": [...], "rank": r, "world_size": n, "job": "...", "config": {...},
        "ops": [{"kind": "allreduce"|"broadcast", "size": int, "dtype": str, "seed": int,
-                "op": "sum"|"mean", "wire_dtype": null|"bf16"|"fp16", "key": ..., "root": 0}],
+                "op": "sum"|"mean"|"min"|"max"|"product"|"band"|"bor"|"bxor", "wire_dtype": null|"bf16"|"fp16", "key": ..., "root": 0}],
        "concurrent": bool, "reverse_on_odd_ranks": bool, "start_delay": {"rank": seconds},
        "loop_until_error": bool, "loop_size": int, "loop_seconds": float, "step_pause": float}
 

@@ -172,3 +172,17 @@ def test_deadline_mode_closes_without_the_absent_rank(fleet, workers) -> None:  
 def test_bfloat16_inputs_keep_their_dtype(fleet, workers) -> None:  # type: ignore[no-untyped-def]
     results, _ = workers(fleet(1), 2, ops({"size": 10, "dtype": "bfloat16", "seed": 1})).wait()
     assert results[0]["r0"].dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize(("op", "dtype"), [("max", "float32"), ("min", "float32"), ("product", "float64"),
+                                           ("band", "int32"), ("bor", "int64"), ("bxor", "int32")])
+def test_every_op_through_real_reducers_is_the_rank_order_result(fleet, workers, op: str, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    n, size = 3, 200_003
+    ufunc = {"max": np.maximum, "min": np.minimum, "product": np.multiply, "band": np.bitwise_and, "bor": np.bitwise_or,
+             "bxor": np.bitwise_xor}[op]
+    results, reports = workers(fleet(2), n, ops({"size": size, "seed": 11, "dtype": dtype, "op": op})).wait()
+    assert all(r["error"] is None for r in reports), reports
+    inputs = [make_input(11, r, size, dtype) for r in range(n)]
+    expected = ufunc(ufunc(inputs[0], inputs[1]), inputs[2])
+    for rank in range(n):
+        assert results[rank]["r0"].tobytes() == expected.tobytes(), rank

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from redsrv.core import wire
+from redsrv.core.errors import RemoteProtocolError
 from redsrv.core.reducer import Log, PushTicket, ReducerCore, SendError, SendResult
 
 INC = 0xABC
@@ -489,3 +490,59 @@ def test_a_cut_through_chunk_that_times_out_names_the_ranks_still_sending() -> N
     arrive(core, t1, x, 4000)
     core.finish_push(t1, 2.0)
     assert core.bytes_held("j") == 0
+
+
+_OP_REFERENCE = {
+    wire.ReduceOp.MIN: np.minimum, wire.ReduceOp.MAX: np.maximum, wire.ReduceOp.PRODUCT: np.multiply,
+    wire.ReduceOp.BAND: np.bitwise_and, wire.ReduceOp.BOR: np.bitwise_or, wire.ReduceOp.BXOR: np.bitwise_xor,
+}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.permutations(range(3)), st.sampled_from(sorted(_OP_REFERENCE)), st.sampled_from(["float32", "int32", "int64", "uint8"]),
+       st.booleans())
+def test_every_op_combines_in_rank_order_whatever_the_arrival_order(order: list[int], op: wire.ReduceOp, dtype: str,
+                                                                     pieces: bool) -> None:
+    if op in wire.BITWISE_OPS and dtype == "float32":
+        return  # refused at the header; see the next test
+    core = ReducerCore(INC, piece_bytes=64 if pieces else 0)
+    for r in range(3):
+        assert core.join(conn_id("j", r), hello(r, 3)) == []
+    rng = np.random.default_rng(len(order) + op)
+    data = [(rng.standard_normal(257) * 50).astype(dtype) for _ in range(3)]
+    actions: list = []  # type: ignore[type-arg]
+    for rank in order:
+        actions = push(core, rank, data[rank], op=op)
+    results = [a for a in actions if isinstance(a, SendResult)]
+    assert results, actions
+    got = np.concatenate([result_of([res], np.dtype(dtype))[0] for res in results])
+    expected = _OP_REFERENCE[op](_OP_REFERENCE[op](data[0], data[1]), data[2])
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_a_bitwise_op_on_floats_is_refused_at_the_header() -> None:
+    header = wire.push_header(wire.Push(1, INC, 4, 0, 4, 0, wire.DType.FLOAT32, wire.ReduceOp.BXOR), 16)
+    decoder = wire.FrameDecoder()
+    decoder.receive_data(header + bytes(16))
+    with pytest.raises(RemoteProtocolError, match="bitwise"):
+        decoder.next_frame()
+
+
+def test_ranks_that_disagree_on_the_op_fail_the_chunk_for_both() -> None:
+    core = make_core(2)
+    assert push(core, 0, np.ones(4, np.float32), op=wire.ReduceOp.MAX) == []
+    actions = push(core, 1, np.ones(4, np.float32), op=wire.ReduceOp.MIN)
+    errs = errors(actions)
+    assert {e.conn for e in errs} == {conn_id("j", 0), conn_id("j", 1)}
+    assert all(e.frame.code is wire.ErrorCode.CONTRIBUTION_MISMATCH and "MAX" in e.frame.message for e in errs)
+
+
+def test_float16_products_are_taken_in_float32_and_rounded_once() -> None:
+    core = make_core(3)
+    data = [np.full(8, v, np.float16) for v in (np.float16(1.001), np.float16(3.3), np.float16(0.7))]
+    actions: list = []  # type: ignore[type-arg]
+    for rank in (2, 0, 1):
+        actions = push(core, rank, data[rank], op=wire.ReduceOp.PRODUCT)
+    out, _, _ = result_of(actions, np.dtype(np.float16))
+    expected = (data[0].astype(np.float32) * data[1].astype(np.float32) * data[2].astype(np.float32)).astype(np.float16)
+    assert out.tobytes() == expected.tobytes()
