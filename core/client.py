@@ -298,11 +298,14 @@ class Client:
         array of the same shape and dtype; only the root's contents travel."""
         return self.wait(self.broadcast_async(x, root=root, key=key, timeout=timeout), timeout=timeout)
 
-    def broadcast_async(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None) -> ReduceFuture:
+    def broadcast_async(self, x: np.ndarray, *, root: int = 0, key: Any = None, timeout: float | None = None,
+                        out: np.ndarray | None = None) -> ReduceFuture:
+        """Start a broadcast; ``out`` as in :meth:`allreduce_async` (it may be ``x`` itself)."""
         if not 0 <= root < self.world_size:
             raise LocalProtocolError(f"root {root} is not a rank of this {self.world_size}-rank job")
         arr = _as_flat(x)
-        return self._submit(arr, np.shape(x), key, arr.dtype, wire.ReduceOp.BROADCAST, root, False, timeout)
+        return self._submit(arr, np.shape(x), key, arr.dtype, wire.ReduceOp.BROADCAST, root, False, timeout,
+                            None if out is None else _checked_out(out, arr))
 
     def barrier(self, *, key: Any = None, timeout: float | None = None) -> None:
         """Return once every rank reached the barrier (an all-reduce of one element)."""
