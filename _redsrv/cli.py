@@ -7,14 +7,15 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 
 from redsrv.core import constants as C
-from redsrv.core.config import Config, read_secret_file, reducer_bind_address
-from redsrv.core.daemon import DaemonSettings, ReducerDaemon
+from redsrv.core.config import DaemonSettings
+from redsrv.core.daemon import ReducerDaemon
 from redsrv.core.errors import ConfigError
 
 __all__ = ["main"]
@@ -48,20 +49,15 @@ def _setup_logging(level: str, fmt: str = "text") -> None:
 
 def _reducer(args: argparse.Namespace) -> int:
     _setup_logging(args.log_level, args.log_format)
-    env = Config.from_env()  # validates REDSRV_* (unknown names, bad values) before binding
-    listed = reducer_bind_address()  # TF_CONFIG / CLUSTER_SPEC naming this process a reducer
-    host = args.host if args.host is not None else (listed[0] if listed else C.DEFAULT_BIND_HOST)
-    port = args.port if args.port is not None else (listed[1] if listed else C.DEFAULT_PORT)
-    secret = read_secret_file(args.secret_file) if args.secret_file else env.secret
-    if args.require_secret and secret is None:
-        raise ConfigError("--require-secret given but no secret: pass --secret-file or set REDSRV_SECRET_FILE")
-    settings = DaemonSettings(
-        host=host, port=port, secret=secret,
-        heartbeat_interval=env.heartbeat_interval, heartbeat_misses=env.heartbeat_misses,
-        handshake_timeout=env.handshake_timeout, send_timeout=env.op_timeout, close_timeout=env.close_timeout,
-        stall_warning=env.stall_warning, max_frame_payload=env.max_frame_payload, job_budget_bytes=env.job_budget_bytes,
-        result_piece_bytes=env.result_piece_bytes, tcp_congestion=env.tcp_congestion,
+    # One validated source: flags, then REDSRV_* variables, then TF_CONFIG / CLUSTER_SPEC; a
+    # secret from any of them obeys the same rules (see DaemonSettings.from_env).
+    settings = DaemonSettings.from_env(
+        host=args.host, port=args.port, secret_file=args.secret_file,
+        memory_budget_bytes=None if args.memory_budget is None else _parse_bytes(args.memory_budget, "--memory-budget"),
+        max_op_timeout=args.max_op_timeout,
     )
+    if args.require_secret and settings.secret is None:
+        raise ConfigError("--require-secret given but no secret: pass --secret-file or set REDSRV_SECRET_FILE")
     daemon = ReducerDaemon(settings)
     stop = threading.Event()
     received: list[str] = []
@@ -76,7 +72,7 @@ def _reducer(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from redsrv.metrics import serve_reducer_metrics
 
-        serve_reducer_metrics(daemon, args.metrics_port, host=args.metrics_host)
+        serve_reducer_metrics(daemon, args.metrics_port, host=args.metrics_host or host)
     shown = f"[{host}]" if ":" in host else host
     print(f"redsrv reducer listening on {shown}:{port} incarnation={daemon.incarnation:#x}", flush=True)
     while not stop.wait(0.5):
@@ -96,6 +92,19 @@ def _reducer(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def _parse_bytes(text: str, option: str) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _BYTE_UNITS:
+        raise ConfigError(f"{option} must be a size such as 2GiB, 512MiB or 1000000, got {text!r}")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
 
 
 def _force_exit(close_timeout: float) -> None:
@@ -142,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", help="file holding the shared secret (else REDSRV_SECRET_FILE / REDSRV_SECRET)")
     p.add_argument("--require-secret", action="store_true", help="refuse to start without a secret")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (needs redsrv[metrics])")
-    p.add_argument("--metrics-host", default="0.0.0.0", help="address for the metrics endpoint (default 0.0.0.0)")
+    p.add_argument("--metrics-host", default=None,
+                   help="address for the metrics endpoint (default: the reducer's own --host; the endpoint has no "
+                        "authentication and names jobs)")
+    p.add_argument("--memory-budget", default=None,
+                   help="bytes of contributions and results held over every job together, e.g. 2GiB (default "
+                        f"{C.DEFAULT_MEMORY_BUDGET_BYTES // 2**20} MiB; REDSRV_MEMORY_BUDGET_BYTES)")
+    p.add_argument("--max-op-timeout", type=float, default=None,
+                   help=f"cap on the operation timeout a worker may ask for, seconds (default {C.DEFAULT_MAX_OP_TIMEOUT_S:g})")
     _add_log_level(p)
     p.set_defaults(func=_reducer)
 

@@ -44,11 +44,11 @@ from .errors import (
     RemoteProtocolError,
     StaleContributionError,
 )
+from .handshake import ClientHandshake, HandshakeFailure, HandshakeState
 from .timeline import Timeline
 from .transport import (
     SKIP,
     ConnectionBroken,
-    FramedSocket,
     FrameReader,
     FrameWriter,
     HeaderStep,
@@ -882,8 +882,7 @@ class Client:
             if refused and not self._congestion_warned:
                 self._congestion_warned = True  # once per client, not once per stream
                 log.warning("rank %d, reducer %s: %s", cfg.rank, address, refused)
-            framed = FramedSocket(sock, read_timeout=cfg.handshake_timeout, max_payload=cfg.max_frame_payload)
-            incarnation, heartbeat = self._handshake(sock, framed, address)
+            incarnation, heartbeat = self._handshake(sock, address)
             set_send_lowat(sock, cfg.send_lowat_bytes)
             sock.setblocking(False)
             stream = _Stream(self, reducer, index, sock, incarnation, heartbeat, time.monotonic())
@@ -894,55 +893,61 @@ class Client:
             sock.close()
             raise
 
-    def _handshake(self, sock: socket.socket, framed: FramedSocket, address: str) -> tuple[int, float]:
+    def _handshake(self, sock: socket.socket, address: str) -> tuple[int, float]:
+        """Drive :class:`ClientHandshake` on a blocking socket within one deadline for the whole
+        exchange; returns the reducer's incarnation and the heartbeat interval to use."""
         cfg = self.config
         hello = wire.Hello(cfg.job, cfg.rank, cfg.world_size, self.session, auth.new_nonce(), cfg.mode,
                            cfg.min_contributors, int(cfg.deadline * 1000), int(cfg.op_timeout * 1000))
         ctx: dict[str, Any] = dict(peer=address, job=cfg.job, rank=cfg.rank, phase="handshake", timeout=cfg.handshake_timeout)
+        handshake = ClientHandshake(hello, secret=cfg.secret)
+        deadline = time.monotonic() + cfg.handshake_timeout
         try:
-            sock.sendall(wire.encode(hello))
-            challenge = framed.read_frame()
-            if isinstance(challenge, wire.Error):
-                raise self._handshake_error(challenge, address)
-            if not isinstance(challenge, wire.Challenge):
-                raise RemoteProtocolError(f"reducer {address} answered HELLO with {type(challenge).__name__.upper()}", **ctx)
-            if cfg.secret is not None:
-                expected = auth.server_proof(cfg.secret, hello, challenge.nonce, challenge.incarnation)
-                if not challenge.auth_required or not auth.proofs_equal(challenge.proof, expected):
-                    sock.sendall(wire.encode(wire.Error(wire.ErrorCode.AUTHENTICATION, True, "authentication failed")))
-                    raise AuthenticationError(f"authentication with reducer {address} failed", **ctx)
-                proof = auth.client_proof(cfg.secret, hello, challenge.nonce, challenge.incarnation)
-            else:
-                proof = auth.NO_PROOF
-            sock.sendall(wire.encode(wire.Proof(proof)))
-            welcome = framed.read_frame()
-            if isinstance(welcome, wire.Error):
-                raise self._handshake_error(welcome, address)
-            if not isinstance(welcome, wire.Welcome):
-                raise RemoteProtocolError(f"reducer {address} sent {type(welcome).__name__.upper()} instead of WELCOME", **ctx)
-        except ConnectionBroken as exc:
-            if exc.kind == "timeout":
-                raise PeerTimeoutError(f"handshake with reducer {address} timed out", **ctx) from None
-            if exc.kind == "protocol":
-                raise RemoteProtocolError(f"reducer {address}: {exc.detail}", **ctx) from None
-            if cfg.secret is None:
-                raise PeerLostError(f"reducer {address} closed the connection during the handshake "
-                                    "(does it require a secret?)", **ctx) from None
-            raise PeerLostError(f"reducer {address} closed the connection during the handshake", **ctx) from None
+            sock.settimeout(cfg.handshake_timeout)
+            sock.sendall(handshake.data_to_send())
+            while handshake.state is HandshakeState.RUNNING:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                sock.settimeout(remaining)
+                data = sock.recv(handshake.bytes_needed or 1)
+                handshake.receive_data(data)
+                reply = handshake.data_to_send()
+                if reply:
+                    sock.sendall(reply)
+        except TimeoutError:
+            raise PeerTimeoutError(f"handshake with reducer {address} timed out", elapsed=time.monotonic() - deadline
+                                   + cfg.handshake_timeout, **ctx) from None
         except OSError as exc:
             raise PeerLostError(f"handshake with reducer {address} failed: {exc}", **ctx) from None
-        heartbeat = min(cfg.heartbeat_interval, welcome.heartbeat_ms / 1000 or cfg.heartbeat_interval)
-        return challenge.incarnation, heartbeat
+        finally:
+            sock.settimeout(None)
+        if handshake.state is HandshakeState.FAILED:
+            assert handshake.failure is not None
+            raise self._handshake_error(handshake.failure, address)
+        accepted = handshake.accepted
+        assert accepted is not None
+        heartbeat = min(cfg.heartbeat_interval, accepted.heartbeat_ms / 1000 or cfg.heartbeat_interval)
+        return accepted.incarnation, heartbeat
 
-    def _handshake_error(self, frame: wire.Error, address: str) -> RedsrvError:
-        ctx: dict[str, Any] = dict(peer=address, job=self.config.job, rank=self.rank, phase="handshake")
-        if frame.code is wire.ErrorCode.AUTHENTICATION:
+    def _handshake_error(self, failure: HandshakeFailure, address: str) -> RedsrvError:
+        cfg = self.config
+        ctx: dict[str, Any] = dict(peer=address, job=cfg.job, rank=self.rank, phase="handshake")
+        code = failure.code
+        if code is wire.ErrorCode.AUTHENTICATION:
             return AuthenticationError(f"authentication with reducer {address} failed", **ctx)
-        if frame.code is wire.ErrorCode.JOB_MISMATCH:
-            return JobMismatchError(f"reducer {address}: {frame.message}", **ctx)
-        if frame.code is wire.ErrorCode.PROTOCOL:
-            return RemoteProtocolError(f"reducer {address} rejected the handshake: {frame.message}", **ctx)
-        return PeerError(f"reducer {address} refused the connection: {frame.message}", **ctx)
+        if not failure.remote:  # we refused the reducer, or it closed the connection
+            if "closed the connection" in failure.message:
+                hint = "" if cfg.secret is not None else " (does it require a secret?)"
+                return PeerLostError(f"reducer {address} closed the connection during the handshake{hint}", **ctx)
+            return RemoteProtocolError(f"reducer {address}: {failure.message}", **ctx)
+        if code is wire.ErrorCode.JOB_MISMATCH:
+            return JobMismatchError(f"reducer {address}: {failure.message}", **ctx)
+        if code is wire.ErrorCode.PROTOCOL:
+            return RemoteProtocolError(f"reducer {address} rejected the handshake: {failure.message}", **ctx)
+        if code is wire.ErrorCode.SHUTDOWN:
+            return ReducerShutdownError(f"reducer {address} is shutting down: {failure.message}", **ctx)
+        return PeerError(f"reducer {address} refused the connection: {failure.message}", **ctx)
 
     def _teardown(self) -> None:
         self._stop.set()

@@ -19,7 +19,7 @@ from . import constants as C
 from .errors import ConfigError
 from .wire import StragglerMode
 
-__all__ = ["Config", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "require_positive", "congestion_setting", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
+__all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "require_positive", "congestion_setting", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -170,6 +170,59 @@ def _env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def check_secret(secret: bytes | None) -> None:
+    """The one rule for a shared secret, whatever it came from (argument, variable, file)."""
+    if secret is not None and len(secret) < C.MIN_SECRET_BYTES:
+        raise ConfigError(f"secret must be at least {C.MIN_SECRET_BYTES} bytes (use e.g. `openssl rand -hex 32`), "
+                          f"got {len(secret)}")
+
+
+def _known_variables() -> set[str]:
+    """Every ``REDSRV_*`` variable a worker or a reducer reads: both accept all of them, so one
+    environment can serve a pod that runs either."""
+    names = {f.name for f in dataclasses.fields(Config)} | {f.name for f in dataclasses.fields(DaemonSettings)}
+    return {_env_name(n) for n in names if n != "secret"} | {_env_name("secret"), _env_name("secret_file")}
+
+
+class _Sources:
+    """Values offered for settings by several sources that must agree; explicit arguments win."""
+
+    def __init__(self, env: Mapping[str, str], overrides: Mapping[str, Any]) -> None:
+        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in _known_variables())
+        if unknown:
+            raise ConfigError(f"unknown variable(s) {', '.join(unknown)}; known: {', '.join(sorted(_known_variables()))}")
+        self.env = env
+        self.overrides = overrides
+        self.found: dict[str, tuple[Any, str]] = {}
+
+    def offer(self, name: str, value: Any, variable: str) -> None:
+        if name in self.overrides and self.overrides[name] is not None:
+            return  # an explicit argument settles it; the environment is not consulted
+        if name in self.found and self.found[name][0] != value:
+            first_value, first_variable = self.found[name]
+            raise ConfigError(f"conflicting {name}: {first_variable} gives {first_value!r} but {variable} gives {value!r}")
+        self.found.setdefault(name, (value, variable))
+
+    def offer_variables(self, fields: Mapping[str, dataclasses.Field[Any]]) -> None:
+        for name, spec in fields.items():
+            raw = self.env.get(_env_name(name)) if name != "secret" else None
+            if raw is not None:
+                self.offer(name, _convert(name, raw, spec.type), _env_name(name))
+
+    def values(self, fields: Mapping[str, dataclasses.Field[Any]], *, secret_file: str | None = None) -> dict[str, Any]:
+        values = {name: value for name, (value, _) in self.found.items()}
+        secret_file = secret_file or self.env.get(_env_name("secret_file"))
+        if secret_file:
+            values["secret"] = read_secret_file(secret_file)
+        elif self.env.get(_env_name("secret")):
+            values["secret"] = self.env[_env_name("secret")].encode("utf-8")
+        values.update({k: v for k, v in self.overrides.items() if v is not None})
+        unknown_args = sorted(set(values) - set(fields))
+        if unknown_args:
+            raise ConfigError(f"unknown config field(s) {', '.join(unknown_args)}")
+        return values
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything a worker client needs; the reducer daemon reads the same class.
@@ -215,8 +268,7 @@ class Config:
             parse_address(address)
         if isinstance(self.secret, str):
             object.__setattr__(self, "secret", self.secret.encode("utf-8"))
-        if self.secret is not None and len(self.secret) < 16:
-            raise ConfigError("secret must be at least 16 bytes (use e.g. `openssl rand -hex 32`)")
+        check_secret(self.secret)
         job_bytes = self.job.encode("utf-8")
         if not 0 < len(job_bytes) <= C.MAX_JOB_ID_BYTES:
             raise ConfigError(f"job id must be 1..{C.MAX_JOB_ID_BYTES} UTF-8 bytes, got {self.job!r}")
@@ -277,43 +329,85 @@ class Config:
         which other local users may see)."""
         env = os.environ if environ is None else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
-        known = {_env_name(n) for n in fields if n != "secret"} | {_env_name("secret"), _env_name("secret_file")}
-        unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
-        if unknown:
-            raise ConfigError(f"unknown variable(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        found: dict[str, tuple[Any, str]] = {}
-
-        def offer(name: str, value: Any, variable: str) -> None:
-            if name in overrides and overrides[name] is not None:
-                return  # an explicit argument settles it; the environment is not consulted
-            if name in found and found[name][0] != value:
-                first_value, first_variable = found[name]
-                raise ConfigError(f"conflicting {name}: {first_variable} gives {first_value!r} but {variable} gives {value!r}")
-            found.setdefault(name, (value, variable))
-
-        for name, spec in fields.items():
-            raw = env.get(_env_name(name)) if name != "secret" else None
-            if raw is not None:
-                offer(name, _convert(name, raw, spec.type), _env_name(name))
+        sources = _Sources(env, overrides)
+        sources.offer_variables(fields)
         cluster = cluster_from_env(env)
         if cluster is not None and cluster.worker_index is not None:
-            offer("reducers", cluster.reducers, cluster.source)
-            offer("world_size", cluster.num_workers, cluster.source)
-            offer("rank", cluster.worker_index, cluster.source)
+            sources.offer("reducers", cluster.reducers, cluster.source)
+            sources.offer("world_size", cluster.num_workers, cluster.source)
+            sources.offer("rank", cluster.worker_index, cluster.source)
         for name, var in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
             if var in env:
-                offer(name, _convert(name, env[var], "int", var), var)
-        values = {name: value for name, (value, _) in found.items()}
-        secret_file = env.get(_env_name("secret_file"))
-        if secret_file:
-            values["secret"] = read_secret_file(secret_file)
-        elif env.get(_env_name("secret")):
-            values["secret"] = env[_env_name("secret")].encode("utf-8")
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        unknown_args = sorted(set(values) - set(fields))
-        if unknown_args:
-            raise ConfigError(f"unknown config field(s) {', '.join(unknown_args)}")
+                sources.offer(name, _convert(name, env[var], "int", var), var)
+        values = sources.values(fields)
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class DaemonSettings:
+    """Everything a reducer needs. Build it with ``DaemonSettings(...)`` or :meth:`from_env`,
+    which reads the same ``REDSRV_*`` variables as :class:`Config` (each field ``x`` is
+    ``REDSRV_X``), with the same rules: unknown variables and conflicting sources are errors."""
+
+    host: str = C.DEFAULT_BIND_HOST
+    port: int = C.DEFAULT_PORT
+    secret: bytes | None = field(default=None, repr=False)
+    handshake_timeout: float = C.DEFAULT_HANDSHAKE_TIMEOUT_S
+    heartbeat_interval: float = C.DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_misses: int = C.DEFAULT_HEARTBEAT_MISSES
+    send_stall_timeout: float = C.DEFAULT_SEND_STALL_S  # a peer that takes none of our bytes this long is dropped
+    budget_wait_timeout: float = C.DEFAULT_OP_TIMEOUT_S  # a push waits this long at most for budget to free up
+    max_op_timeout: float = C.DEFAULT_MAX_OP_TIMEOUT_S  # cap on the operation timeout a worker asks for
+    close_timeout: float = C.DEFAULT_CLOSE_TIMEOUT_S
+    stall_warning: float = C.DEFAULT_STALL_WARNING_S
+    max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
+    job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
+    memory_budget_bytes: int = C.DEFAULT_MEMORY_BUDGET_BYTES
+    result_piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # cut-through piece; 0: whole chunks
+    max_connections: int = C.DEFAULT_MAX_CONNECTIONS
+    max_pending_handshakes: int = C.DEFAULT_MAX_PENDING_HANDSHAKES
+    tcp_congestion: str | None = C.DEFAULT_TCP_CONGESTION  # None or "system": the system default
+
+    def __post_init__(self) -> None:
+        if isinstance(self.secret, str):
+            object.__setattr__(self, "secret", self.secret.encode("utf-8"))
+        check_secret(self.secret)
+        if self.tcp_congestion is not None:
+            object.__setattr__(self, "tcp_congestion", congestion_setting(self.tcp_congestion))
+        require_positive(self, ("handshake_timeout", "heartbeat_interval", "send_stall_timeout", "budget_wait_timeout",
+                                "max_op_timeout", "close_timeout", "stall_warning"))
+        for name in ("heartbeat_misses", "max_frame_payload", "job_budget_bytes", "memory_budget_bytes", "max_connections",
+                     "max_pending_handshakes"):
+            if not getattr(self, name) >= 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.job_budget_bytes > self.memory_budget_bytes:
+            raise ConfigError(f"job_budget_bytes ({self.job_budget_bytes}) exceeds memory_budget_bytes ({self.memory_budget_bytes})")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.result_piece_bytes < 0:
+            raise ConfigError(f"result_piece_bytes must be >= 0 (0 turns it off), got {self.result_piece_bytes}")
+
+    def replace(self, **changes: Any) -> DaemonSettings:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, *, secret_file: str | None = None,
+                 **overrides: Any) -> DaemonSettings:
+        """Explicit ``overrides`` (those not ``None``) win; then ``REDSRV_*`` variables and, for
+        ``host`` and ``port``, the address ``TF_CONFIG`` / ``CLUSTER_SPEC`` lists for this
+        reducer, which must agree. ``secret_file`` (``--secret-file``) wins over
+        ``REDSRV_SECRET_FILE`` and ``REDSRV_SECRET``; every secret obeys :func:`check_secret`."""
+        env = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        sources = _Sources(env, overrides)
+        sources.offer_variables(fields)
+        listed = reducer_bind_address(env)
+        if listed is not None:
+            spec = cluster_from_env(env)
+            assert spec is not None
+            sources.offer("host", listed[0], spec.source)
+            sources.offer("port", listed[1], spec.source)
+        return cls(**sources.values(fields, secret_file=secret_file))
 
 
 def read_secret_file(path: str) -> bytes:

@@ -134,6 +134,9 @@ DEFAULT_MAX_FRAME_PAYLOAD = 64 * 1024 * 1024
 #: one at 10 Gbit/s, and bounds a reducer serving many jobs.
 DEFAULT_JOB_BUDGET_BYTES = 128 * 1024 * 1024
 
+#: Shortest shared secret accepted from any source (R24): 128 bits.
+MIN_SECRET_BYTES = 16
+
 #: Longest job id on the wire (UTF-8 bytes); long enough for a UUID plus a readable prefix.
 MAX_JOB_ID_BYTES = 128
 
@@ -157,3 +160,29 @@ LATE_RESULT_RETENTION_FACTOR = 1.0
 
 #: Closed-chunk keys remembered per job to reject late or duplicate contributions as stale.
 STALE_KEYS_PER_JOB = 65536
+
+#: A reducer drops a connection whose peer has not taken any of the bytes queued for it for this
+#: long (RELIABILITY R25): a stuck reader costs the others seconds, not the operation timeout.
+DEFAULT_SEND_STALL_S = 10.0
+
+#: The longest operation timeout a worker may ask a reducer for in its HELLO (R21): a worker
+#: asking for more (or for none) gets this. Twice the default, so a default client is never capped.
+DEFAULT_MAX_OP_TIMEOUT_S = 2 * DEFAULT_OP_TIMEOUT_S
+
+#: Bytes of contributions and results a reducer holds over every job together (R21), beside the
+#: per-job budget: eight jobs at their full budget. Past it, new chunks wait as over a job budget.
+DEFAULT_MEMORY_BUDGET_BYTES = 8 * DEFAULT_JOB_BUDGET_BYTES
+
+#: Connections that have not finished their handshake. At the cap the oldest is dropped for the
+#: newest, so a flood of slow connections can never lock a worker out (R20). Each holds a few KiB.
+DEFAULT_MAX_PENDING_HANDSHAKES = 1024
+
+#: Joined connections per reducer: beyond it new workers are refused with OVERLOADED.
+DEFAULT_MAX_CONNECTIONS = 4096
+
+#: Free pool buffers kept per size: a few steps' chunks of one size for every job.
+POOL_KEEP_PER_SIZE = 64
+
+#: Pool buffers unused this long are returned to the system, so RSS goes back near its baseline
+#: after a burst or an attack (R21); a training loop reuses its buffers every step, far sooner.
+POOL_IDLE_RELEASE_S = 5.0

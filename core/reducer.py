@@ -114,25 +114,50 @@ Action = SendError | SendResult | CloseConnection | Log
 
 
 class BufferPool:
-    """Reusable byte buffers, so steady-state pushes allocate nothing. Thread-safe."""
+    """Reusable byte buffers, so steady-state pushes allocate nothing. Thread-safe.
 
-    def __init__(self, keep_per_size: int = 64) -> None:
+    Bounded twice: at most ``keep_per_size`` free buffers of a size and ``max_free_bytes`` in all,
+    and :meth:`release_idle` drops the sizes nobody took for a while, so the memory of a burst
+    or an attack goes back to the system (RELIABILITY R21)."""
+
+    def __init__(self, keep_per_size: int = C.POOL_KEEP_PER_SIZE, max_free_bytes: int = C.DEFAULT_MEMORY_BUDGET_BYTES) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
         self._keep = keep_per_size
+        self._max_free_bytes = max_free_bytes
+        self.free_bytes = 0
+        self._last_taken: dict[int, float] = {}  # size -> the release_idle clock when last taken or given
+        self._clock = 0.0
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
+            self._last_taken[nbytes] = self._clock
             free = self._free.get(nbytes)
             if free:
+                self.free_bytes -= nbytes
                 return free.pop()
         return np.empty(nbytes, dtype=np.uint8)
 
     def give(self, buffer: np.ndarray) -> None:
         with self._lock:
+            self._last_taken[buffer.nbytes] = self._clock  # idle from now: released if nobody takes it
             free = self._free.setdefault(buffer.nbytes, [])
-            if len(free) < self._keep:
+            if len(free) < self._keep and self.free_bytes + buffer.nbytes <= self._max_free_bytes:
                 free.append(buffer)
+                self.free_bytes += buffer.nbytes
+
+    def release_idle(self, now: float, idle: float = C.POOL_IDLE_RELEASE_S) -> int:
+        """Drop the free buffers of every size not taken within ``idle`` seconds of ``now``;
+        returns the bytes dropped."""
+        dropped = 0
+        with self._lock:
+            self._clock = now
+            for nbytes in [n for n, last in self._last_taken.items() if now - last >= idle]:
+                del self._last_taken[nbytes]
+                free = self._free.pop(nbytes, [])
+                dropped += nbytes * len(free)
+            self.free_bytes -= dropped
+        return dropped
 
 
 class _SharedBuffer:
@@ -320,15 +345,21 @@ class ReducerCore:
         incarnation: int,
         *,
         job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES,
+        memory_budget_bytes: int = C.DEFAULT_MEMORY_BUDGET_BYTES,
         stall_warning: float = C.DEFAULT_STALL_WARNING_S,
         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES,
         pool: BufferPool | None = None,
     ) -> None:
         self.incarnation = incarnation
         self.job_budget_bytes = job_budget_bytes
+        self.memory_budget_bytes = memory_budget_bytes
+        self.bytes_held_total = 0  # over every job: contributions, sums and results being sent
+        #: Why the last ``begin_push`` that returned ``None`` must wait (names the budget).
+        self.waiting_for = ""
+        self.waiting_for_reducer = False  # ...and whether it is the reducer-wide budget
         self.stall_warning = stall_warning
         self.piece_bytes = piece_bytes  # 0: forward whole chunks only
-        self.pool = pool or BufferPool()
+        self.pool = pool or BufferPool(max_free_bytes=memory_budget_bytes)
         self._widened = np.empty(0, dtype=np.uint8)  # float32 scratch for summing 16-bit pieces
         self._jobs: dict[str, _Job] = {}
         self._conns: dict[int, _Conn] = {}
@@ -449,10 +480,17 @@ class ReducerCore:
         if closed is not None:
             return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), late=True)
         chunk = job.open.get(chunk_key)
+        # Over a budget: no new chunks until held memory (open chunks, results still being sent,
+        # results kept for stragglers) drains. Pushes to open chunks always proceed: they are
+        # what closes chunks and frees memory.
         if chunk is None and job.bytes_held > 0 and job.bytes_held + payload_len > self.job_budget_bytes:
-            # Over budget: no new chunks until held memory (open chunks, results still being
-            # sent, results kept for stragglers) drains. Pushes to open chunks always proceed:
-            # they are what closes chunks and frees memory.
+            self.waiting_for = f"job {job.name!r} holds {job.bytes_held} bytes of its budget of {self.job_budget_bytes}"
+            self.waiting_for_reducer = False
+            return None
+        if chunk is None and self.bytes_held_total + payload_len > self.memory_budget_bytes:
+            self.waiting_for = (f"the reducer holds {self.bytes_held_total} bytes of its memory budget of "
+                                f"{self.memory_budget_bytes} (--memory-budget) over every job")
+            self.waiting_for_reducer = True
             return None
         ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
         if job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST:  # combined as it arrives (report_piece_bytes)
@@ -507,10 +545,10 @@ class ReducerCore:
             chunk.conns.setdefault(rank, conn)
         return self._fail(job, (chunk.key, chunk.chunk), code, why, now)
 
-    @staticmethod
-    def _freer(job: _Job) -> Callable[[int], None]:
+    def _freer(self, job: _Job) -> Callable[[int], None]:
         def freed(nbytes: int) -> None:
             job.bytes_held -= nbytes
+            self.bytes_held_total -= nbytes
 
         return freed
 
@@ -518,13 +556,15 @@ class ReducerCore:
         if nbytes == 0:
             return None
         job.bytes_held += nbytes
+        self.bytes_held_total += nbytes
         return self.pool.take(nbytes)
 
     def _give(self, job: _Job | None, buffer: np.ndarray | None) -> None:
         if buffer is None:
             return
-        if job is not None:
+        if job is not None:  # None: the job was dropped meanwhile, its own count with it
             job.bytes_held -= buffer.nbytes
+        self.bytes_held_total -= buffer.nbytes
         self.pool.give(buffer)
 
     def _check_push(self, job: _Job, rank: int, push: Push, now: float) -> Error | None:
@@ -829,8 +869,10 @@ class ReducerCore:
     # --- time ---
 
     def tick(self, now: float) -> list[Action]:
-        """Deadlines: straggler deadlines, operation timeouts, stall warnings, retention."""
+        """Deadlines: straggler deadlines, operation timeouts, stall warnings, retention; pool
+        buffers nobody used for a while go back to the system."""
         actions: list[Action] = []
+        self.pool.release_idle(now)
         for job in list(self._jobs.values()):
             params = job.params
             for chunk_key, chunk in list(job.open.items()):

@@ -1,5 +1,5 @@
-"""Sockets: blocking framed reads for handshakes, and the non-blocking frame reader and writer that
-the reducer's and the client's event loops drive.
+"""Sockets: the non-blocking frame reader and writer that the reducer's and the client's event
+loops drive (handshakes are :mod:`handshake`'s state machines, driven by their owners).
 
 The only module besides the daemon and client entry points that touches the network. Every
 blocking call has a deadline (handshake reads and writes time out); on the event-loop side the
@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import wire
-from .constants import DEFAULT_MAX_FRAME_PAYLOAD, MAX_RECEIVE_LOWAT_BYTES
+from .constants import MAX_RECEIVE_LOWAT_BYTES
 from .errors import RemoteProtocolError
 
-__all__ = ["FramedSocket", "FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
+__all__ = ["FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
            "set_send_lowat", "set_congestion_control", "choose_congestion_control", "congestion_control", "send_views",
            "peer_name", "SKIP", "WAIT", "Waker", "watch"]
 
@@ -116,64 +116,6 @@ def peer_name(sock: socket.socket) -> str:
         return str(address) or "local"
     host, port = address[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class FramedSocket:
-    """Whole frames from a blocking socket, each read bounded by the read timeout: the
-    handshakes, which read a few small frames as straight-line code before a connection joins
-    an event loop."""
-
-    def __init__(self, sock: socket.socket, *, read_timeout: float, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD) -> None:
-        self.sock = sock
-        self.peer = peer_name(sock)
-        self.max_payload = max_payload
-        self._header_buf = bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE)
-        self._header_view = memoryview(self._header_buf)
-        configure_socket(sock)
-        set_kernel_timeout(sock, socket.SO_RCVTIMEO, read_timeout)
-        set_kernel_timeout(sock, socket.SO_SNDTIMEO, read_timeout)
-
-    def _recv_into(self, view: memoryview, what: str) -> None:
-        got = 0
-        n = len(view)
-        while got < n:
-            try:
-                r = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-            except OSError as exc:
-                if exc.errno in _TIMED_OUT:
-                    raise ConnectionBroken("timeout", f"no data from {self.peer} while reading {what}") from None
-                raise ConnectionBroken("reset", f"connection to {self.peer} failed while reading {what}: {exc}") from None
-            if r == 0:
-                raise ConnectionBroken("eof", f"{self.peer} closed the connection" + (f" in the middle of {what}" if got or what != "a frame" else ""))
-            got += r
-
-    def read_header(self) -> wire.FrameHeader:
-        prefix = self._header_view[: wire.PREFIX.size]
-        self._recv_into(prefix, "a frame")
-        try:
-            frame_type, header_len, payload_len = wire.parse_prefix(prefix, self.max_payload)
-        except RemoteProtocolError as exc:
-            raise ConnectionBroken("protocol", str(exc)) from None
-        header = self._header_view[wire.PREFIX.size : wire.PREFIX.size + header_len]
-        self._recv_into(header, f"a {frame_type.name} header")
-        try:
-            return wire.parse_header(frame_type, header, payload_len)
-        except RemoteProtocolError as exc:
-            raise ConnectionBroken("protocol", str(exc)) from None
-
-    def read_bytes(self, n: int, what: str = "a payload") -> bytes:
-        buf = bytearray(n)
-        self._recv_into(memoryview(buf), what)
-        return bytes(buf)
-
-    def read_frame(self) -> wire.Frame:
-        """A whole frame, payload copied."""
-        header = self.read_header()
-        payload = self.read_bytes(header.payload_len) if header.payload_len else b""
-        try:
-            return wire.parse_payload(header, payload)
-        except RemoteProtocolError as exc:
-            raise ConnectionBroken("protocol", str(exc)) from None
 
 
 # --- event-loop connections: the reducer's and the client's data path ---------------------
@@ -269,6 +211,15 @@ class FrameReader:
             if self._advance():
                 frames += 1
 
+    def release(self) -> None:
+        """The connection is closed: drop the receive target and the owner's callbacks. The
+        callbacks refer back to the owner, which refers to this reader; without this the pair
+        (and the pool buffer the target views) would wait for the cyclic garbage collector,
+        which an idle reducer may not run for a long time."""
+        self.stopped = True
+        self.target = self.head = memoryview(b"")
+        self.on_header = self.on_payload = self.on_error = _closed_callback  # type: ignore[assignment]
+
     def expect_at_least(self, nbytes: int) -> None:
         """Called from ``on_payload``: the owner knows that at least ``nbytes`` more will come
         (the rest of a result sent in pieces, headers not counted), so the loop need not wake
@@ -359,6 +310,10 @@ class FrameReader:
                 return True
             if len(self.target) > self.got or self.stopped:
                 return False
+
+
+def _closed_callback(*_args: object) -> None:
+    raise ConnectionBroken("eof", "the connection is closed")
 
 
 class Waker:

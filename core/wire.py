@@ -502,6 +502,26 @@ class FrameDecoder:
     def buffered(self) -> int:
         return len(self._buffer)
 
+    @property
+    def bytes_needed(self) -> int:
+        """How many more bytes complete the frame being decoded (at least 1). A caller that reads
+        exactly this many never takes bytes beyond the frame from its socket, so the handshake can
+        hand the connection to the data-path reader without losing what follows."""
+        if self._error is not None:
+            raise self._error
+        buffered = len(self._buffer)
+        if self._header is not None:
+            return max(1, self._header.payload_len - buffered)
+        if buffered < PREFIX.size:
+            return PREFIX.size - buffered
+        try:
+            frame_type, header_len, payload_len = parse_prefix(bytes(self._buffer[: PREFIX.size]), self._max_payload)
+        except RemoteProtocolError as exc:
+            self._error = exc
+            self._buffer.clear()
+            raise
+        return max(1, PREFIX.size + header_len + payload_len - buffered)
+
     def next_frame(self) -> Frame | None:
         if self._error is not None:
             raise self._error

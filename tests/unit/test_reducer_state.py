@@ -546,3 +546,20 @@ def test_float16_products_are_taken_in_float32_and_rounded_once() -> None:
     out, _, _ = result_of(actions, np.dtype(np.float16))
     expected = (data[0].astype(np.float32) * data[1].astype(np.float32) * data[2].astype(np.float32)).astype(np.float16)
     assert out.tobytes() == expected.tobytes()
+
+
+def test_the_pool_releases_sizes_nobody_used_for_a_while_even_those_given_back_late() -> None:
+    from redsrv.core.reducer import BufferPool
+
+    pool = BufferPool(max_free_bytes=10 * 1024)
+    pool.release_idle(0.0)
+    held = [pool.take(1024) for _ in range(3)]
+    assert pool.release_idle(100.0, idle=5) == 0  # nothing free yet (held elsewhere)
+    for buffer in held:
+        pool.give(buffer)  # given back long after the take: idle counts from here
+    assert pool.free_bytes == 3 * 1024
+    assert pool.release_idle(102.0, idle=5) == 0
+    assert pool.release_idle(105.0, idle=5) == 3 * 1024 and pool.free_bytes == 0
+    for _ in range(20):
+        pool.give(np.empty(1024, np.uint8))
+    assert pool.free_bytes == 10 * 1024, "the free list is capped in bytes"

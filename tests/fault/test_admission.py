@@ -1,0 +1,196 @@
+"""Admission under hostile clients (RELIABILITY R20, R21, R23, R24, R25): before authentication a
+connection holds only the handshake's bytes, handshakes have one deadline and no thread, a
+flood of slow connections never locks a worker out, memory stays under the reducer-wide budget
+and goes back after the attack."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import redsrv
+from redsrv.core import auth, wire
+from redsrv.core.constants import MAGIC, PROTOCOL_VERSION
+from redsrv.core.handshake import ClientHandshake, HandshakeState
+
+pytestmark = pytest.mark.timeout(120)
+
+MIB = 1 << 20
+SECRET = b"admission-test-secret-0123456789"
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def poll(predicate, timeout: float, what: str, every: float = 0.05):  # type: ignore[no-untyped-def]
+    """Wait until ``predicate()`` is truthy (returns it), failing after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.1f}s: {what} (last value {value!r})")
+        time.sleep(every)
+
+
+def sample_max(measure, seconds: float) -> int:  # type: ignore[no-untyped-def]
+    """The largest of ``measure()`` sampled every 20 ms for ``seconds`` (a measurement, not a wait)."""
+    end = time.monotonic() + seconds
+    peak = measure()
+    while time.monotonic() < end:
+        time.sleep(0.02)
+        peak = max(peak, measure())
+    return peak
+
+
+def connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def joined(address: str, job: str, rank: int, world: int, secret: bytes | None = None) -> socket.socket:
+    """A raw connection that completed the production handshake (core/handshake.py)."""
+    sock = connect(address)
+    handshake = ClientHandshake(wire.Hello(job, rank, world, 1000 + rank, auth.new_nonce()), secret=secret)
+    sock.sendall(handshake.data_to_send())
+    while handshake.state is HandshakeState.RUNNING:
+        handshake.receive_data(sock.recv(handshake.bytes_needed))
+        sock.sendall(handshake.data_to_send())
+    assert handshake.state is HandshakeState.DONE, handshake.failure
+    return sock
+
+
+def test_a_header_announcing_a_huge_frame_before_authentication_is_refused_and_allocates_nothing(procs) -> None:  # type: ignore[no-untyped-def]
+    secret_file = procs_tmp_secret(procs)
+    reducer = procs.start_reducer("--secret-file", secret_file)
+    baseline = rss_bytes(reducer.proc.pid)
+    announce = wire.PREFIX.pack(MAGIC, PROTOCOL_VERSION, wire.FrameType.HELLO, 64, 64 * MIB)
+    socks = [connect(reducer.address) for _ in range(40)]
+    try:
+        for sock in socks:
+            sock.sendall(announce)
+        for sock in socks:
+            sock.settimeout(5)
+            decoder = wire.FrameDecoder()
+            while (frame := decoder.next_frame()) is None:
+                data = sock.recv(4096)
+                decoder.receive_data(data)
+                if not data:
+                    break
+            assert isinstance(frame, wire.Error) and "exceeds the cap" in frame.message, frame
+            assert sock.recv(1) == b"", "the connection must be closed after the refusal"
+        grown = rss_bytes(reducer.proc.pid) - baseline
+        assert grown < 16 * MIB, f"40 refused headers grew the reducer by {grown / MIB:.1f} MiB (was 2.6 GiB before R20)"
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def procs_tmp_secret(procs) -> str:  # type: ignore[no-untyped-def]
+    import tempfile
+
+    f = tempfile.NamedTemporaryFile("wb", prefix="redsrv-secret-", delete=False)
+    f.write(SECRET)
+    f.close()
+    procs.files.append(open(f.name, "rb"))  # closed at teardown
+    return f.name
+
+
+def test_a_flood_of_trickling_connections_costs_no_threads_and_never_locks_out_a_worker() -> None:
+    settings = redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2, handshake_timeout=3,
+                                     max_pending_handshakes=300)
+    daemon = redsrv.ReducerDaemon(settings)
+    host, port = daemon.start()
+    address = f"{host}:{port}"
+    threads_before = threading.active_count()
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(2000):  # far more than the pending cap, each one byte into its HELLO
+            sock = socket.create_connection((host, port), timeout=5)
+            sock.send(MAGIC[:1])
+            flood.append(sock)
+        assert threading.active_count() == threads_before, "handshakes must not get threads of their own"
+        started = time.monotonic()
+        with redsrv.Client([address], rank=0, world_size=1, job="real", connect_timeout=10, handshake_timeout=3) as client:
+            assert client.allreduce(np.arange(10, dtype=np.float32)).tolist() == list(range(10))
+        assert time.monotonic() - started < 3.0, "a worker must get in while the flood goes on"
+        pending = len(daemon._pending)
+        assert pending <= settings.max_pending_handshakes
+    finally:
+        for sock in flood:
+            sock.close()
+        daemon.stop()
+
+
+def test_a_handshake_has_one_deadline_from_accept_however_its_bytes_trickle() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2, handshake_timeout=1.0))
+    host, port = daemon.start()
+    hello = wire.encode(wire.Hello("slow", 0, 1, 1, auth.new_nonce()))
+    try:
+        sock = socket.create_connection((host, port), timeout=5)
+        accepted = time.monotonic()
+        sock.settimeout(0.2)
+        closed_at = None
+        for byte in hello:  # one byte every 0.2 s: each read is quick, the whole is too slow
+            try:
+                sock.send(bytes([byte]))
+                if sock.recv(4096) == b"":
+                    closed_at = time.monotonic()
+                    break
+            except TimeoutError:
+                continue
+            except OSError:
+                closed_at = time.monotonic()
+                break
+        assert closed_at is not None, "the trickling handshake was never cut off"
+        assert 0.9 <= closed_at - accepted <= 2.0, closed_at - accepted
+        sock.close()
+    finally:
+        daemon.stop()
+
+
+def test_memory_stays_under_the_reducer_wide_budget_and_returns_after_the_attack(procs) -> None:  # type: ignore[no-untyped-def]
+    budget = 96 * MIB
+    # Silent attackers are normally dropped after the heartbeat bound; this one must hold on.
+    reducer = procs.start_reducer("--memory-budget", f"{budget}", env={"REDSRV_JOB_BUDGET_BYTES": str(64 * MIB),
+                                                                       "REDSRV_HEARTBEAT_MISSES": "100"})
+    baseline = rss_bytes(reducer.proc.pid)
+    attackers = []
+    claimed = 16 * MIB
+    try:
+        for j in range(24):  # 24 jobs x 16 MiB claimed = 384 MiB asked for, four times the budget
+            sock = joined(reducer.address, f"attack-{j}", 0, 2)
+            sock.settimeout(0.3)
+            header = wire.push_header(wire.Push(1, reducer.incarnation, claimed // 4, 0, claimed // 4, 0, wire.DType.FLOAT32),
+                                      claimed)
+            try:
+                sock.sendall(header + bytes(claimed - MIB))  # all but the last MiB, then silence
+            except TimeoutError:
+                pass  # the reducer stopped reading this one: over the budget
+            attackers.append(sock)
+        poll(lambda: (rss_bytes(reducer.proc.pid) - baseline) // MIB > 64, 20, "the attack to take hold")
+        peak = sample_max(lambda: rss_bytes(reducer.proc.pid), seconds=1.0)
+        assert peak - baseline < budget + 32 * MIB, f"RSS grew {(peak - baseline) / MIB:.0f} MiB under a {budget / MIB:.0f} MiB budget"
+        # A new job is refused within the send-stall bound, with an error naming the budget.
+        with redsrv.Client([reducer.address], rank=0, world_size=1, job="victim", op_timeout=60) as client:
+            started = time.monotonic()
+            with pytest.raises(redsrv.PeerError, match=r"memory budget of 100663296 \(--memory-budget\)"):
+                client.allreduce(np.ones(1000, np.float32))
+            assert time.monotonic() - started < 10 + 3
+    finally:
+        for sock in attackers:
+            sock.close()
+    poll(lambda: (rss_bytes(reducer.proc.pid) - baseline) // MIB < 24, 20,
+         "RSS to return near its baseline once the attackers left")
+    with redsrv.Client([reducer.address], rank=0, world_size=1, job="victim-2", op_timeout=20) as client:
+        assert client.allreduce(np.ones(1000, np.float32)).sum() == 1000
