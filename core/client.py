@@ -113,6 +113,9 @@ class _Op:
     # Chunks whose result is arriving in pieces (cut-through), touched on the I/O loop only:
     # (reducer, index) -> elements received so far, and when the first piece arrived.
     received: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    # What it takes to send each outstanding chunk again after a reconnect (R22).
+    pushes: dict[tuple[int, int], _PendingPush] = field(default_factory=dict)
+    in_place: bool = False  # results land in the input: keep a chunk's input before its result lands
 
 
 @dataclass
@@ -127,6 +130,8 @@ class _PendingPush:
     op_code: wire.ReduceOp
     root: int
     sends_payload: bool
+    # The chunk's input, copied before an in-place result overwrote it, for a resend (R22).
+    saved: np.ndarray | None = None
 
 
 class _Stream:
@@ -155,6 +160,8 @@ class _Stream:
         self.events = 0  # what the loop's selector watches
         self.want_write = False  # the writer holds frames the socket did not take (guarded by the I/O lock)
         self.dead = False
+        self.frames_received = 0  # RESULT frames read (or skipped) whole: what ACK frames report
+        self.frames_acked = 0
         # The result frame being received (see Client._on_result_header).
         self.result: _Incoming | None = None
         self.bitmap = bytearray(0)
@@ -218,6 +225,11 @@ class Client:
         self._closed = False
         self._streams: list[list[_Stream]] = []
         self._incarnations: list[int] = []
+        # Transparent recovery (R22), guarded by _dispatch_lock: reducer -> when its reconnect
+        # window closes; the thread that reconnects; streams it made, for the loop to install.
+        self._recovering: dict[int, float] = {}
+        self._reconnector: threading.Thread | None = None
+        self._reconnected: collections.deque[tuple[int, list[_Stream]]] = collections.deque()
         self._stop = threading.Event()
         self.bytes_pushed = 0
         self.bytes_pulled = 0
@@ -401,14 +413,16 @@ class Client:
                                             C.MIN_FULL_CHUNK_BYTES // item, self.config.chunks_per_span)
         ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // item)
         plan = chunker.plan(arr.size, len(reducers), chunk_elements, ramp_from, reducers)
+        if not plan:
+            # An empty contribution still makes the round trip, as one empty chunk where every
+            # non-empty contribution under this key has a chunk 0 (chunker.placement): a rank
+            # that passes nothing against one that passes data is then a mismatch on every rank
+            # (R23), never a success on one and a timeout on the other.
+            plan = [chunker.Chunk(reducers[0], 0, 0, 0)]
         now = time.monotonic()
         timeout = self.config.op_timeout if timeout is None else timeout
         op = _Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now,
-                 shape, given_out)
-        if not plan:
-            future.contributors = Contributors(self.world_size, self.world_size, tuple(range(self.world_size)))
-            future.set_result(out.reshape(shape) if given_out is None else given_out)
-            return future
+                 shape, given_out, in_place=given_out is not None and np.shares_memory(out, arr))
         with self._lock:
             if self._closed:
                 raise ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} is closed")
@@ -420,6 +434,7 @@ class Client:
         # window this keeps every reducer's flows in step (see DEFAULT_PUSH_WINDOW_CHUNKS).
         pushes = [_PendingPush(op, c, arr, wire_dt, wire_code, op_code, root, sends_payload)
                   for c in sorted(plan, key=lambda c: (c.index, c.reducer))]
+        op.pushes = {(p.chunk.reducer, p.chunk.index): p for p in pushes}
         with self._dispatch_lock:
             self._pending.extend(pushes)
             self._dispatch()
@@ -440,6 +455,8 @@ class Client:
                     if push.op.future.done():  # failed or timed out meanwhile: its chunks stay home
                         pending.popleft()
                         continue
+                    if push.chunk.reducer in self._recovering:
+                        return  # in order: everything waits until that reducer is back
                     stream = min(self._streams[push.chunk.reducer], key=lambda s: s.queued)
                     if window and stream.queued >= window:
                         return  # in order: a chunk for another reducer must not overtake this one
@@ -450,10 +467,14 @@ class Client:
                 self._dispatching = False
 
     def _send_push(self, stream: _Stream, p: _PendingPush) -> None:
-        c, arr, wire_dt = p.chunk, p.arr, p.wire_dt
+        c, wire_dt = p.chunk, p.wire_dt
+        if p.saved is not None:  # the input was overwritten by part of its result: send the copy
+            arr, c = p.saved, chunker.Chunk(c.reducer, c.index, 0, c.count)
+        else:
+            arr = p.arr
         nbytes = c.count * wire_dt.itemsize if p.sends_payload else 0
-        header = wire.push_header(wire.Push(p.op.key, stream.incarnation, arr.size, c.start, c.count, c.index, p.wire_code,
-                                            p.op_code, p.root), nbytes)
+        header = wire.push_header(wire.Push(p.op.key, stream.incarnation, p.arr.size, p.chunk.start, c.count, c.index,
+                                            p.wire_code, p.op_code, p.root), nbytes)
         payload: Any
         if not p.sends_payload:
             payload = None
@@ -518,16 +539,22 @@ class Client:
             op = self._ops.get(key)
         chunk = op.chunks.get((stream.reducer, chunk_index)) if op is not None else None
         if op is None or chunk is None:
+            stream.frames_received += 1
             return SKIP  # an operation that already failed or timed out
         # A chunk's result comes whole or in pieces that tile it in order.
         done, first_arrived = op.received.get((stream.reducer, chunk_index), (0, arrived))
-        if (offset != chunk.start + done or not 0 < count <= chunk.count - done
+        if (offset != chunk.start + done or not (0 < count <= chunk.count - done or count == chunk.count == 0)
                 or wire.numpy_dtype(wire.DType(raw_dtype)) != op.wire_dtype):
             self._fail_op(op, RemoteProtocolError(
                 f"reducer {stream.peer} answered with {count} elements at offset {offset}, expected at most "
                 f"{chunk.count - done} at {chunk.start + done}", peer=stream.peer, job=self.config.job, rank=self.rank,
                 key=_label(op.label), chunk=chunk_index))
+            stream.frames_received += 1
             return SKIP
+        if not done and op.in_place and self.config.reconnect_window > 0:
+            push = op.pushes.get((stream.reducer, chunk_index))
+            if push is not None and push.saved is None:  # keep the input this result overwrites (R22)
+                push.saved = push.arr[chunk.start : chunk.stop].copy()
         incoming = stream.result = _Incoming(op, chunk, offset, offset + count, contributors, bitmap_len,
                                              header.payload_len - bitmap_len, first_arrived, in_bitmap=bitmap_len > 0)
         if incoming.in_bitmap:
@@ -550,6 +577,7 @@ class Client:
             incoming.in_bitmap = False
             return self._result_target(stream, incoming)
         stream.result = None
+        stream.frames_received += 1
         self._finish_result(stream, incoming)
         if incoming.stop < incoming.chunk.stop:  # more pieces of this chunk: one wake-up for all of them
             stream.reader.expect_at_least((incoming.chunk.stop - incoming.stop) * incoming.op.wire_dtype.itemsize)
@@ -583,6 +611,7 @@ class Client:
             op.all_ranks &= ranks
             if not whole or op.chunks.pop(place, None) is None:
                 return
+            op.pushes.pop(place, None)
             done = not op.chunks
         if done:
             with self._lock:
@@ -601,6 +630,12 @@ class Client:
                 op.future.set_result(op.out.reshape(op.shape) if op.given_out is None else op.given_out)
 
     def _on_error_frame(self, stream: _Stream, frame: wire.Error) -> None:
+        if frame.code is wire.ErrorCode.SHUTDOWN and self.config.reconnect_window > 0:
+            # The reducer is stopping (a restart, a rolling update): what it failed is resent to
+            # it, or to its successor on the same address, once we are back (R22).
+            if frame.fatal:
+                self._lose_reducer(stream.reducer, f"reducer {stream.peer} is shutting down: {frame.message}")
+            return
         exc = self._error_from_frame(stream, frame)
         if frame.fatal:
             self._break(exc)
@@ -652,7 +687,120 @@ class Client:
             error = RemoteProtocolError(f"reducer {stream.peer} sent an invalid frame: {exc.detail}", **ctx)
         else:
             error = PeerLostError(f"lost reducer {stream.peer}: {exc.detail}", **ctx)
+        if self.config.reconnect_window > 0 and exc.kind not in ("protocol", "internal"):  # a bug is not a lost reducer
+            self._lose_reducer(stream.reducer, str(error))
+            return
         self._break(error)
+
+    # --- transparent recovery (RELIABILITY R22) ---
+
+    def _lose_reducer(self, reducer: int, why: str) -> None:
+        """A connection to ``reducer`` broke: close its streams and reconnect within the reconnect
+        window, then resend every chunk it has not answered. Any thread."""
+        with self._dispatch_lock:
+            if reducer in self._recovering or self._stop.is_set() or self._broken is not None:
+                return
+            self._recovering[reducer] = time.monotonic() + self.config.reconnect_window
+            if self._reconnector is None:
+                self._reconnector = threading.Thread(target=self._reconnect_loop, name="redsrv-reconnect", daemon=True)
+                self._reconnector.start()
+        log.warning("rank %d: %s; reconnecting (for up to %.0fs)", self.rank, why, self.config.reconnect_window)
+        for stream in self._streams[reducer]:
+            _shutdown(stream.sock)  # the loop sees it end and stops serving it
+
+    def _reconnect_loop(self) -> None:
+        """The reconnect thread: runs only while some reducer is lost."""
+        cfg = self.config
+        backoff = C.CONNECT_BACKOFF_INITIAL_S
+        while not self._stop.is_set():
+            with self._dispatch_lock:
+                lost = {r: d for r, d in self._recovering.items() if all(r != done for done, _ in self._reconnected)}
+                if not self._recovering:
+                    self._reconnector = None
+                    return
+            for reducer, deadline in lost.items():
+                address = cfg.reducers[reducer]
+                now = time.monotonic()
+                if now >= deadline:
+                    self._break(PeerLostError(f"lost reducer {address} and could not reconnect within the reconnect "
+                                              f"window of {cfg.reconnect_window:.1f}s", peer=address, job=cfg.job,
+                                              rank=cfg.rank, phase="reconnect", timeout=cfg.reconnect_window))
+                    with self._dispatch_lock:
+                        self._reconnector = None
+                    return
+                host, port = cfg.addresses()[reducer]
+                streams: list[_Stream] = []
+                try:
+                    attempt_deadline = min(deadline, now + cfg.connect_timeout)
+                    for index in range(cfg.streams_per_reducer):
+                        streams.append(self._connect_one(reducer, index, host, port, attempt_deadline, register=False))
+                    if len({st.incarnation for st in streams}) != 1:
+                        raise PeerLostError(f"reducer {address} restarted while we reconnected", peer=address)
+                except (AuthenticationError, JobMismatchError) as exc:
+                    self._close_streams(streams)
+                    self._break(exc)  # reconnecting cannot fix these
+                    with self._dispatch_lock:
+                        self._reconnector = None
+                    return
+                except RedsrvError as exc:
+                    self._close_streams(streams)
+                    log.info("rank %d: reconnecting to %s: %s", cfg.rank, address, exc)
+                    continue
+                with self._dispatch_lock:
+                    if self._stop.is_set():
+                        self._close_streams(streams)
+                        return
+                    self._reconnected.append((reducer, streams))
+                self._waker.wake()
+                backoff = C.CONNECT_BACKOFF_INITIAL_S
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
+
+    @staticmethod
+    def _close_streams(streams: list[_Stream]) -> None:
+        for stream in streams:
+            _shutdown(stream.sock)
+            stream.sock.close()
+
+    def _install_reconnected(self) -> None:
+        """On the loop: serve the streams the reconnect thread made, and resend, in their
+        original order and ahead of newer work, the chunks of the reducer that are unanswered."""
+        while True:
+            with self._dispatch_lock:
+                if not self._reconnected:
+                    return
+                reducer, streams = self._reconnected.popleft()
+                old = self._streams[reducer]
+                self._streams[reducer] = streams
+            for stream in old:
+                self._abandon(stream)
+                try:
+                    stream.sock.close()
+                except OSError:
+                    pass
+            for stream in streams:
+                self._set_events(stream, selectors.EVENT_READ)
+            restarted = streams[0].incarnation != self._incarnations[reducer]
+            self._incarnations[reducer] = streams[0].incarnation
+            with self._lock:
+                ops = list(self._ops.values())
+            with self._dispatch_lock:
+                queued = {(id(p.op), p.chunk.reducer, p.chunk.index) for p in self._pending}
+                resend: list[_PendingPush] = []
+                for op in ops:
+                    with op.lock:
+                        places = [place for place in op.chunks if place[0] == reducer]
+                    for place in places:
+                        op.received.pop(place, None)  # its result comes again from the chunk's start
+                        push = op.pushes.get(place)
+                        if push is not None and (id(op), *place) not in queued:
+                            resend.append(push)
+                resend.sort(key=lambda p: (p.op.started, p.chunk.index))
+                self._pending.extendleft(reversed(resend))
+                del self._recovering[reducer]
+            log.warning("rank %d: reconnected to reducer %s (%s); resending %d chunk(s)", self.rank,
+                        self.config.reducers[reducer], "restarted" if restarted else "same incarnation", len(resend))
+            self._dispatch()
 
     def _break(self, error: BaseException) -> None:
         """A connection failed: the client is broken. Fail everything, close every stream."""
@@ -710,6 +858,8 @@ class Client:
                         self._serve(stream, mask)
                 if self._wants_write:
                     self._watch_writes()
+                if self._reconnected:
+                    self._install_reconnected()
                 if self._now >= next_tick:
                     next_tick = self._now + C.TICK_INTERVAL_S
                     self._tick()
@@ -735,7 +885,7 @@ class Client:
             self._stream_broken(stream, exc, direction)
         except Exception as exc:  # a bug while serving one stream must still fail its operations
             log.exception("serving reducer %s failed", stream.peer)
-            self._stream_broken(stream, ConnectionBroken("reset", f"internal error: {exc!r}"), direction)
+            self._stream_broken(stream, ConnectionBroken("internal", f"internal error: {exc!r}"), direction)
 
     def _tick(self) -> None:
         """Deadlines: operations, reducers that went silent or stopped reading, heartbeats."""
@@ -760,7 +910,11 @@ class Client:
                 except ConnectionBroken as exc:
                     self._stream_broken(stream, exc, "pull")
                     continue
-                if not writer.out and now - writer.last_send >= stream.heartbeat:
+                if stream.frames_received != stream.frames_acked and self.config.reconnect_window > 0:
+                    # The reducer keeps each result until it hears we have it (R22).
+                    stream.frames_acked = stream.frames_received
+                    self._send_frame(stream, [memoryview(wire.encode(wire.Ack(stream.frames_acked)))], None)
+                elif not writer.out and now - writer.last_send >= stream.heartbeat:
                     self._send_frame(stream, [memoryview(_HEARTBEAT)], None)
 
     def _send_frame(self, stream: _Stream, views: Any, done: Any) -> None:
@@ -859,7 +1013,8 @@ class Client:
                                     job=cfg.job, rank=cfg.rank, phase="connect")
             self._incarnations.append(streams[0].incarnation)
 
-    def _connect_one(self, reducer: int, index: int, host: str, port: int, deadline: float) -> _Stream:
+    def _connect_one(self, reducer: int, index: int, host: str, port: int, deadline: float, *,
+                     register: bool = True) -> _Stream:
         cfg = self.config
         address = cfg.reducers[reducer]
         backoff = C.CONNECT_BACKOFF_INITIAL_S
@@ -886,7 +1041,8 @@ class Client:
             set_send_lowat(sock, cfg.send_lowat_bytes)
             sock.setblocking(False)
             stream = _Stream(self, reducer, index, sock, incarnation, heartbeat, time.monotonic())
-            self._set_events(stream, selectors.EVENT_READ)  # before the loop starts: no race
+            if register:
+                self._set_events(stream, selectors.EVENT_READ)  # before the loop starts: no race
             return stream
         except BaseException:
             _shutdown(sock)
@@ -898,7 +1054,8 @@ class Client:
         exchange; returns the reducer's incarnation and the heartbeat interval to use."""
         cfg = self.config
         hello = wire.Hello(cfg.job, cfg.rank, cfg.world_size, self.session, auth.new_nonce(), cfg.mode,
-                           cfg.min_contributors, int(cfg.deadline * 1000), int(cfg.op_timeout * 1000))
+                           cfg.min_contributors, int(cfg.deadline * 1000), int(cfg.op_timeout * 1000),
+                           int(cfg.reconnect_window * 1000))
         ctx: dict[str, Any] = dict(peer=address, job=cfg.job, rank=cfg.rank, phase="handshake", timeout=cfg.handshake_timeout)
         handshake = ClientHandshake(hello, secret=cfg.secret)
         deadline = time.monotonic() + cfg.handshake_timeout
@@ -972,6 +1129,13 @@ class Client:
                     s.sock.close()
                 except OSError:
                     pass
+        reconnector = self._reconnector
+        if reconnector is not None and reconnector is not threading.current_thread():
+            reconnector.join(max(0.0, deadline - time.monotonic()))  # it sees _stop within a connect attempt
+        with self._dispatch_lock:
+            for _reducer, streams in self._reconnected:
+                self._close_streams(streams)
+            self._reconnected.clear()
         if on_loop:
             self._teardown_on_loop = True  # the loop returns after this turn and closes the selector
         else:

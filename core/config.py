@@ -250,6 +250,7 @@ class Config:
     connect_timeout: float = C.DEFAULT_CONNECT_TIMEOUT_S
     handshake_timeout: float = C.DEFAULT_HANDSHAKE_TIMEOUT_S
     op_timeout: float = C.DEFAULT_OP_TIMEOUT_S
+    reconnect_window: float = C.DEFAULT_RECONNECT_WINDOW_S  # 0: a lost reducer fails the operations at once
     heartbeat_interval: float = C.DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_misses: int = C.DEFAULT_HEARTBEAT_MISSES
     close_timeout: float = C.DEFAULT_CLOSE_TIMEOUT_S
@@ -296,7 +297,7 @@ class Config:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_frame_payload:
             raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) exceeds max_frame_payload ({self.max_frame_payload})")
-        for name in ("push_window_chunks", "send_lowat_bytes", "result_piece_bytes"):
+        for name in ("push_window_chunks", "send_lowat_bytes", "result_piece_bytes", "reconnect_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         if self.tcp_congestion is not None:
@@ -358,6 +359,7 @@ class DaemonSettings:
     send_stall_timeout: float = C.DEFAULT_SEND_STALL_S  # a peer that takes none of our bytes this long is dropped
     budget_wait_timeout: float = C.DEFAULT_OP_TIMEOUT_S  # a push waits this long at most for budget to free up
     max_op_timeout: float = C.DEFAULT_MAX_OP_TIMEOUT_S  # cap on the operation timeout a worker asks for
+    rejoin_grace: float = C.DEFAULT_REJOIN_GRACE_S  # how long a reconnecting rank's place is kept
     close_timeout: float = C.DEFAULT_CLOSE_TIMEOUT_S
     stall_warning: float = C.DEFAULT_STALL_WARNING_S
     max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
@@ -375,7 +377,7 @@ class DaemonSettings:
         if self.tcp_congestion is not None:
             object.__setattr__(self, "tcp_congestion", congestion_setting(self.tcp_congestion))
         require_positive(self, ("handshake_timeout", "heartbeat_interval", "send_stall_timeout", "budget_wait_timeout",
-                                "max_op_timeout", "close_timeout", "stall_warning"))
+                                "max_op_timeout", "close_timeout", "stall_warning", "rejoin_grace"))
         for name in ("heartbeat_misses", "max_frame_payload", "job_budget_bytes", "memory_budget_bytes", "max_connections",
                      "max_pending_handshakes"):
             if not getattr(self, name) >= 1:

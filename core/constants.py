@@ -12,7 +12,8 @@ MAGIC = b"RDSV"
 
 #: Bumped on any incompatible change to a header layout or to what a frame means; checked in
 #: every frame. 2: a chunk's result may arrive as several RESULT frames, in order (cut-through).
-PROTOCOL_VERSION = 2
+#: 3: HELLO carries the client's reconnect window, ACK frames, more ops and dtypes.
+PROTOCOL_VERSION = 3
 
 #: Default reducer port. Unassigned by IANA and above the ephemeral-port floor on most Linux
 #: configurations would be a trap, so it sits below 32768.
@@ -186,3 +187,13 @@ POOL_KEEP_PER_SIZE = 64
 #: Pool buffers unused this long are returned to the system, so RSS goes back near its baseline
 #: after a burst or an attack (R21); a training loop reuses its buffers every step, far sooner.
 POOL_IDLE_RELEASE_S = 5.0
+
+#: How long a worker keeps reconnecting to a reducer it lost before its operations fail with
+#: PeerLostError (RELIABILITY R22): long enough for a Kubernetes pod to be restarted.
+DEFAULT_RECONNECT_WINDOW_S = 120.0
+
+#: How long a reducer keeps the place of a rank whose connections broke, for the same client to
+#: reconnect (at most the client's own window). A live client is back within its backoff (at most
+#: CONNECT_BACKOFF_MAX_S) plus a handshake; a worker that died is declared lost after it, so the
+#: rest of its job hears of it this much later than without reconnects.
+DEFAULT_REJOIN_GRACE_S = 2 * CONNECT_BACKOFF_MAX_S

@@ -60,6 +60,9 @@ __all__ = ["ReducerDaemon", "DaemonSettings"]
 log = logging.getLogger("redsrv.reducer")
 
 
+#: Where the bytes a resent push repeats are read to be dropped (R22).
+_RESENT_SCRATCH = memoryview(bytearray(256 * 1024))
+
 #: Frames handled per connection per wake-up before the loop serves the others.
 _FRAMES_PER_TURN = 16
 #: Budget backpressure: how often a worker over its job's budget is retried.
@@ -91,9 +94,12 @@ class _Conn:
                                   data_frame=wire.FrameType.PUSH, sender="a worker after the handshake",
                                   on_header=functools.partial(daemon._begin_push, self),
                                   on_payload=functools.partial(daemon._on_payload, self),
-                                  on_error=functools.partial(daemon._on_error, self))
+                                  on_error=functools.partial(daemon._on_error, self),
+                                  on_ack=functools.partial(daemon._on_ack, self))
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
+        self.skip_left = 0  # bytes of the current (resent) push still to read and drop
+        self.in_data = False  # the current push's bytes now land in its buffer
         self.blocked_until: float | None = None  # over the job's budget: not reading until then at most
         self.events = 0
         self.closing_until: float | None = None  # sending a final frame, then closed
@@ -110,7 +116,7 @@ class ReducerDaemon:
         self.core = ReducerCore(
             self.incarnation, job_budget_bytes=self.settings.job_budget_bytes,
             memory_budget_bytes=self.settings.memory_budget_bytes, stall_warning=self.settings.stall_warning,
-            piece_bytes=self.settings.result_piece_bytes,
+            piece_bytes=self.settings.result_piece_bytes, rejoin_grace=self.settings.rejoin_grace,
         )
         # Guards the state machine against snapshot() from the metrics thread; the loop is its
         # only other user, so it is never contended on the data path.
@@ -421,7 +427,7 @@ class ReducerDaemon:
 
     def _join(self, conn: _Conn, hello: wire.Hello) -> None:
         with self._lock:
-            actions = self.core.join(conn.id, hello)
+            actions = self.core.join(conn.id, hello, peer=conn.peer, now=self._now)
         refusal = next((a for a in actions if isinstance(a, SendError) and a.conn == conn.id), None)
         if refusal is not None:
             log.warning("connection %s rejected: %s", conn.label, refusal.frame.message)
@@ -447,20 +453,29 @@ class ReducerDaemon:
     def _receive(self, conn: _Conn) -> None:
         conn.reader.read(self._now, _FRAMES_PER_TURN)
         ticket = conn.ticket
-        if ticket is not None and ticket.part is not None:  # cut-through: part of a payload is in
+        if ticket is not None and ticket.part is not None and conn.in_data:  # cut-through: part of a payload is in
             received = conn.reader.payload_received
             if received:
+                received += ticket.skip
                 with self._lock:
                     actions = self.core.progress(ticket, received, self._now)
                 self._execute(actions)
 
-    def _on_payload(self, conn: _Conn) -> None:
+    def _on_payload(self, conn: _Conn) -> tuple[memoryview, str] | None:
+        more = self._push_target(conn)
+        if more is not None:
+            return more
         ticket = conn.ticket
         assert ticket is not None
         conn.ticket = None
         with self._lock:
             actions = self.core.finish_push(ticket, self._now)
         self._execute(actions)
+        return None
+
+    def _on_ack(self, conn: _Conn, frames: int) -> None:
+        with self._lock:
+            self.core.ack(conn.id, frames)
 
     def _on_error(self, conn: _Conn, frame: wire.Error) -> None:
         raise _Rejected(f"worker reported: {frame.message}")
@@ -470,6 +485,10 @@ class ReducerDaemon:
         the connection stops being read (TCP backpressure) and the push is retried."""
         push = wire.parse_payload(header, b"")
         assert isinstance(push, wire.Push)
+        with self._lock:
+            obsolete = self.core.superseded(conn.id, push)
+        if obsolete is not None and obsolete in self._conns:
+            self._close(self._conns[obsolete], "superseded by a new connection of the same client (it reconnected)")
         with self._lock:
             outcome = self.core.begin_push(conn.id, push, header.payload_len, self._now)
         if outcome is None:
@@ -489,8 +508,26 @@ class ReducerDaemon:
             self._execute(outcome)
             return SKIP
         conn.ticket = outcome
-        buffer = outcome.buffer
-        return (memoryview(b"") if buffer is None else buffer.data.cast("B")), f"push payload (key {push.key:#x} chunk {push.chunk})"
+        conn.skip_left, conn.in_data = outcome.skip, False
+        if outcome.replay:
+            self._execute(outcome.replay)
+        return self._push_target(conn) or (memoryview(b""), f"push payload (key {push.key:#x} chunk {push.chunk})")
+
+    def _push_target(self, conn: _Conn) -> tuple[memoryview, str] | None:
+        """Where the next bytes of the current push go: a scratch area for the bytes a resent
+        push repeats (already in its buffer, R22), then the buffer; ``None`` when it is all in."""
+        ticket = conn.ticket
+        assert ticket is not None
+        what = f"push payload (key {ticket.push.key:#x} chunk {ticket.push.chunk})"
+        if conn.skip_left:
+            n = min(conn.skip_left, len(_RESENT_SCRATCH))
+            conn.skip_left -= n
+            return _RESENT_SCRATCH[:n], what
+        if not conn.in_data:
+            conn.in_data = True
+            if ticket.buffer is not None and ticket.skip < ticket.buffer.nbytes:
+                return ticket.buffer.data.cast("B")[ticket.skip :], what
+        return None
 
     def _retry_blocked(self) -> None:
         for conn in list(self._blocked):

@@ -20,6 +20,7 @@ last frame is taken from the socket.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -171,8 +172,7 @@ class ServerHandshake(_Side):
 
 
 def _with_op_timeout(hello: wire.Hello, op_timeout_ms: int) -> wire.Hello:
-    return wire.Hello(hello.job, hello.rank, hello.world_size, hello.session, hello.nonce, hello.mode,
-                      hello.min_contributors, hello.deadline_ms, op_timeout_ms)
+    return dataclasses.replace(hello, op_timeout_ms=op_timeout_ms)
 
 
 class ClientHandshake(_Side):

@@ -139,6 +139,8 @@ class BufferPool:
         return np.empty(nbytes, dtype=np.uint8)
 
     def give(self, buffer: np.ndarray) -> None:
+        if not buffer.nbytes:
+            return
         with self._lock:
             self._last_taken[buffer.nbytes] = self._clock  # idle from now: released if nobody takes it
             free = self._free.setdefault(buffer.nbytes, [])
@@ -192,6 +194,7 @@ class _Part:
     shared: _SharedBuffer
     chunk: _OpenChunk | None  # None once the chunk closed or failed
     received: int = 0  # payload bytes in the buffer
+    writing: bool = True  # a push is receiving into the buffer (False: its connection broke)
 
 
 # --- state ----------------------------------------------------------------------------------
@@ -219,6 +222,21 @@ class JobParams:
 class _Member:
     session: int
     conns: set[int] = field(default_factory=set)
+    grace: float = 0.0  # seconds its place is kept after its last connection ends (0: none)
+    left_at: float | None = None  # when its last connection ended, while its place is kept
+    peer: str = "?"
+
+
+@dataclass
+class _Delivery:
+    """A chunk's whole result sent to a rank and not yet acknowledged (wire.Ack). Kept, with a
+    reference on its buffer, so that a rank whose connection broke can be answered again (R22)."""
+
+    last_frame: int  # the connection's RESULT frame count once this chunk's last frame was sent
+    chunk_key: tuple[int, int]
+    header: bytes  # a RESULT header for the whole chunk
+    data: memoryview
+    shared: _SharedBuffer
 
 
 @dataclass(frozen=True)
@@ -274,6 +292,9 @@ class _Job:
     params: JobParams
     members: dict[int, _Member] = field(default_factory=dict)
     lost: dict[int, str] = field(default_factory=dict)  # rank -> why
+    # Whole results a rank's connection did not acknowledge before it broke, kept while the
+    # rank's place is: rank -> chunk key -> delivery.
+    undelivered: dict[int, dict[tuple[int, int], _Delivery]] = field(default_factory=dict)
     open: dict[tuple[int, int], _OpenChunk] = field(default_factory=dict)
     closed: OrderedDict[tuple[int, int], _Closed] = field(default_factory=OrderedDict)
     # The closed chunks that were given a result to keep, oldest first, so that the periodic tick
@@ -327,6 +348,11 @@ class PushTicket:
     buffer: np.ndarray | None  # receive payload_len bytes here (None: no payload)
     late: bool = False  # the chunk already closed; payload is read and dropped
     part: _Part | None = None  # summed piece by piece: report arrivals with ReducerCore.progress
+    # A rank resending after a reconnect (R22): the first ``skip`` payload bytes are already in
+    # ``buffer`` and are read and dropped; the rest is received at ``buffer[skip:]``.
+    skip: int = 0
+    resent: bool = False  # a whole contribution the chunk already has: read and dropped
+    replay: list[Action] = field(default_factory=list)  # to run when the ticket is handed out
 
 
 @dataclass
@@ -334,6 +360,8 @@ class _Conn:
     job: str
     rank: int
     session: int
+    frames_sent: int = 0  # RESULT frames sent on this connection, counted as the client counts them
+    unacked: deque[_Delivery] = field(default_factory=deque)
 
 
 class ReducerCore:
@@ -348,6 +376,7 @@ class ReducerCore:
         memory_budget_bytes: int = C.DEFAULT_MEMORY_BUDGET_BYTES,
         stall_warning: float = C.DEFAULT_STALL_WARNING_S,
         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES,
+        rejoin_grace: float = C.DEFAULT_REJOIN_GRACE_S,
         pool: BufferPool | None = None,
     ) -> None:
         self.incarnation = incarnation
@@ -359,6 +388,7 @@ class ReducerCore:
         self.waiting_for_reducer = False  # ...and whether it is the reducer-wide budget
         self.stall_warning = stall_warning
         self.piece_bytes = piece_bytes  # 0: forward whole chunks only
+        self.rejoin_grace = rejoin_grace  # the longest a rank's place is kept for its reconnect
         self.pool = pool or BufferPool(max_free_bytes=memory_budget_bytes)
         self._widened = np.empty(0, dtype=np.uint8)  # float32 scratch for summing 16-bit pieces
         self._jobs: dict[str, _Job] = {}
@@ -367,8 +397,13 @@ class ReducerCore:
 
     # --- membership ---
 
-    def join(self, conn: int, hello: Hello) -> list[Action]:
-        """A worker connection completed its handshake. Returns errors if it cannot join."""
+    def join(self, conn: int, hello: Hello, *, peer: str = "?", now: float = 0.0) -> list[Action]:
+        """A worker connection completed its handshake. Returns errors if it cannot join.
+
+        One live client per (job, rank) (R23): a connection of another session for a rank
+        whose client is still connected is refused, naming both peers. The same session
+        joining again is that client reconnecting (R22): the rank keeps its place, and what it
+        resends is matched with what the reducer already has."""
         params = JobParams.from_hello(hello)
         job = self._jobs.get(hello.job)
         if job is None:
@@ -380,51 +415,109 @@ class ReducerCore:
                 if getattr(job.params, name) != getattr(params, name)
             ]
             message = f"job {hello.job!r} parameters differ: " + "; ".join(diffs)
-            if not any(m.conns for m in job.members.values()):
+            if not job.members:
                 job.params = params  # nobody left to disagree with: the newcomer defines the job
             else:
                 return [SendError(conn, Error(ErrorCode.JOB_MISMATCH, True, message), close_after=True)]
         actions: list[Action] = []
         member = job.members.get(hello.rank)
         if member is not None and member.session != hello.session:
-            # The rank restarted: its old connections are dead weight; drop them.
-            for old in sorted(member.conns):
-                actions.append(SendError(old, Error(ErrorCode.PEER_LOST, True, f"rank {hello.rank} of job {hello.job!r} reconnected with a new session"), close_after=True))
-                self._conns.pop(old, None)
+            if member.conns:
+                message = (f"rank {hello.rank} of job {hello.job!r} is held by a live client at {member.peer} (session "
+                           f"{member.session:#x}); a second client at {peer} (session {hello.session:#x}) claimed it: "
+                           "each rank needs a client of its own")
+                return [SendError(conn, Error(ErrorCode.JOB_MISMATCH, True, message), close_after=True)]
+            # The rank's place was kept for a reconnect, and a new client came instead: the
+            # worker restarted, and what its old session had sent is void.
+            actions += self._lose(job, hello.rank, f"rank {hello.rank} of job {hello.job!r} restarted with a new session", now)
             member = None
         if member is None:
-            member = job.members[hello.rank] = _Member(hello.session)
+            grace = min(hello.reconnect_window_ms / 1000, self.rejoin_grace)
+            member = job.members[hello.rank] = _Member(hello.session, grace=grace, peer=peer)
+        elif member.left_at is not None:
+            actions.append(Log("info", f"rank {hello.rank} of job {hello.job!r} reconnected from {peer} after "
+                                       f"{now - member.left_at:.3f}s"))
+            member.left_at = None
         member.conns.add(conn)
+        member.peer = peer
         job.lost.pop(hello.rank, None)
         self._conns[conn] = _Conn(hello.job, hello.rank, hello.session)
         return actions
 
+    def ack(self, conn: int, frames: int) -> None:
+        """The worker on ``conn`` has the first ``frames`` RESULT frames sent on it: the whole
+        results among them need not be kept any longer."""
+        info = self._conns.get(conn)
+        if info is None:
+            return
+        unacked = info.unacked
+        while unacked and unacked[0].last_frame <= frames:
+            unacked.popleft().shared.release()
+
     def leave(self, conn: int, reason: str, now: float) -> list[Action]:
-        """A connection closed or failed. When a rank loses its last connection the job's open
-        chunks that still need it fail, naming the rank (modes that tolerate stragglers carry on
-        as long as a quorum can still form)."""
+        """A connection closed or failed. A rank whose client reconnects (its HELLO gave a
+        reconnect window) keeps its place for the rejoin grace: its open contributions stay, and
+        the results it did not acknowledge are kept for it. Otherwise, when a rank loses its
+        last connection, the job's open chunks that still need it fail, naming the rank (modes
+        that tolerate stragglers carry on as long as a quorum can still form)."""
         info = self._conns.pop(conn, None)
         if info is None:
             return []
         job = self._jobs.get(info.job)
-        if job is None:
+        member = None if job is None else job.members.get(info.rank)
+        if job is None or member is None or member.session != info.session:
+            self._release_unacked(info)
             return []
-        member = job.members.get(info.rank)
-        actions: list[Action] = []
-        if member is None or member.session != info.session:
-            return actions
         member.conns.discard(conn)
+        why = f"rank {info.rank} of job {info.job!r} disconnected ({reason})"
+        if member.grace > 0:
+            undelivered = job.undelivered.setdefault(info.rank, {})
+            for delivery in info.unacked:
+                kept = undelivered.pop(delivery.chunk_key, None)
+                if kept is not None:
+                    kept.shared.release()
+                undelivered[delivery.chunk_key] = delivery
+            info.unacked.clear()
+            if member.conns or member.left_at is not None:
+                return []
+            member.left_at = now
+            return [Log("info", f"{why}; its place is kept for {member.grace:.1f}s while it reconnects")]
+        self._release_unacked(info)
         # One broken stream means the client is broken: drop its siblings too.
+        actions: list[Action] = []
         for sibling in sorted(member.conns):
-            self._conns.pop(sibling, None)
+            sibling_info = self._conns.pop(sibling, None)
+            if sibling_info is not None:
+                self._release_unacked(sibling_info)
             actions.append(CloseConnection(sibling))
         member.conns.clear()
-        del job.members[info.rank]
-        why = f"rank {info.rank} of job {info.job!r} disconnected ({reason})"
-        job.lost[info.rank] = why
+        return actions + self._lose(job, info.rank, why, now)
+
+    @staticmethod
+    def _release_unacked(info: _Conn) -> None:
+        while info.unacked:
+            info.unacked.popleft().shared.release()
+
+    def _lose(self, job: _Job, rank: int, why: str, now: float) -> list[Action]:
+        """Rank ``rank`` is gone for good: fail what needed it, drop what was kept for it."""
+        member = job.members.pop(rank, None)
+        if member is not None:
+            for conn in member.conns:
+                info = self._conns.pop(conn, None)
+                if info is not None:
+                    self._release_unacked(info)
+        for delivery in job.undelivered.pop(rank, {}).values():
+            delivery.shared.release()
+        for chunk in job.open.values():  # contributions of the old session that never finished
+            part = chunk.parts.get(rank) if chunk.parts is not None else None
+            if part is not None and not part.writing and part.received < part.shared.buffer.nbytes:
+                del chunk.parts[rank]
+                part.chunk = None
+                part.shared.release()
+        job.lost[rank] = why
         for closed in job.retained:  # results kept for this rank will not be collected
             if closed.result is not None:
-                closed.answered |= 1 << info.rank
+                closed.answered |= 1 << rank
                 if bin(closed.answered).count("1") >= job.params.world_size:
                     self._drop_retained(closed)
         failed: list[Action] = []
@@ -432,7 +525,7 @@ class ReducerCore:
             if self._can_still_close(job, chunk):
                 continue
             failed += self._fail(job, chunk_key, ErrorCode.PEER_LOST, f"{why}; chunk cannot complete", now)
-        actions.append(Log("warning" if failed else "info", why))
+        actions: list[Action] = [Log("warning" if failed else "info", why)]
         actions += failed
         if not job.members and not self._keeps_results(job):
             self._drop_job(job)
@@ -455,6 +548,10 @@ class ReducerCore:
     def _drop_job(self, job: _Job) -> None:
         for chunk in job.open.values():
             self._free_chunk(job, chunk)
+        for kept in job.undelivered.values():
+            for delivery in kept.values():
+                delivery.shared.release()
+        job.undelivered.clear()
         for closed in job.retained:
             if closed.result is not None:
                 closed.result.release()
@@ -480,6 +577,10 @@ class ReducerCore:
         if closed is not None:
             return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), late=True)
         chunk = job.open.get(chunk_key)
+        if chunk is not None:
+            resumed = self._resume(job, chunk, conn, info.rank, push, payload_len)
+            if resumed is not None:
+                return resumed
         # Over a budget: no new chunks until held memory (open chunks, results still being sent,
         # results kept for stragglers) drains. Pushes to open chunks always proceed: they are
         # what closes chunks and frees memory.
@@ -493,11 +594,96 @@ class ReducerCore:
             self.waiting_for_reducer = True
             return None
         ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
-        if job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST:  # combined as it arrives (report_piece_bytes)
+        if job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST and push.count:  # combined as it arrives
             refused = self._attach(job, ticket, now)
             if refused:
                 return refused
         return ticket
+
+    def superseded(self, conn: int, push: Push) -> int | None:
+        """The connection that ``push`` makes obsolete, if any: another connection of the same
+        client that carried this chunk, which the client gave up on when it reconnected (it
+        never sends one chunk on two live connections). A frozen reducer may not have noticed
+        yet that it ended; the daemon closes it before handling the push (R22)."""
+        info = self._conns.get(conn)
+        job = None if info is None else self._jobs.get(info.job)
+        member = None if job is None or info is None else job.members.get(info.rank)
+        if info is None or job is None or member is None or member.grace <= 0:
+            return None
+        chunk_key = (push.key, push.chunk)
+        chunk = job.open.get(chunk_key)
+        if chunk is not None:
+            old = chunk.conns.get(info.rank)
+            old_info = None if old is None or old == conn else self._conns.get(old)
+            return old if old_info is not None and old_info.session == info.session else None
+        if chunk_key in job.closed:
+            for other in member.conns:
+                other_info = self._conns.get(other)
+                if other != conn and other_info is not None and any(d.chunk_key == chunk_key for d in other_info.unacked):
+                    return other
+        return None
+
+    def _resume(self, job: _Job, chunk: _OpenChunk, conn: int, rank: int, push: Push, payload_len: int) -> PushTicket | None:
+        """A rank pushes to an open chunk it already contributed to, or began to, on a new
+        connection of the same client: it reconnected and resends what it has no result for
+        (R22). Its contribution continues where the broken connection left it (what is already
+        in is read and dropped), its answers go to the new connection, and the sums the chunk
+        already sent are sent again there. ``None``: not such a resend (the usual rules apply,
+        which report a mismatch or a duplicate)."""
+        member = job.members.get(rank)
+        shape = _Shape(push.total, push.offset, push.count, push.dtype, push.op, push.root)
+        if member is None or member.grace <= 0 or chunk.shape != shape or chunk.conns.get(rank) == conn:
+            return None
+        part = chunk.parts.get(rank) if chunk.parts is not None else None
+        if part is not None:
+            if part.writing:
+                return None  # a push of this rank is still arriving: a real duplicate
+            part.writing = True
+            part.shared.retain(1)  # the new push's reference, released when it ends
+            chunk.conns[rank] = conn
+            ticket = PushTicket(conn, job.name, rank, push, part.shared.buffer, part=part, skip=part.received)
+            if chunk.forwarded:
+                assert chunk.parts is not None
+                out = chunk.parts[0].shared  # rank 0's buffer holds the sums sent so far
+                item = numpy_dtype(shape.dtype).itemsize
+                world = job.params.world_size
+                result = Result(chunk.key, shape.offset, chunk.forwarded // item, chunk.chunk, shape.dtype, world,
+                                bitmap_from_ranks((1 << world) - 1, world))
+                ticket.replay.append(self._send_to([conn], result_header(result, chunk.forwarded),
+                                                   out.buffer[: chunk.forwarded].data, out))
+            return ticket
+        if chunk.contributors >> rank & 1:  # its whole contribution is in: read the resend and drop it
+            chunk.conns[rank] = conn
+            return PushTicket(conn, job.name, rank, push, None, skip=payload_len, resent=True)
+        return None
+
+    def _send_to(self, targets: list[int], header: bytes, data: memoryview, shared: _SharedBuffer) -> SendResult:
+        """One RESULT frame to each connection in ``targets``, counted per connection (the count
+        that ACK frames acknowledge); takes a reference on ``shared`` for each."""
+        shared.retain(len(targets))
+        for conn in targets:
+            self._conns[conn].frames_sent += 1
+        return SendResult(targets, header, data, shared.release)
+
+    def _track(self, job: _Job, chunk: _OpenChunk, header: bytes, data: memoryview, shared: _SharedBuffer) -> None:
+        """A chunk's last RESULT frame was sent: keep its whole result for every rank whose client
+        reconnects, until that rank acknowledges it, or for the rank's return when its
+        connection is already gone."""
+        chunk_key = (chunk.key, chunk.chunk)
+        for rank, conn in chunk.conns.items():
+            member = job.members.get(rank)
+            if member is None or member.grace <= 0:
+                continue
+            shared.retain(1)
+            info = self._conns.get(conn)
+            if info is not None:
+                info.unacked.append(_Delivery(info.frames_sent, chunk_key, header, data, shared))
+                continue
+            undelivered = job.undelivered.setdefault(rank, {})
+            kept = undelivered.pop(chunk_key, None)
+            if kept is not None:
+                kept.shared.release()
+            undelivered[chunk_key] = _Delivery(0, chunk_key, header, data, shared)
 
     def report_piece_bytes(self, mode: StragglerMode) -> int:
         """How much of a push's payload the daemon should let arrive between :meth:`progress`
@@ -570,8 +756,9 @@ class ReducerCore:
     def _check_push(self, job: _Job, rank: int, push: Push, now: float) -> Error | None:
         if push.incarnation != self.incarnation:
             return Error(ErrorCode.STALE, False, f"push for incarnation {push.incarnation:#x} reached incarnation {self.incarnation:#x} (the reducer restarted)", push.key, push.chunk)
-        if push.count == 0:
-            return Error(ErrorCode.CONTRIBUTION_MISMATCH, False, "push of zero elements (empty chunks are never sent)", push.key, push.chunk)
+        if push.count == 0 and push.total != 0:
+            return Error(ErrorCode.CONTRIBUTION_MISMATCH, False, f"push of zero elements of a {push.total}-element operation "
+                         "(only an empty operation sends an empty chunk)", push.key, push.chunk)
         if push.op is ReduceOp.BROADCAST and push.root >= job.params.world_size:
             return Error(ErrorCode.CONTRIBUTION_MISMATCH, False, f"broadcast root {push.root} is not a rank of a {job.params.world_size}-rank job", push.key, push.chunk)
         if job.lost and job.params.mode is StragglerMode.ALL and (push.key, push.chunk) not in job.closed:
@@ -586,6 +773,13 @@ class ReducerCore:
             return
         ticket.buffer = None
         chunk = part.chunk
+        job = self._jobs.get(ticket.job)
+        member = None if job is None else job.members.get(part.rank)
+        info = self._conns.get(ticket.conn)
+        if chunk is not None and member is not None and member.grace > 0 and info is not None and info.session == member.session:
+            part.writing = False  # kept, with what arrived, for the rank's reconnect (R22)
+            part.shared.release()  # the push's reference
+            return
         if chunk is not None:  # the chunk now lacks this rank: the rank's departure fails it
             assert chunk.parts is not None
             del chunk.parts[part.rank]
@@ -612,6 +806,8 @@ class ReducerCore:
         job = self._jobs.get(ticket.job)
         if ticket.part is not None:
             return self._finish_part(job, ticket, now)
+        if ticket.resent:
+            return []  # the chunk had this contribution; its answer now goes to this connection
         if job is None or ticket.conn not in self._conns:
             self._give(job, ticket.buffer)
             return []
@@ -644,6 +840,7 @@ class ReducerCore:
         part = ticket.part
         assert part is not None
         ticket.buffer = None
+        part.writing = False
         part.shared.release()  # the daemon is done writing into it
         chunk = part.chunk
         if job is None or chunk is None or ticket.conn not in self._conns:
@@ -672,6 +869,11 @@ class ReducerCore:
         if ready > start and (ready == size or (self.piece_bytes and ready - start >= self.piece_bytes)):
             actions += self._send_piece(job, chunk, start, ready)
         if chunk.forwarded == size and chunk.contributors == (1 << world) - 1:  # every push ended
+            shape = chunk.shape
+            whole = Result(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype, world,
+                           bitmap_from_ranks((1 << world) - 1, world))
+            out = parts[0].shared
+            self._track(job, chunk, result_header(whole, size), out.buffer[:size].data, out)
             del job.open[(chunk.key, chunk.chunk)]
             stats = self.stats(job.name)
             stats.chunks_closed += 1
@@ -695,8 +897,7 @@ class ReducerCore:
         if not targets:
             return []
         out = parts[0].shared  # rank 0's buffer holds the sum
-        out.retain(len(targets))
-        return [SendResult(targets, result_header(result, stop - start), out.buffer[start:stop].data, out.release)]
+        return [self._send_to(targets, result_header(result, stop - start), out.buffer[start:stop].data, out)]
 
     def _answer_to(self, chunk: _OpenChunk) -> list[int]:
         """The connections a chunk's result goes to: each contributor's, while it is open."""
@@ -759,7 +960,9 @@ class ReducerCore:
         del job.open[chunk_key]
         shape = chunk.shape
         wire = numpy_dtype(shape.dtype)
-        if shape.op is ReduceOp.BROADCAST:
+        if shape.count == 0:  # an empty operation: nothing to combine, every rank agreed on nothing
+            out_raw = np.empty(0, dtype=np.uint8)
+        elif shape.op is ReduceOp.BROADCAST:
             if chunk.broadcast_data is None:
                 return self._fail_detached(job, chunk, ErrorCode.CONTRIBUTION_MISMATCH,
                                            f"broadcast root {shape.root} did not contribute", now)
@@ -785,23 +988,30 @@ class ReducerCore:
         targets = self._answer_to(chunk)
         stats.bytes_out += len(targets) * shape.count * wire.itemsize
         retain = bin(chunk.contributors).count("1") < job.params.world_size
-        shared = _SharedBuffer(out_raw, self.pool, len(targets) + (1 if retain else 0), self._freer(job))
+        shared = _SharedBuffer(out_raw, self.pool, 1, self._freer(job))  # this function's reference
         data = out_raw.data
         closed = _Closed(answered=chunk.contributors)
         if retain:
+            shared.retain(1)
             closed.result, closed.header, closed.data = shared, header, data
             closed.expires_at = now + job.params.op_timeout_ms / 1000 * C.LATE_RESULT_RETENTION_FACTOR
             job.retained.append(closed)
         self._remember(job, chunk_key, closed)
-        if not targets:
-            shared.refs += 1
-            shared.release()
-            return []
-        return [SendResult(targets, header, data, shared.release)]
+        actions: list[Action] = [self._send_to(targets, header, data, shared)] if targets else []
+        self._track(job, chunk, header, data, shared)
+        shared.release()
+        return actions
 
     def _answer_late(self, job: _Job, chunk_key: tuple[int, int], rank: int, conn: int, now: float) -> list[Action]:
         closed = job.closed[chunk_key]
         key, chunk = chunk_key
+        delivery = job.undelivered.get(rank, {}).pop(chunk_key, None)
+        if delivery is not None:  # a reconnected rank asks again for a result its old connection lost
+            action = self._send_to([conn], delivery.header, delivery.data, delivery.shared)
+            info = self._conns[conn]
+            delivery.last_frame = info.frames_sent
+            info.unacked.append(delivery)  # its reference moves with it
+            return [action]
         if closed.error is not None:
             return [SendError(conn, closed.error)]
         if closed.answered >> rank & 1:
@@ -812,9 +1022,7 @@ class ReducerCore:
             return [SendError(conn, Error(ErrorCode.STALE, False, f"chunk closed without rank {rank}; its result is no longer kept", key, chunk))]
         closed.answered |= 1 << rank
         self.stats(job.name).bytes_out += len(closed.data)
-        shared = closed.result
-        shared.retain(1)
-        actions: list[Action] = [SendResult([conn], closed.header, closed.data, shared.release)]
+        actions: list[Action] = [self._send_to([conn], closed.header, closed.data, closed.result)]
         if bin(closed.answered).count("1") >= job.params.world_size:
             self._drop_retained(closed)
         return actions
@@ -874,6 +1082,12 @@ class ReducerCore:
         actions: list[Action] = []
         self.pool.release_idle(now)
         for job in list(self._jobs.values()):
+            for rank, member in list(job.members.items()):
+                if member.left_at is not None and now - member.left_at >= member.grace and job.name in self._jobs:
+                    actions += self._lose(job, rank, f"rank {rank} of job {job.name!r} lost its connection and did not "
+                                                     f"reconnect within {member.grace:.1f}s", now)
+            if job.name not in self._jobs:
+                continue
             params = job.params
             for chunk_key, chunk in list(job.open.items()):
                 age = now - chunk.opened_at

@@ -31,7 +31,8 @@ __all__ = ["FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket",
 
 
 class ConnectionBroken(Exception):
-    """Internal: the connection ended. ``kind`` is 'eof', 'timeout', 'reset' or 'protocol'."""
+    """Internal: the connection ended. ``kind`` is 'eof', 'timeout', 'reset', 'protocol', or 'internal' (a bug
+    of ours while serving it)."""
 
     def __init__(self, kind: str, detail: str) -> None:
         super().__init__(detail)
@@ -137,8 +138,8 @@ class FrameReader:
     """Reads frames from a non-blocking socket for an event loop, resuming wherever the last
     call stopped, straight into the buffers its owner names.
 
-    Heartbeats are read and dropped here, and an ERROR frame is parsed whole and handed to
-    ``on_error``; any type other than these and ``data_frame`` (PUSH for the reducer, RESULT for
+    Heartbeats are read and dropped here, an ERROR frame is parsed whole and handed to
+    ``on_error``, and an ACK's count to ``on_ack`` (where given); any type other than these and ``data_frame`` (PUSH for the reducer, RESULT for
     the client) is a protocol error from ``sender``. For each data frame the owner's callbacks
     decide where the payload goes: ``on_header(header)`` returns ``(view, what)`` to receive it
     into ``view`` (``what`` names it in timeout messages), or :data:`SKIP` or :data:`WAIT`;
@@ -154,18 +155,18 @@ class FrameReader:
     """
 
     __slots__ = ("sock", "peer", "max_payload", "data_frame", "sender", "on_header", "on_payload", "on_error", "head",
-                 "stage", "target", "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat",
+                 "on_ack", "stage", "target", "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat",
                  "max_lowat", "last_recv", "stopped", "_waiting")
 
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
                  on_payload: Callable[[], tuple[memoryview, str] | None],
-                 on_error: Callable[[wire.Error], None]) -> None:
+                 on_error: Callable[[wire.Error], None], on_ack: Callable[[int], None] | None = None) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
         self.max_payload = max_payload
         self.data_frame, self.sender = data_frame, sender
-        self.on_header, self.on_payload, self.on_error = on_header, on_payload, on_error
+        self.on_header, self.on_payload, self.on_error, self.on_ack = on_header, on_payload, on_error, on_ack
         self.head = memoryview(bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE))
         self.stage = _PREFIX
         self.target: memoryview = self.head[: wire.PREFIX.size]
@@ -219,6 +220,7 @@ class FrameReader:
         self.stopped = True
         self.target = self.head = memoryview(b"")
         self.on_header = self.on_payload = self.on_error = _closed_callback  # type: ignore[assignment]
+        self.on_ack = None
 
     def expect_at_least(self, nbytes: int) -> None:
         """Called from ``on_payload``: the owner knows that at least ``nbytes`` more will come
@@ -273,6 +275,9 @@ class FrameReader:
                     if t is self.data_frame:
                         step = self.on_header(header)
                     elif t is wire.FrameType.HEARTBEAT:
+                        step = SKIP
+                    elif t is wire.FrameType.ACK and self.on_ack is not None:
+                        self.on_ack(header.fields[0])
                         step = SKIP
                     else:
                         raise ConnectionBroken("protocol", f"unexpected {t.name} frame from {self.sender}")

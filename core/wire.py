@@ -54,6 +54,7 @@ __all__ = [
     "Result",
     "Error",
     "Heartbeat",
+    "Ack",
     "Frame",
     "FrameHeader",
     "encode",
@@ -83,6 +84,7 @@ class FrameType(enum.IntEnum):
     RESULT = 6  # reducer -> worker: the reduced chunk and who contributed
     ERROR = 7  # either way: what went wrong; fatal errors close the connection
     HEARTBEAT = 8  # either way: I am alive (sent when a direction is idle)
+    ACK = 9  # worker -> reducer: how many whole chunk results this connection delivered
 
 
 class DType(enum.IntEnum):
@@ -178,6 +180,9 @@ class Hello:
     min_contributors: int = 0  # first_m: m; deadline: the minimum; 0 = world_size
     deadline_ms: int = 0
     op_timeout_ms: int = 300_000
+    # How long this client keeps reconnecting to a reducer it lost (0: it does not, and a lost
+    # connection fails its operations at once). The reducer keeps the rank's place meanwhile.
+    reconnect_window_ms: int = 0
 
 
 @dataclass(frozen=True)
@@ -244,14 +249,23 @@ class Heartbeat:
     pass
 
 
-Frame = Hello | Challenge | Proof | Welcome | Push | Result | Error | Heartbeat
+@dataclass(frozen=True)
+class Ack:
+    """The worker has every result of the first ``results`` whole chunks the reducer sent on this
+    connection (counted in the order they completed). The reducer keeps each result until it is
+    acknowledged, so that a worker whose connection broke can be answered again (R22)."""
+
+    results: int
+
+
+Frame = Hello | Challenge | Proof | Welcome | Push | Result | Error | Heartbeat | Ack
 
 PREFIX = struct.Struct("<4sBBHI")
 
 # Declared once; the decoder checks header_len against these sizes.
 _HEADER_STRUCTS: dict[FrameType, struct.Struct] = {
-    # rank, world_size, mode, pad, min_contributors, deadline_ms, op_timeout_ms, session, nonce
-    FrameType.HELLO: struct.Struct(f"<IIBxxxIIIQ{NONCE_BYTES}s"),
+    # rank, world_size, mode, pad, min_contributors, deadline_ms, op_timeout_ms, session, nonce, reconnect_window_ms
+    FrameType.HELLO: struct.Struct(f"<IIBxxxIIIQ{NONCE_BYTES}sI"),
     # incarnation, auth_required, pad, nonce, proof
     FrameType.CHALLENGE: struct.Struct(f"<QBxxx{NONCE_BYTES}s{PROOF_BYTES}s"),
     FrameType.PROOF: struct.Struct(f"<{PROOF_BYTES}s"),
@@ -264,6 +278,7 @@ _HEADER_STRUCTS: dict[FrameType, struct.Struct] = {
     # code, fatal, pad, key, chunk
     FrameType.ERROR: struct.Struct("<HBxQI"),
     FrameType.HEARTBEAT: struct.Struct("<"),
+    FrameType.ACK: struct.Struct("<Q"),  # results
 }
 
 #: Largest type header, for preallocated receive buffers.
@@ -311,6 +326,7 @@ def _encode_parts(frame: Frame) -> tuple[FrameType, bytes, bytes | memoryview]:
             frame.rank, frame.world_size, frame.mode, _u(frame.min_contributors, 32, "min_contributors"),
             _u(frame.deadline_ms, 32, "deadline_ms"), _u(frame.op_timeout_ms, 32, "op_timeout_ms"),
             _u(frame.session, 64, "session"), _bytes(frame.nonce, NONCE_BYTES, "nonce"),
+            _u(frame.reconnect_window_ms, 32, "reconnect_window_ms"),
         )
         return FrameType.HELLO, header, job
     if isinstance(frame, Challenge):
@@ -335,6 +351,8 @@ def _encode_parts(frame: Frame) -> tuple[FrameType, bytes, bytes | memoryview]:
         return FrameType.ERROR, header, message
     if isinstance(frame, Heartbeat):
         return FrameType.HEARTBEAT, b"", b""
+    if isinstance(frame, Ack):
+        return FrameType.ACK, _HEADER_STRUCTS[FrameType.ACK].pack(_u(frame.results, 64, "results")), b""
     raise LocalProtocolError(f"cannot encode {type(frame).__name__}")
 
 
@@ -462,7 +480,7 @@ def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
             job = bytes(payload).decode("utf-8")
         except UnicodeDecodeError:
             raise RemoteProtocolError("job id is not valid UTF-8") from None
-        return Hello(job, f[0], f[1], f[6], f[7], StragglerMode(f[2]), f[3], f[4], f[5])
+        return Hello(job, f[0], f[1], f[6], f[7], StragglerMode(f[2]), f[3], f[4], f[5], f[8])
     if t is FrameType.CHALLENGE:
         return Challenge(f[0], f[2], f[3], bool(f[1]))
     if t is FrameType.PROOF:
@@ -472,6 +490,8 @@ def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
     if t is FrameType.ERROR:
         message = bytes(payload).decode("utf-8", errors="replace")
         return Error(ErrorCode(f[0]), bool(f[1]), message, f[2], f[3])
+    if t is FrameType.ACK:
+        return Ack(f[0])
     return Heartbeat()
 
 

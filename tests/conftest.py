@@ -29,6 +29,9 @@ FAST_ENV = {
     "REDSRV_OP_TIMEOUT": "20",
     "REDSRV_CLOSE_TIMEOUT": "3",
     "REDSRV_CONNECT_TIMEOUT": "10",
+    # Workers fail fast on a lost reducer (R2), which the fault tests check; the recovery tests
+    # (tests/fault/test_recovery.py) turn reconnects on (R22).
+    "REDSRV_RECONNECT_WINDOW": "0",
 }
 
 

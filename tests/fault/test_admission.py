@@ -14,7 +14,7 @@ import pytest
 
 import redsrv
 from redsrv.core import auth, wire
-from redsrv.core.constants import MAGIC, PROTOCOL_VERSION
+from redsrv.core.constants import MAGIC
 from redsrv.core.handshake import ClientHandshake, HandshakeState
 
 pytestmark = pytest.mark.timeout(120)
@@ -74,7 +74,7 @@ def test_a_header_announcing_a_huge_frame_before_authentication_is_refused_and_a
     secret_file = procs_tmp_secret(procs)
     reducer = procs.start_reducer("--secret-file", secret_file)
     baseline = rss_bytes(reducer.proc.pid)
-    announce = wire.PREFIX.pack(MAGIC, PROTOCOL_VERSION, wire.FrameType.HELLO, 64, 64 * MIB)
+    announce = wire.encode(wire.Hello("j", 0, 1, 1, bytes(32)))[:8] + (64 * MIB).to_bytes(4, "little")  # a HELLO prefix announcing 64 MiB
     socks = [connect(reducer.address) for _ in range(40)]
     try:
         for sock in socks:

@@ -20,7 +20,8 @@ from tests_support import read_frames
 
 pytestmark = pytest.mark.timeout(120)
 
-FAST = dict(heartbeat_interval=0.2, heartbeat_misses=5, op_timeout=20.0, close_timeout=3.0, connect_timeout=5.0)
+FAST = dict(heartbeat_interval=0.2, heartbeat_misses=5, op_timeout=20.0, close_timeout=3.0, connect_timeout=5.0,
+            reconnect_window=0.0)
 MIB = 1 << 20
 
 

@@ -107,3 +107,16 @@ def test_reducescatter_keeps_each_ranks_rows_of_the_rank_order_result(reducers: 
     total = np.maximum(np.maximum(inputs[0], inputs[1]), inputs[2])
     assert [r.shape[0] for r in results] == collectives.split_sizes(10, n) == [4, 3, 3]
     assert np.concatenate(results).tobytes() == total.tobytes()
+
+
+@pytest.mark.parametrize("empty_rank", [0, 1])
+def test_an_empty_contribution_against_a_non_empty_one_is_a_mismatch_on_every_rank(reducers: list[str], empty_rank: int) -> None:
+    def body(c: redsrv.Client) -> str:
+        x = np.zeros(0 if c.rank == empty_rank else 100, np.float32)
+        with pytest.raises(redsrv.ContributionMismatchError, match="ranks disagree"):
+            c.allreduce(x, key="uneven")
+        return "raised"
+
+    assert on_every_rank(reducers, 2, body, f"uneven-{empty_rank}") == ["raised", "raised"]
+    both_empty = on_every_rank(reducers, 2, lambda c: c.allreduce(np.zeros((0, 3), np.int32), key="e").shape, "both-empty")
+    assert both_empty == [(0, 3), (0, 3)]

@@ -225,11 +225,94 @@ def test_job_parameters_must_agree() -> None:
     assert "world_size: job has 2, rank 1 sent 3" in errs[0].frame.message
 
 
-def test_rank_reconnecting_with_a_new_session_replaces_the_old_connections() -> None:
-    core = make_core(2)
-    actions = core.join(77, hello(1, 2, session=12345))
-    errs = errors(actions)
-    assert [e.conn for e in errs] == [conn_id("j", 1)] and errs[0].close_after
+def test_a_second_live_client_claiming_a_rank_is_refused_naming_the_rank_and_both_peers() -> None:
+    core = ReducerCore(INC)
+    assert core.join(1, hello(0, 2), peer="10.0.0.1:5000") == []
+    assert core.join(2, hello(1, 2), peer="10.0.0.2:5000") == []
+    errs = errors(core.join(77, hello(1, 2, session=12345), peer="10.0.0.9:6000"))
+    assert [e.conn for e in errs] == [77] and errs[0].close_after and errs[0].frame.code is wire.ErrorCode.JOB_MISMATCH
+    message = errs[0].frame.message
+    assert "rank 1" in message and "10.0.0.2:5000" in message and "10.0.0.9:6000" in message
+    assert core.join(78, hello(1, 2), peer="10.0.0.2:5001") == [], "another stream of the same client joins"
+
+
+def test_a_rank_whose_old_client_is_gone_may_join_with_a_new_session() -> None:
+    core = ReducerCore(INC)
+    core.join(1, hello(0, 2))
+    core.join(2, hello(1, 2))
+    core.leave(2, "worker restarted", 0.0)
+    assert errors(core.join(77, hello(1, 2, session=12345))) == []
+
+
+RECONNECT = dict(reconnect_window_ms=60_000)
+
+
+def recovering_core(world: int, piece_bytes: int = 64) -> ReducerCore:
+    core = ReducerCore(INC, piece_bytes=piece_bytes, rejoin_grace=5.0)
+    for r in range(world):
+        assert core.join(conn_id("j", r), hello(r, world, **RECONNECT)) == []
+    return core
+
+
+def begin_on(core: ReducerCore, conn: int, data: np.ndarray, key: int = 1):  # type: ignore[no-untyped-def]
+    p = wire.Push(key, INC, data.size, 0, data.size, 0, wire.dtype_code(data.dtype))
+    return core.begin_push(conn, p, data.nbytes, 0.0)
+
+
+def test_a_rank_that_reconnects_mid_push_continues_and_everyone_gets_the_exact_sum() -> None:
+    core = recovering_core(2)
+    data = [np.arange(64, dtype=np.float32) * (r + 1) for r in range(2)]
+    # rank 0 pushes whole; rank 1's connection breaks after 100 of 256 bytes
+    t0 = begin_on(core, conn_id("j", 0), data[0])
+    t0.buffer[:] = data[0].view(np.uint8)
+    assert not errors(core.finish_push(t0, 0.0))
+    t1 = begin_on(core, conn_id("j", 1), data[1])
+    t1.buffer[:100] = data[1].view(np.uint8)[:100]
+    sent = core.progress(t1, 100, 0.0)
+    assert [a for a in sent if isinstance(a, SendResult)], "the first piece leaves while rank 1 still pushes"
+    kept = t1.buffer
+    core.abort_push(t1)
+    assert not errors(core.leave(conn_id("j", 1), "connection reset", 0.0)), "nobody fails while rank 1 may come back"
+    # rank 1 reconnects and resends the whole chunk on a new connection
+    assert not errors(core.join(500, hello(1, 2, **RECONNECT), now=1.0))
+    t2 = begin_on(core, 500, data[1])
+    assert isinstance(t2, PushTicket) and t2.skip == 100 and t2.buffer is kept
+    replay = [a for a in t2.replay if isinstance(a, SendResult)]
+    assert replay and replay[0].conns == [500], "what was already sent goes again to the new connection"
+    t2.buffer[100:] = data[1].view(np.uint8)[100:]
+    done = core.finish_push(t2, 1.0)
+    results = [a for a in done if isinstance(a, SendResult)]
+    assert results and all(set(a.conns) == {conn_id("j", 0), 500} for a in results)
+    total = data[0] + data[1]
+    got = np.frombuffer(bytes(replay[0].data) + b"".join(bytes(a.data) for a in results), np.float32)
+    assert got.tobytes() == total.tobytes()
+
+
+def test_a_result_the_old_connection_never_acknowledged_is_sent_again_after_the_reconnect() -> None:
+    core = recovering_core(2, piece_bytes=0)
+    data = [np.full(8, r + 1, np.float32) for r in range(2)]
+    assert push(core, 0, data[0]) == []
+    closing = push(core, 1, data[1])
+    assert [a for a in closing if isinstance(a, SendResult)]
+    core.ack(conn_id("j", 0), 1)  # rank 0 has it; rank 1's connection breaks before it says so
+    core.leave(conn_id("j", 1), "connection reset", 0.0)
+    core.join(600, hello(1, 2, **RECONNECT), now=1.0)
+    again = push(core, 1, data[1], conn=600)
+    results = [a for a in again if isinstance(a, SendResult)]
+    assert results and results[0].conns == [600]
+    assert np.frombuffer(bytes(results[0].data), np.float32).tolist() == [3.0] * 8
+    stale = errors(push(core, 0, data[0]))
+    assert stale and stale[0].frame.code is wire.ErrorCode.STALE, "rank 0 acknowledged it: a push again is a reused key"
+
+
+def test_a_rank_that_does_not_reconnect_within_the_grace_is_lost_and_its_job_hears_it() -> None:
+    core = recovering_core(2)
+    assert push(core, 0, np.ones(64, np.float32)) == []
+    core.leave(conn_id("j", 1), "connection reset", 0.0)
+    assert not errors(core.tick(4.9))
+    lost = errors(core.tick(5.1))
+    assert lost and lost[0].conn == conn_id("j", 0) and lost[0].frame.code is wire.ErrorCode.PEER_LOST
+    assert "did not reconnect within 5.0s" in lost[0].frame.message
 
 
 def test_old_incarnation_is_rejected_as_stale() -> None:

@@ -1,0 +1,135 @@
+"""Transparent recovery (RELIABILITY R22): a reducer killed and restarted on its address, or
+frozen and resumed, costs the workers a pause, never a failed step or a wrong sum; a reducer
+that does not come back fails every rank with PeerLostError within the window plus 2 s.
+
+Three in-process clients train against real reducer processes, reducing in place (the results
+land in the input, so a resend needs the copy the client keeps); every step's result is checked
+bitwise against the rank-order sum."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+import redsrv
+
+pytestmark = pytest.mark.timeout(120)
+
+WORLD = 3
+SIZE = 300_001  # several chunks per reducer, so a fault lands mid-operation
+RECOVERING = dict(heartbeat_interval=0.2, heartbeat_misses=5, op_timeout=30.0, close_timeout=3.0, connect_timeout=5.0,
+                  reconnect_window=20.0)
+
+
+def step_input(rank: int, step: int) -> np.ndarray:
+    return np.random.default_rng([rank, step]).standard_normal(SIZE).astype(np.float32)
+
+
+def step_sum(step: int) -> np.ndarray:
+    total = step_input(0, step)
+    for rank in range(1, WORLD):
+        total += step_input(rank, step)
+    return total
+
+
+@dataclass
+class Training:
+    """WORLD ranks, each in its own thread, running ``steps`` all-reduces."""
+
+    reducers: list[str]
+    steps: int
+    config: dict[str, float]
+    job: str
+    reached: dict[int, threading.Event] = field(default_factory=dict)  # step -> rank 0 finished it
+    wrong: list[tuple[int, int]] = field(default_factory=list)
+    errors: list[tuple[int, BaseException, float]] = field(default_factory=list)
+    step_seconds: dict[int, list[float]] = field(default_factory=dict)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for s in range(self.steps):
+            self.reached[s] = threading.Event()
+        clients = [redsrv.Client(self.reducers, rank=r, world_size=WORLD, job=self.job, **self.config) for r in range(WORLD)]
+        for rank, client in enumerate(clients):
+            thread = threading.Thread(target=self._run, args=(client,), name=f"rank-{rank}")
+            self.threads.append(thread)
+            thread.start()
+
+    def _run(self, client: redsrv.Client) -> None:
+        try:
+            for step in range(self.steps):
+                x = step_input(client.rank, step)
+                started = time.monotonic()
+                try:
+                    result = client.allreduce(x, key=("step", step), out=x)
+                except redsrv.RedsrvError as exc:
+                    self.errors.append((client.rank, exc, time.monotonic()))
+                    return
+                self.step_seconds.setdefault(step, []).append(time.monotonic() - started)
+                if result.tobytes() != step_sum(step).tobytes():
+                    self.wrong.append((client.rank, step))
+                if client.rank == 0:
+                    self.reached[step].set()
+        finally:
+            client.close()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert not any(t.is_alive() for t in self.threads), "a rank hung"
+
+
+def train_through(procs, fault: Callable[[list], None], job: str, steps: int = 30) -> Training:  # type: ignore[no-untyped-def]
+    reducers = [procs.start_reducer() for _ in range(2)]
+    training = Training([r.address for r in reducers], steps, RECOVERING, job)
+    training.start()
+    assert training.reached[4].wait(60), "training did not get going"
+    fault(reducers)
+    training.join(90)
+    return training
+
+
+def test_a_reducer_killed_and_restarted_on_its_address_costs_no_step_and_no_wrong_sum(procs) -> None:  # type: ignore[no-untyped-def]
+    def kill_and_restart(reducers: list) -> None:  # type: ignore[type-arg]
+        reducers[0].signal(signal.SIGKILL)
+        reducers[0].proc.wait(10)
+        procs.restart_reducer(reducers[0])
+
+    training = train_through(procs, kill_and_restart, "killed")
+    assert training.errors == [] and training.wrong == []
+    assert all(len(training.step_seconds[s]) == WORLD for s in range(training.steps))
+
+
+def test_a_reducer_frozen_and_resumed_costs_no_step_and_no_wrong_sum(procs) -> None:  # type: ignore[no-untyped-def]
+    def freeze(reducers: list) -> None:  # type: ignore[type-arg]
+        reducers[0].signal(signal.SIGSTOP)
+        time.sleep(2.0)  # noqa: TID251 - the length of the freeze (twice the heartbeat bound), not a synchronisation
+        reducers[0].signal(signal.SIGCONT)
+
+    training = train_through(procs, freeze, "frozen")
+    assert training.errors == [] and training.wrong == []
+    assert all(len(training.step_seconds[s]) == WORLD for s in range(training.steps))
+
+
+def test_past_the_window_every_rank_raises_peer_lost_within_the_window_plus_two_seconds(procs) -> None:  # type: ignore[no-untyped-def]
+    window = 2.0
+    reducers = [procs.start_reducer() for _ in range(2)]
+    training = Training([r.address for r in reducers], 1000, {**RECOVERING, "reconnect_window": window}, "gone")
+    training.start()
+    assert training.reached[4].wait(60)
+    reducers[0].signal(signal.SIGKILL)
+    killed = time.monotonic()
+    training.join(window + 20)
+    assert sorted(rank for rank, _, _ in training.errors) == list(range(WORLD))
+    for rank, exc, at in training.errors:
+        assert isinstance(exc, redsrv.PeerLostError), (rank, exc)
+        assert "reconnect window" in str(exc) and reducers[0].address in str(exc)
+        assert at - killed <= window + 2.0 + 1.0, f"rank {rank} raised {at - killed:.2f}s after the kill"  # +1: detection
+    assert training.wrong == []
