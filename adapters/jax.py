@@ -95,7 +95,10 @@ _KEY_PREFIX = "redsrv.jax"
 
 # Extra dtypes broadcast_tree accepts by reinterpreting the bits (exact: a broadcast never adds):
 # unsigned integers (e.g. PRNG key data) travel as the signed type of the same width.
-_BROADCAST_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {np.dtype("uint32"): np.dtype("int32"), np.dtype("uint64"): np.dtype("int64")}
+_BROADCAST_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {
+    np.dtype("uint32"): np.dtype("int32"),
+    np.dtype("uint64"): np.dtype("int64"),
+}
 
 
 class Communicator:

@@ -4,7 +4,8 @@
 
 SPEC: {"reducers": [...], "rank": r, "world_size": n, "job": "...", "config": {...},
        "ops": [{"kind": "allreduce"|"broadcast", "size": int, "dtype": str, "seed": int,
-                "op": "sum"|"mean"|"min"|"max"|"product"|"band"|"bor"|"bxor", "wire_dtype": null|"bf16"|"fp16", "key": ..., "root": 0}],
+                "op": "sum"|"mean"|"min"|"max"|"product"|"band"|"bor"|"bxor", "wire_dtype": null|"bf16"|"fp16",
+                "key": ..., "root": 0}],
        "concurrent": bool, "reverse_on_odd_ranks": bool, "start_delay": {"rank": seconds},
        "loop_until_error": bool, "loop_size": int, "loop_seconds": float, "step_pause": float}
 
@@ -154,8 +155,9 @@ def main() -> int:
     if spec.get("recover") and report["error"] is not None:
         report["recovery"] = _recover(spec)
     # npz cannot store bfloat16: save its bits and let the loader view them back.
-    np.savez(out_prefix + ".npz", **{(k + "__bf16" if v.dtype.name == "bfloat16" else k): (v.view(np.uint16) if v.dtype.name == "bfloat16" else v)
-                                      for k, v in results.items()})
+    storable = {(k + "__bf16" if v.dtype.name == "bfloat16" else k): (v.view(np.uint16) if v.dtype.name == "bfloat16" else v)
+                for k, v in results.items()}
+    np.savez(out_prefix + ".npz", **storable)
     with open(out_prefix + ".json", "w") as f:
         json.dump(report, f)
     return 0

@@ -132,7 +132,8 @@ def test_slow_reader_gets_backpressure_and_is_dropped_with_memory_bounded(procs)
         sock.settimeout(0.5)
         dropped_after = None
         for i in range(200):  # a single-rank job: every push closes at once and a result is due
-            frame = wire.encode(wire.Push(i, challenge.incarnation, MIB // 4, 0, MIB // 4, 0, wire.DType.FLOAT32, payload=payload))
+            push = wire.Push(i, challenge.incarnation, MIB // 4, 0, MIB // 4, 0, wire.DType.FLOAT32, payload=payload)
+            frame = wire.encode(push)
             try:
                 sock.sendall(frame)
                 sent += 1

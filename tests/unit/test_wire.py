@@ -89,6 +89,10 @@ def _push_header(**over: int) -> bytes:
     return struct.pack("<QQQQIIBBH", *fields.values())
 
 
+# HELLO's header as core/wire.py declares it (rank, world_size, mode, min_contributors, deadline_ms, op_timeout_ms,
+# session, nonce).
+_HELLO = "<IIBxxxIIIQ32s"
+
 MALFORMED = {
     "bad magic": b"HTTP" + wire.encode(wire.Heartbeat())[4:],
     "unsupported version": _prefix(wire.FrameType.HEARTBEAT, 0, 0, version=99),
@@ -101,11 +105,12 @@ MALFORMED = {
     "chunk beyond total": _prefix(wire.FrameType.PUSH, 44, 8) + _push_header(offset=9) + bytes(8),
     "payload on a heartbeat": _prefix(wire.FrameType.HEARTBEAT, 0, 4) + b"abcd",
     "unknown error code": _prefix(wire.FrameType.ERROR, 16, 0) + struct.pack("<HBxQI", 999, 0, 0, 0),
-    "rank beyond world size": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack("<IIBxxxIIIQ32s", 5, 4, 0, 0, 0, 1, 1, NONCE) + b"j",
-    "empty job id": _prefix(wire.FrameType.HELLO, 60, 0) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 0, 0, 0, 1, 1, NONCE),
-    "unknown straggler mode": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 9, 0, 0, 1, 1, NONCE) + b"j",
-    "job id not utf-8": _prefix(wire.FrameType.HELLO, 60, 2) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 0, 0, 0, 1, 1, NONCE) + b"\xff\xfe",
-    "result bitmap larger than payload": _prefix(wire.FrameType.RESULT, 32, 4) + struct.pack("<QQIIBxHI", 1, 0, 1, 0, 1, 1, 8) + bytes(4),
+    "rank beyond world size": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack(_HELLO, 5, 4, 0, 0, 0, 1, 1, NONCE) + b"j",
+    "empty job id": _prefix(wire.FrameType.HELLO, 60, 0) + struct.pack(_HELLO, 0, 4, 0, 0, 0, 1, 1, NONCE),
+    "unknown straggler mode": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack(_HELLO, 0, 4, 9, 0, 0, 1, 1, NONCE) + b"j",
+    "job id not utf-8": _prefix(wire.FrameType.HELLO, 60, 2) + struct.pack(_HELLO, 0, 4, 0, 0, 0, 1, 1, NONCE) + b"\xff\xfe",
+    "result bitmap larger than payload":
+        _prefix(wire.FrameType.RESULT, 32, 4) + struct.pack("<QQIIBxHI", 1, 0, 1, 0, 1, 1, 8) + bytes(4),
 }
 
 

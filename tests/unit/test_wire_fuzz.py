@@ -37,7 +37,8 @@ def results(draw: st.DrawFn) -> wire.Result:
     itemsize = wire.numpy_dtype(dtype).itemsize
     bitmap = draw(st.binary(max_size=8))
     return wire.Result(draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**40)), count, draw(st.integers(0, 2**32 - 1)),
-                       dtype, draw(st.integers(0, 65535)), bitmap, draw(st.binary(min_size=count * itemsize, max_size=count * itemsize)))
+                       dtype, draw(st.integers(0, 65535)), bitmap,
+                       draw(st.binary(min_size=count * itemsize, max_size=count * itemsize)))
 
 
 frames = st.one_of(
