@@ -69,6 +69,13 @@ def _recover(spec: dict) -> dict:  # type: ignore[type-arg]
     return {"ok": False, "attempts": attempts, "last_error": last}
 
 
+def _mark_raised(out_prefix: str) -> None:
+    """Tell a test waiting to repair the fleet (``WorkerRun.wait_for_errors``) that this worker
+    has raised: written as soon as the error is caught, before the client's bounded close."""
+    with open(out_prefix + ".progress", "w") as f:
+        f.write("error")
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     out_prefix = sys.argv[2]
@@ -136,9 +143,11 @@ def main() -> int:
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "at": time.time(),
                            "mro": [c.__name__ for c in type(exc).__mro__],
                            **{k: getattr(exc, k, None) for k in ("peer", "job", "rank", "phase")}}
+        _mark_raised(out_prefix)
     except Exception as exc:  # an untyped error is a test failure: report it as such
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "at": time.time(), "mro": [],
                            "traceback": traceback.format_exc()}
+        _mark_raised(out_prefix)
     finally:
         if client is not None:
             client.close()
@@ -149,9 +158,6 @@ def main() -> int:
     import threading
 
     report["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("redsrv-")]
-    if report["error"] is not None:
-        with open(out_prefix + ".progress", "w") as f:
-            f.write("error")  # tests waiting to repair the fleet know this worker has raised
     if spec.get("recover") and report["error"] is not None:
         report["recovery"] = _recover(spec)
     # npz cannot store bfloat16: save its bits and let the loader view them back.
