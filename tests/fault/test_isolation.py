@@ -16,7 +16,7 @@ import redsrv
 from redsrv.core import auth, wire
 
 from conftest import child_env
-from tests_support import read_frames
+from tests_support import read_frames, wait_for_open_operations
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -168,11 +168,12 @@ def test_slow_reader_gets_backpressure_and_is_dropped_with_memory_bounded(procs)
 
 
 def test_sigterm_under_load_fails_open_steps_and_exits_zero(procs) -> None:  # type: ignore[no-untyped-def]
-    reducer = procs.start_reducer(env={"REDSRV_CLOSE_TIMEOUT": "3"})
+    # A short stall warning is how the test learns that the pushes have arrived.
+    reducer = procs.start_reducer(env={"REDSRV_CLOSE_TIMEOUT": "3", "REDSRV_STALL_WARNING": "0.05"})
     with redsrv.Client([reducer.address], rank=0, world_size=2, job="term", **FAST) as c0, \
          redsrv.Client([reducer.address], rank=1, world_size=2, job="term", **FAST):
         pending = [c0.allreduce_async(np.ones(100_000, np.float32), key=k) for k in range(5)]
-        time.sleep(0.3)  # the pushes have arrived; rank 1 never contributes
+        wait_for_open_operations(reducer.log, len(pending))  # rank 1 never contributes
         started = time.monotonic()
         reducer.signal(signal.SIGTERM)
         for fut in pending:
