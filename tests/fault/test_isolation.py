@@ -188,9 +188,7 @@ def test_stall_warning_names_the_missing_ranks(procs) -> None:  # type: ignore[n
     reducer = procs.start_reducer(env={"REDSRV_STALL_WARNING": "0.5"})
     with redsrv.Client([reducer.address], rank=1, world_size=3, job="stall", **FAST) as c:
         fut = c.allreduce_async(np.ones(10, np.float32), key="stuck")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any("open for" in line for line in reducer.log):
-            time.sleep(0.1)
+        wait_for_open_operations(reducer.log, 1)
         warning = next(line for line in reducer.log if "open for" in line)
         assert "job 'stall'" in warning and "waiting for rank(s) 0, 2" in warning
         c.close()
