@@ -86,7 +86,8 @@ def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: i
     env = {**os.environ, **SOAK_ENV}
     fleet = start_reducers(reducers, env=env)
     ports = [int(a.rsplit(":", 1)[1]) for a in fleet.addresses]
-    worker_procs = [subprocess.Popen([sys.executable, "-m", "redsrv.soak", "worker", str(r), str(workers), ",".join(fleet.addresses)],
+    worker_procs = [subprocess.Popen([sys.executable, "-m", "redsrv.soak", "worker", str(r), str(workers),
+                                      ",".join(fleet.addresses)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for r in range(workers)]
     totals = _Totals()
     rogue_stop = threading.Event()

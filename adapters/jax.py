@@ -72,7 +72,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from redsrv.core import Client, LocalProtocolError
+from redsrv.core import Client, LocalProtocolError, fusion
+
+from . import _jax_internals
 
 __all__ = [
     "Communicator",
@@ -95,7 +97,10 @@ _KEY_PREFIX = "redsrv.jax"
 
 # Extra dtypes broadcast_tree accepts by reinterpreting the bits (exact: a broadcast never adds):
 # unsigned integers (e.g. PRNG key data) travel as the signed type of the same width.
-_BROADCAST_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {np.dtype("uint32"): np.dtype("int32"), np.dtype("uint64"): np.dtype("int64")}
+_BROADCAST_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {
+    np.dtype("uint32"): np.dtype("int32"),
+    np.dtype("uint64"): np.dtype("int64"),
+}
 
 
 class Communicator:
@@ -393,7 +398,7 @@ def _collective(tree: Any, axis_name: Any, op: str, target: _Target, wire_dtype:
     vma = _vma_checked(axes)
     if vma:
         for leaf in leaves:
-            missing = [a for a in axes if a not in _varying_axes(leaf)]
+            missing = [a for a in axes if a not in _jax_internals.varying_axes(leaf)]
             if missing:
                 raise TypeError(
                     f"redsrv.jax.p{op} at {where}: a {leaf.dtype}{list(leaf.shape)} value is invariant over axis "
@@ -448,38 +453,31 @@ def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: 
                      wire_dtype: str | None, vma: bool) -> list[Any]:
     """psum_scatter over the local devices, one callback per device, all_gather back."""
     local = _local_size(axes)
-    groups: dict[np.dtype, list[int]] = {}
-    for i, leaf in enumerate(leaves):
-        groups.setdefault(np.dtype(leaf.dtype), []).append(i)
     slices, layouts = [], []
-    for dtype, members in groups.items():
-        sizes = [int(np.prod(leaves[i].shape)) for i in members]
-        total = sum(sizes)
-        if total == 0:
+    for group in fusion.group_by_dtype(leaves):  # one fused exchange per dtype
+        if group.total == 0:
             continue
-        flat = jnp.concatenate([leaves[i].reshape(-1) for i in members])
-        padded = -(-total // local) * local  # psum_scatter needs a multiple of the axis size
-        if padded != total:
-            flat = jnp.pad(flat, (0, padded - total))
+        flat = jnp.concatenate([leaves[i].reshape(-1) for i in group.members])  # fusion.fuse, traced
+        padded = -(-group.total // local) * local  # psum_scatter needs a multiple of the axis size
+        if padded != group.total:
+            flat = jnp.pad(flat, (0, padded - group.total))
         slices.append(lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True))
-        layouts.append((dtype, members, sizes, total))
+        layouts.append(group)
     out = list(leaves)
     if not slices:
         return out
     callback = functools.partial(_run_exchange, target, op, site, wire_dtype)
     shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slices)
     results = io_callback(callback, shapes, _device_index(), *slices, ordered=True)
-    for result, piece, (dtype, members, sizes, total) in zip(results, slices, layouts):
+    for result, piece, group in zip(results, slices, layouts):
         if vma:
             # The callback's result is typed invariant; it differs per device until gathered.
-            result = lax.pcast(result, tuple(sorted(_varying_axes(piece), key=str)), to="varying")
-        full = lax.all_gather(result, axes, tiled=True, **({"to": "invarying"} if vma else {}))[:total]
+            result = lax.pcast(result, tuple(sorted(_jax_internals.varying_axes(piece), key=str)), to="varying")
+        full = lax.all_gather(result, axes, tiled=True, **({"to": "invarying"} if vma else {}))
         if op == "mean":
-            full = full / jnp.asarray(local, dtype)  # the reducers divided by the processes
-        offset = 0
-        for i, size in zip(members, sizes):
-            out[i] = full[offset : offset + size].reshape(leaves[i].shape)
-            offset += size
+            full = full / jnp.asarray(local, group.dtype)  # the reducers divided by the processes
+        for i, value in zip(group.members, fusion.split(full, group)):  # the padding is left out
+            out[i] = value
     return out
 
 
@@ -498,25 +496,22 @@ def _poison(slices: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
 def _broadcast_tree(comm: Communicator, tree: Any, root: int) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     host = [np.asarray(jax.device_get(leaf)) for leaf in leaves]
-    groups: dict[np.dtype, list[int]] = {}
-    for i, arr in enumerate(host):
+    on_wire = []  # each leaf's bits as the dtype it travels as
+    for arr in host:
         wire = _BROADCAST_VIEWS.get(arr.dtype, arr.dtype)
         if wire not in SUPPORTED_DTYPES:
             raise TypeError(f"redsrv.jax.broadcast_tree: dtype {arr.dtype} is not supported "
                             f"(supported: {', '.join(d.name for d in SUPPORTED_DTYPES)}, uint32, uint64)")
-        groups.setdefault(wire, []).append(i)
+        on_wire.append(arr.view(wire))  # same itemsize: a view of any layout, 0-d included
     out: list[Any] = list(leaves)
-    for wire, members in groups.items():
+    for group in fusion.group_by_dtype(on_wire):
         with comm._lock:
             call = comm._broadcasts
             comm._broadcasts += 1
-        flat = np.concatenate([host[i].reshape(-1).view(wire) for i in members])
-        result = comm.client.broadcast(flat, root=root, key=(_KEY_PREFIX, "broadcast_tree", wire.name, call))
-        offset = 0
-        for i in members:
-            arr = host[i]
-            value = result[offset : offset + arr.size].view(arr.dtype).reshape(arr.shape)
-            offset += arr.size
+        result = comm.client.broadcast(fusion.fuse(on_wire, group), root=root,
+                                       key=(_KEY_PREFIX, "broadcast_tree", group.dtype.name, call))
+        for i, value in zip(group.members, fusion.split(result, group)):
+            value = value.view(host[i].dtype)
             out[i] = jnp.asarray(value) if isinstance(leaves[i], jax.Array) else value.copy()
     return jax.tree.unflatten(treedef, out)
 
@@ -554,8 +549,7 @@ def _device_index() -> Any:
     Counts every manual mesh axis, not only the reduced ones: with a (data, model) mesh and a
     psum over "data", devices that differ in "model" send different slices under their own keys.
     """
-    mesh = jax.sharding.get_abstract_mesh()
-    names = [a for a in mesh.axis_names if a in mesh.manual_axes]
+    names = _jax_internals.manual_axis_names()
     if not names:
         raise LocalProtocolError("redsrv.jax collectives run inside jax.shard_map or jax.pmap (no mapped axis here)")
     index = lax.axis_index(names[0])
@@ -564,25 +558,16 @@ def _device_index() -> Any:
     return index
 
 
-# --- the one place that reads JAX's varying-manual-axes types (a private attribute that has moved
-# between releases: ``aval.vma`` until ~0.9, ``aval.manual_axis_type.varying`` in 0.10); the test
-# test_vma_probe fails clearly when it moves again. ---
-
-
-def _varying_axes(x: Any) -> frozenset[Any]:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", frozenset()))
+# Varying-manual-axes types: read through adapters/_jax_internals.py, whose canary test says when
+# JAX moves them.
 
 
 def _vma_checked(axes: tuple[Any, ...]) -> bool:
     """Whether shard_map(check_vma=True) types values over these axes (axis_index then varies)."""
-    return all(a in _varying_axes(lax.axis_index(a)) for a in axes)
+    return all(a in _jax_internals.varying_axes(lax.axis_index(a)) for a in axes)
 
 
 def _to_varying(x: Any, axes: tuple[Any, ...]) -> Any:
-    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    missing = tuple(a for a in axes if a not in _jax_internals.varying_axes(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 

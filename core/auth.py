@@ -27,7 +27,8 @@ def new_nonce() -> bytes:
 def _transcript(label: bytes, hello: Hello, server_nonce: bytes, incarnation: int) -> bytes:
     job = hello.job.encode("utf-8")
     return b"".join(
-        (label, struct.pack("<IIQQH", hello.rank, hello.world_size, hello.session, incarnation, len(job)), job, hello.nonce, server_nonce)
+        (label, struct.pack("<IIQQH", hello.rank, hello.world_size, hello.session, incarnation, len(job)),
+         job, hello.nonce, server_nonce)
     )
 
 

@@ -37,7 +37,7 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 #: 0.172 s vs 0.182 s; the 2 Gbit/s 64 MiB run fell from 1.21x to 1.03x gloo (more chunks,
 #: CPU-bound) but stays above it. 64 halves the tail for more CPU per byte: on 2026-11-24, 64 MiB,
 #: two alternated pairs, n=2 0.98x gloo against 0.96x at +10% CPU per GB, n=4 0.965 of the line
-#: rate against 0.952 at +25% (README, "2026-11-24"); on a CPU-bound host that costs more
+#: rate against 0.952 at +25% (docs/benchmarks/history.md, "2026-11-24: fewer wake-ups"); on a CPU-bound host that costs more
 #: than the tail saves, so 32 stays the default. Since cut-through (RESULT_PIECE_BYTES below) the
 #: one-chunk tail remains only where results leave whole: the straggler modes, or pieces off.
 CHUNKS_PER_SPAN = 32
@@ -49,13 +49,13 @@ CHUNKS_PER_SPAN = 32
 #: the push side (one push frame and dispatch per chunk stays). 0 forwards whole chunks only.
 #: n=m=4 at 1 Gbit/s, 64 MiB, same-run pair on 2026-11-24: 1.46x gloo at 0.956 of the line rate
 #: against 1.43x at 0.938 with whole chunks (n=2 0.98x against 0.96x), CPU per GB within the
-#: noise (README, "cut-through forwarding").
+#: noise (docs/benchmarks/history.md, "2026-11-24, later: cut-through forwarding").
 DEFAULT_RESULT_PIECE_BYTES = 128 * 1024
 
 #: Smallest reducer span (one first ramp chunk): a message smaller than this many bytes per
 #: reducer goes to fewer reducers, ``key`` choosing the first (chunker.placement). Below it the
 #: extra frames cost more than the shorter transfer saves: n=m=4 at 1 Gbit/s, same session
-#: (2026-11-23, one reducer vs four; commands in the README, "Small messages"), 4 KiB with 0.5 ms
+#: (2026-11-23, one reducer vs four; commands in docs/benchmarks/history.md, "Small messages"), 4 KiB with 0.5 ms
 #: delay 3.3-3.6 ms vs 4.9-5.5 ms, 16 KiB 3.9-4.4 vs 5.8-6.3; without delay 64 KiB 2.6-3.0 ms vs
 #: 4.4-6.9; 256 KiB on one reducer (this constant raised to 256 KiB) took 14 ms vs 4.7-8 ms.
 MIN_SPAN_BYTES = 64 * 1024
@@ -118,8 +118,8 @@ DEFAULT_PUSH_WINDOW_CHUNKS = 1
 #: One largest chunk: a socket then takes a whole chunk in one call and wakes the sender about
 #: once per chunk. At 128 KiB it woke every 64 KiB sent; on 2026-11-24 (n=m=4, 64 MiB, 1 Gbit/s,
 #: four alternated pairs) that cost 2.19-2.79 CPU s/GB against 1.92-2.13, with the same time
-#: (0.588-0.594 s against 0.590-0.593 s); 512 KiB and 2 MiB measured like 1 MiB (README,
-#: "2026-11-24").
+#: (0.588-0.594 s against 0.590-0.593 s); 512 KiB and 2 MiB measured like 1 MiB
+#: (docs/benchmarks/history.md, "2026-11-24: fewer wake-ups").
 DEFAULT_SEND_LOWAT_BYTES = DEFAULT_CHUNK_BYTES
 
 #: Largest receive low-water mark (``SO_RCVLOWAT``) for a large payload: bounds how long an

@@ -69,7 +69,8 @@ class RedsrvError(Exception):
         self.elapsed = elapsed
         self.timeout = timeout
         self.detail = message
-        context = _describe(dict(peer=peer, job=job, rank=rank, key=key, chunk=chunk, phase=phase, elapsed=elapsed, timeout=timeout))
+        context = _describe(dict(peer=peer, job=job, rank=rank, key=key, chunk=chunk, phase=phase,
+                                 elapsed=elapsed, timeout=timeout))
         super().__init__(f"{message} ({context})" if context else message)
 
 

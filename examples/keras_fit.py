@@ -113,7 +113,8 @@ def train(*, reference: bool = False, devices: int | None = None, epochs: int = 
             callbacks += [checkpoint] if reference else strategy.chief_only(checkpoint)
         first = model.evaluate(val_data, verbose=0, return_dict=True)
         started = time.perf_counter()
-        history = model.fit(train_data, validation_data=val_data, epochs=epochs, callbacks=callbacks, shuffle=False,  # the dataset shuffles
+        # shuffle=False: the dataset shuffles itself
+        history = model.fit(train_data, validation_data=val_data, epochs=epochs, callbacks=callbacks, shuffle=False,
                             verbose=verbose if (reference or strategy.is_chief) else 0)
         seconds = time.perf_counter() - started
         weights = np.concatenate([w.numpy().ravel() for w in model.weights])

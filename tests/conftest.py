@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import psutil
 import pytest
 
 from redsrv.examples.launcher import readline_within
@@ -105,10 +106,16 @@ class ProcessTracker:
                 time.sleep(0.2)
 
     def cleanup(self) -> list[int]:
+        """End every tracked process still running (SIGCONT, SIGTERM, then SIGKILL, by pid), and
+        any process one of them started and left behind. Returns the pids of the tracked processes
+        that were still running: reducers are by design; a process that escaped the tracker is
+        caught by the ``no_leaked_processes`` fixture instead."""
         leaked = []
+        descendants: list[psutil.Process] = []
         for proc in self.procs:
             if proc.poll() is None:
                 leaked.append(proc.pid)
+                descendants += _descendants(proc.pid)
                 try:
                     os.kill(proc.pid, signal.SIGCONT)  # a frozen child cannot act on SIGTERM
                     proc.terminate()
@@ -118,6 +125,7 @@ class ProcessTracker:
                     proc.wait(timeout=5)
                 except ProcessLookupError:
                     pass
+        _end_processes(descendants)
         for pump in self.pumps:
             pump.join(5)
         for proc in self.procs:
@@ -127,6 +135,42 @@ class ProcessTracker:
         for f in self.files:
             f.close()
         return leaked
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _end_processes(processes: list[psutil.Process], grace: float = 5.0) -> None:
+    """SIGCONT then SIGTERM each process, wait up to ``grace`` seconds, then SIGKILL the rest."""
+    for process in processes:
+        try:
+            process.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=grace)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+
+
+def live_children() -> dict[int, psutil.Process]:
+    """This process's descendants that are still running (zombies have ended; only unreaped)."""
+    children = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                children[child.pid] = child
+        except psutil.NoSuchProcess:
+            pass
+    return children
 
 
 def _drain(proc: subprocess.Popen, sink: list[str]) -> list[threading.Thread]:  # type: ignore[type-arg]
@@ -169,11 +213,39 @@ def no_leaked_threads() -> Iterator[None]:
     yield
     deadline = time.monotonic() + 5
     while True:
-        leaked = [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("redsrv-") and t.is_alive()]
+        leaked = [t.name for t in threading.enumerate()
+                  if t.ident not in before and t.name.startswith("redsrv-") and t.is_alive()]
         if not leaked or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert not leaked, f"threads left running: {leaked}"
+
+
+#: How long a process the test started may take to finish exiting after every fixture's teardown.
+PROCESS_EXIT_GRACE_S = 2.0
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes() -> Iterator[None]:
+    """Fail a test that leaves a process of its own running after every fixture's teardown: one
+    started outside :class:`ProcessTracker`, or one the tracker could not end. The leftovers are
+    ended by pid first, so the next test starts clean.
+
+    Autouse, so it is set up before the test's other fixtures and torn down after them (after
+    ``procs`` has ended the reducers and workers it tracks)."""
+    before = set(live_children())
+    yield
+    new = [p for pid, p in live_children().items() if pid not in before]
+    _, leaked = psutil.wait_procs(new, timeout=PROCESS_EXIT_GRACE_S)
+    if leaked:
+        described = []
+        for process in leaked:
+            try:
+                described.append(f"pid {process.pid}: {' '.join(process.cmdline())[:200]}")
+            except psutil.Error:
+                described.append(f"pid {process.pid}")
+        _end_processes(leaked)
+        pytest.fail(f"processes left running after the test: {described}", pytrace=False)
 
 
 WORKER_SCRIPT = os.path.join(os.path.dirname(__file__), "worker_main.py")
@@ -207,9 +279,15 @@ class WorkerRun:
         raise AssertionError(f"workers did not reach step {count} within {timeout}s")
 
     def wait_for_errors(self, timeout: float) -> None:
-        """Block until every worker has raised (or ``timeout`` passed)."""
+        """Block until every worker has raised; fail, naming those that have not, after ``timeout``."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(m == "error" for m in self._progress()):
+        while True:
+            marks = self._progress()
+            if all(m == "error" for m in marks):
+                return
+            if time.monotonic() > deadline:
+                silent = [p.pid for p, m in zip(self.procs, marks) if m != "error"]
+                raise AssertionError(f"workers (pids {silent}) had not raised {timeout}s after the fault")
             time.sleep(0.05)
 
     def wait(self, timeout: float = 90.0) -> tuple[list[dict], list[dict]]:  # type: ignore[type-arg]

@@ -26,7 +26,12 @@ SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTER
 #: these tests), so the victim looks slow to the reducer, never frozen.
 HELD_PAUSE_S = 0.5
 #: (direction is worker->reducer, frame event) that marks each phase.
-TRIGGERS = {"handshake": (True, "end:HELLO"), "push": (True, "half:PUSH"), "wait": (True, "end:PUSH"), "pull": (False, "half:RESULT")}
+TRIGGERS = {
+    "handshake": (True, "end:HELLO"),
+    "push": (True, "half:PUSH"),
+    "wait": (True, "end:PUSH"),
+    "pull": (False, "half:RESULT"),
+}
 
 
 @dataclass

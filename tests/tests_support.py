@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -15,7 +17,9 @@ from redsrv.core import wire
 
 from worker_main import make_input
 
-__all__ = ["make_input", "rank_order_sum", "read_frames", "why_no_namespaces"]
+__all__ = ["make_input", "rank_order_sum", "read_frames", "wait_for_open_operations", "why_no_namespaces"]
+
+_STALL_WARNING = re.compile(r"key (0x[0-9a-f]+) chunk \d+ open for")
 
 
 def read_frames(sock: socket.socket, timeout: float = 5.0) -> list[wire.Frame]:
@@ -37,6 +41,22 @@ def read_frames(sock: socket.socket, timeout: float = 5.0) -> list[wire.Frame]:
             return frames
         if not data:
             return frames
+
+
+def wait_for_open_operations(log: list[str], count: int, timeout: float = 10.0) -> set[str]:
+    """Block until a reducer's log (``Reducer.log``, started with a short ``REDSRV_STALL_WARNING``)
+    has warned of open chunks of ``count`` distinct operations: their pushes have arrived and wait
+    there for a missing rank. Returns the operations' keys as the reducer logs them; fails after
+    ``timeout`` seconds, naming what it saw."""
+    deadline = time.monotonic() + timeout
+    while True:
+        keys = {m.group(1) for line in list(log) if (m := _STALL_WARNING.search(line))}
+        if len(keys) >= count:
+            return keys
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the reducer warned of {len(keys)} open operation(s), not {count}, "
+                                 f"within {timeout}s: {keys}")
+        time.sleep(0.02)
 
 
 def rank_order_sum(arrays: list[np.ndarray]) -> np.ndarray:

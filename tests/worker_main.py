@@ -4,7 +4,8 @@
 
 SPEC: {"reducers": [...], "rank": r, "world_size": n, "job": "...", "config": {...},
        "ops": [{"kind": "allreduce"|"broadcast", "size": int, "dtype": str, "seed": int,
-                "op": "sum"|"mean"|"min"|"max"|"product"|"band"|"bor"|"bxor", "wire_dtype": null|"bf16"|"fp16", "key": ..., "root": 0}],
+                "op": "sum"|"mean"|"min"|"max"|"product"|"band"|"bor"|"bxor", "wire_dtype": null|"bf16"|"fp16",
+                "key": ..., "root": 0}],
        "concurrent": bool, "reverse_on_odd_ranks": bool, "start_delay": {"rank": seconds},
        "loop_until_error": bool, "loop_size": int, "loop_seconds": float, "step_pause": float}
 
@@ -66,6 +67,13 @@ def _recover(spec: dict) -> dict:  # type: ignore[type-arg]
             last = repr(exc)
             time.sleep(0.3)
     return {"ok": False, "attempts": attempts, "last_error": last}
+
+
+def _mark_raised(out_prefix: str) -> None:
+    """Tell a test waiting to repair the fleet (``WorkerRun.wait_for_errors``) that this worker
+    has raised: written as soon as the error is caught, before the client's bounded close."""
+    with open(out_prefix + ".progress", "w") as f:
+        f.write("error")
 
 
 def main() -> int:
@@ -135,9 +143,11 @@ def main() -> int:
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "at": time.time(),
                            "mro": [c.__name__ for c in type(exc).__mro__],
                            **{k: getattr(exc, k, None) for k in ("peer", "job", "rank", "phase")}}
+        _mark_raised(out_prefix)
     except Exception as exc:  # an untyped error is a test failure: report it as such
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "at": time.time(), "mro": [],
                            "traceback": traceback.format_exc()}
+        _mark_raised(out_prefix)
     finally:
         if client is not None:
             client.close()
@@ -148,14 +158,12 @@ def main() -> int:
     import threading
 
     report["threads_left"] = [t.name for t in threading.enumerate() if t.name.startswith("redsrv-")]
-    if report["error"] is not None:
-        with open(out_prefix + ".progress", "w") as f:
-            f.write("error")  # tests waiting to repair the fleet know this worker has raised
     if spec.get("recover") and report["error"] is not None:
         report["recovery"] = _recover(spec)
     # npz cannot store bfloat16: save its bits and let the loader view them back.
-    np.savez(out_prefix + ".npz", **{(k + "__bf16" if v.dtype.name == "bfloat16" else k): (v.view(np.uint16) if v.dtype.name == "bfloat16" else v)
-                                      for k, v in results.items()})
+    storable = {(k + "__bf16" if v.dtype.name == "bfloat16" else k): (v.view(np.uint16) if v.dtype.name == "bfloat16" else v)
+                for k, v in results.items()}
+    np.savez(out_prefix + ".npz", **storable)
     with open(out_prefix + ".json", "w") as f:
         json.dump(report, f)
     return 0

@@ -57,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="worker count(s) n; several values also plot the speedup vs n (default 4)")
     b.add_argument("--reducers", type=int, default=None, metavar="M",
                    help="reducer count m (default: m = n, on their own hosts)")
-    b.add_argument("--rate", default="1gbit", help="per-host line rate, both directions, e.g. 1gbit, 500mbit, none (default 1gbit)")
+    b.add_argument("--rate", default="1gbit",
+                   help="per-host line rate, both directions, e.g. 1gbit, 500mbit, none (default 1gbit)")
     b.add_argument("--sizes", type=float, nargs="+", default=[16, 64], metavar="MIB",
                    help="message sizes in MiB, e.g. 0.00390625 for 4 KiB (default 16 64)")
     b.add_argument("--reps", type=int, default=None,
@@ -243,8 +244,9 @@ def describe_forwarder(report: dict[str, Any], delay_us: int) -> str:
     """One line on how faithfully the delay forwarder kept the delay.
 
     >>> describe_forwarder({"forwarded": 1200, "dropped": 0, "undeliverable": 3, "scheduling": "SCHED_FIFO 10",
-    ...                     "late_us": {"p50": 12, "p99": 80, "max": 400}}, 500)
-    'delay forwarder (SCHED_FIFO 10): 1200 frames, 0 dropped, 3 to a port that was down; left 12 us (median), 80 us (p99), 400 us (max) after their 500 us'
+    ...                     "late_us": {"p50": 12, "p99": 80, "max": 400}}, 500)  # doctest: +NORMALIZE_WHITESPACE
+    'delay forwarder (SCHED_FIFO 10): 1200 frames, 0 dropped, 3 to a port that was down;
+     left 12 us (median), 80 us (p99), 400 us (max) after their 500 us'
     """
     late = report.get("late_us") or {}
     when = ", ".join(f"{late[k]} us ({name})" for k, name in (("p50", "median"), ("p99", "p99"), ("max", "max")) if k in late)
@@ -303,7 +305,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     _say(opts, f"redsrv bench emulate: {opts.hosts} hosts at {format_rate(opts.rate_bps)} per link (both directions), "
                f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
-               + f"; {' vs '.join(impls)}; {opts.rounds} round(s)" + ("; reducers colocated with workers" if opts.colocate else "")
+               + f"; {' vs '.join(impls)}; {opts.rounds} round(s)"
+               + ("; reducers colocated with workers" if opts.colocate else "")
                + "".join(f"; redsrv {name}={value}" for name, value in opts.client_options().items())
                + ("" if opts.result_piece_bytes is None else f"; redsrv reducers' result_piece_bytes={opts.result_piece_bytes}"))
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))

@@ -172,7 +172,8 @@ def format_table(rows: Sequence[Row]) -> str:
         lines.append(
             f"{r.n:>2} {r.m:>2} {format_size(r.size_bytes):>8} {r.impl:<7} {_time(r.median_s):>10} "
             f"{_time(r.min_s) + '-' + _time(r.max_s):>19} {r.algbw_gbps:>10.4f} {r.fraction_of_bound:>8.3f} {spd:>17} "
-            f"{rng:>13} {f'{r.cpu_busy:.0%}/{r.own_cpu_share:.0%}':>13} {f'{r.cpu_s_per_gb:.2f} ({r.worker_cpu_s_per_gb:.2f})':>18}  {'; '.join(notes)}")
+            f"{rng:>13} {f'{r.cpu_busy:.0%}/{r.own_cpu_share:.0%}':>13} "
+            f"{f'{r.cpu_s_per_gb:.2f} ({r.worker_cpu_s_per_gb:.2f})':>18}  {'; '.join(notes)}")
     return "\n".join(lines)
 
 
@@ -231,7 +232,8 @@ def plot(rows: Sequence[Row], path: str, *, goodput: float, rate_bps: int, title
             # The speed-up is the ratio of pooled medians, so it may sit outside the per-round range.
             err = [[max(0.0, (r.speedup or 0) - (r.speedup_min or 0)) for r in rs],
                    [max(0.0, (r.speedup_max or 0) - (r.speedup or 0)) for r in rs]]
-            ax2.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[i % len(colors)], label=f"measured, {format_size(size)}")
+            ax2.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[i % len(colors)],
+                         label=f"measured, {format_size(size)}")
         theory_rows = sorted({(r.n, r.m) for r in rows if r.impl == "redsrv"})
         ax2.plot([n for n, _ in theory_rows], [theory_speedup(n, m, colocated, compression) for n, m in theory_rows], "k--",
                  label="theory 2(n-1)/n·min(1, m/n)" + (f"·{compression:g} (wire compression)" if compression != 1 else ""))

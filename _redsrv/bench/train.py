@@ -109,7 +109,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--workers", type=int, default=4, metavar="N", help="worker count n (default 4)")
     b.add_argument("--reducers", type=int, default=None, metavar="M",
                    help="reducer count m, each on its own host (default: m = n)")
-    b.add_argument("--rate", default="1gbit", help="per-host line rate, both directions, e.g. 1gbit, 500mbit, none (default 1gbit)")
+    b.add_argument("--rate", default="1gbit",
+                   help="per-host line rate, both directions, e.g. 1gbit, 500mbit, none (default 1gbit)")
     b.add_argument("--params", type=float, default=25.0, metavar="MILLIONS",
                    help=f"model size in millions of parameters (default 25: {DEFAULT_WIDTH}-wide layers)")
     b.add_argument("--batch", type=int, default=8, help="rows per worker per step (default 8)")
@@ -568,7 +569,9 @@ def _progress(block: dict[str, Any], k: int, total: int, grad_bytes: int, goodpu
     med = statistics.median(block["times"])
     rate = ""
     if block["mode"] != "compute":
-        rate = f"  {grad_bytes / med / 1e9:.4f} GB/s of gradients" + (f" ({grad_bytes / med / 1e9 / goodput:.3f} G)" if goodput else "")
+        rate = f"  {grad_bytes / med / 1e9:.4f} GB/s of gradients"
+        if goodput:
+            rate += f" ({grad_bytes / med / 1e9 / goodput:.3f} G)"
     flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
     wrong = f" WRONG: {block['checks'][0]}" if not block["correct"] else ""
     return (f"  [{k:>2}/{total}] round {block['round'] + 1} {_WHAT[block['mode']]:<16} median {_time(med):>9}  "

@@ -3,7 +3,7 @@
 Checks that the sums are right, that the cluster leaves no namespace or process behind, and that
 redsrv is not absurdly slower than gloo: below the 0.8x sanity bound fails (theory is 1.0x at
 n=2), unless other load kept the machine CPU-bound during the run (an expected failure then).
-The full comparison is a manual benchmark (README, "Performance"). Skipped where network
+The full comparison is a manual benchmark (docs/performance.md). Skipped where network
 namespaces cannot be created.
 """
 

@@ -4,8 +4,8 @@ model, two rounds of a few steps.
 Checks that both models train identically on every rank and that the hook-trained model equals
 the gloo-trained one, that the raw block replays exactly the buckets DDP handed the hook, that
 the rate limit is in force, and that the cluster leaves no namespace or process behind. Speed is
-not judged here (theory is 1.0x at n=2); the full comparison is a manual benchmark (README,
-"End-to-end: DDP training"). Skipped without torch or where network namespaces cannot be created.
+not judged here (theory is 1.0x at n=2); the full comparison is a manual benchmark
+(docs/performance.md, "End-to-end: DDP training steps"). Skipped without torch or where network namespaces cannot be created.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import redsrv
 from redsrv.core import auth, wire
 
 from conftest import child_env
-from tests_support import read_frames
+from tests_support import read_frames, wait_for_open_operations
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -133,7 +133,8 @@ def test_slow_reader_gets_backpressure_and_is_dropped_with_memory_bounded(procs)
         sock.settimeout(0.5)
         dropped_after = None
         for i in range(200):  # a single-rank job: every push closes at once and a result is due
-            frame = wire.encode(wire.Push(i, challenge.incarnation, MIB // 4, 0, MIB // 4, 0, wire.DType.FLOAT32, payload=payload))
+            push = wire.Push(i, challenge.incarnation, MIB // 4, 0, MIB // 4, 0, wire.DType.FLOAT32, payload=payload)
+            frame = wire.encode(push)
             try:
                 sock.sendall(frame)
                 sent += 1
@@ -168,11 +169,12 @@ def test_slow_reader_gets_backpressure_and_is_dropped_with_memory_bounded(procs)
 
 
 def test_sigterm_under_load_fails_open_steps_and_exits_zero(procs) -> None:  # type: ignore[no-untyped-def]
-    reducer = procs.start_reducer(env={"REDSRV_CLOSE_TIMEOUT": "3"})
+    # A short stall warning is how the test learns that the pushes have arrived.
+    reducer = procs.start_reducer(env={"REDSRV_CLOSE_TIMEOUT": "3", "REDSRV_STALL_WARNING": "0.05"})
     with redsrv.Client([reducer.address], rank=0, world_size=2, job="term", **FAST) as c0, \
          redsrv.Client([reducer.address], rank=1, world_size=2, job="term", **FAST):
         pending = [c0.allreduce_async(np.ones(100_000, np.float32), key=k) for k in range(5)]
-        time.sleep(0.3)  # the pushes have arrived; rank 1 never contributes
+        wait_for_open_operations(reducer.log, len(pending))  # rank 1 never contributes
         started = time.monotonic()
         reducer.signal(signal.SIGTERM)
         for fut in pending:
@@ -187,9 +189,7 @@ def test_stall_warning_names_the_missing_ranks(procs) -> None:  # type: ignore[n
     reducer = procs.start_reducer(env={"REDSRV_STALL_WARNING": "0.5"})
     with redsrv.Client([reducer.address], rank=1, world_size=3, job="stall", **FAST) as c:
         fut = c.allreduce_async(np.ones(10, np.float32), key="stuck")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not any("open for" in line for line in reducer.log):
-            time.sleep(0.1)
+        wait_for_open_operations(reducer.log, 1)
         warning = next(line for line in reducer.log if "open for" in line)
         assert "job 'stall'" in warning and "waiting for rank(s) 0, 2" in warning
         c.close()

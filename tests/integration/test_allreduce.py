@@ -101,7 +101,8 @@ def test_other_dtypes(fleet, workers, dtype: str) -> None:  # type: ignore[no-un
 @pytest.mark.parametrize("wire", ["bf16", "fp16"])
 def test_wire_compression_returns_float32_within_tolerance(fleet, workers, wire: str) -> None:  # type: ignore[no-untyped-def]
     n, size = 3, 100_003
-    results, reports = workers(fleet(2), n, ops({"size": size, "seed": 5, "wire_dtype": wire}, {"size": size, "seed": 5, "wire_dtype": wire, "op": "mean"})).wait()
+    plain = {"size": size, "seed": 5, "wire_dtype": wire}
+    results, reports = workers(fleet(2), n, ops(plain, {**plain, "op": "mean"})).wait()
     assert all(r["error"] is None for r in reports), reports
     exact = rank_order_sum([make_input(5, r, size, "float32") for r in range(n)])
     tol = TOLERANCE["bfloat16" if wire == "bf16" else "float16"] * 2 * np.abs(exact).max()

@@ -84,7 +84,8 @@ def test_doctests() -> None:
 
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**34), st.integers(1, 64), st.integers(1, 2**20), st.integers(0, 2**64 - 1))
-def test_placement_uses_distinct_reducers_with_spans_of_at_least_the_minimum(nbytes: int, m: int, min_span: int, key: int) -> None:
+def test_placement_uses_distinct_reducers_with_spans_of_at_least_the_minimum(
+        nbytes: int, m: int, min_span: int, key: int) -> None:
     reducers = chunker.placement(nbytes, m, min_span, key)
     assert reducers == chunker.placement(nbytes, m, min_span, key)  # every rank agrees
     assert 1 <= len(reducers) <= m and len(set(reducers)) == len(reducers)

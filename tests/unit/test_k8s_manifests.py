@@ -44,7 +44,8 @@ def test_reducer_command_line_is_valid_and_matches_the_ports(manifests) -> None:
 def test_workers_name_every_reducer_by_its_stable_dns_name(manifests) -> None:  # type: ignore[no-untyped-def]
     sts, service = manifests["sts"], manifests["service"]
     assert sts["spec"]["serviceName"] == service["metadata"]["name"] and service["spec"]["clusterIP"] == "None"
-    env = {e["name"]: e["value"] for e in manifests["job"]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["env"]}
+    master = manifests["job"]["spec"]["pytorchReplicaSpecs"]["Master"]
+    env = {e["name"]: e["value"] for e in master["template"]["spec"]["containers"][0]["env"]}
     reducers = env["REDSRV_REDUCERS"].split(",")
     port = sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
     expected = [f"{sts['metadata']['name']}-{i}.{service['metadata']['name']}:{port}" for i in range(sts["spec"]["replicas"])]

@@ -34,6 +34,7 @@ class _Collector:
     def __init__(self, sock: socket.socket, *, wait_first: int = 0, skip_keys: tuple[int, ...] = ()) -> None:
         self.results: list[tuple[wire.FrameHeader, bytearray]] = []  # from its header on
         self.completed = 0  # results whose payload is all in
+        self.payload_in = threading.Event()  # set when a result's payload is all in
         self.errors: list[wire.Error] = []
         self.skipped = 0
         self.skip_keys = skip_keys
@@ -57,6 +58,7 @@ class _Collector:
 
     def on_payload(self) -> None:
         self.completed += 1
+        self.payload_in.set()
         return None
 
 
@@ -87,6 +89,7 @@ def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
         lock = threading.Lock()
         threads, per_thread, size = 4, 100, 20_000
         done: list[bool] = []
+        queued = threading.Event()  # set under the lock while the writer holds bytes the socket did not take
 
         def produce(t: int) -> None:
             for i in range(per_thread):
@@ -95,20 +98,29 @@ def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
                 views = [memoryview(header), payload] if i % 2 else (lambda h=header, p=payload: [memoryview(h), p])
                 with lock:
                     writer.send(views, done.append, time.monotonic(), finished)
+                    if writer.out:
+                        queued.set()
                 for callback in finished:
                     callback(True)
 
         def flush_until_done() -> None:
-            while len(done) < threads * per_thread:
+            # What an owner's event loop does: wait for queued bytes and a socket that takes more.
+            deadline = time.monotonic() + 30
+            while len(done) < threads * per_thread and time.monotonic() < deadline:
+                if not queued.wait(0.1):
+                    continue
+                select.select([], [a], [], 0.1)
                 finished: list[Callable[[bool], None]] = []
                 with lock:
                     writer.flush(time.monotonic(), finished)
+                    if not writer.out:
+                        queued.clear()
                 for callback in finished:
                     callback(True)
-                time.sleep(0.001)
 
         collector = _Collector(b)
-        workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)] + [threading.Thread(target=flush_until_done)]
+        workers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
+        workers.append(threading.Thread(target=flush_until_done))
         for w in workers:
             w.start()
         _drive(collector.reader, lambda: collector.completed == threads * per_thread)
@@ -209,8 +221,10 @@ def test_a_large_payload_arriving_in_pieces_is_read_whole_and_the_next_header_st
     def trickle() -> None:
         for start in range(0, len(raw), 100_000):
             a.sendall(raw[start : start + 100_000])
-            time.sleep(0.01)
-        time.sleep(0.2)  # the reader now waits for the next header
+            time.sleep(0.01)  # pacing, so that the payload arrives in pieces
+        # Only once the large payload is all in does the reader wait for the next header: the
+        # frame sent now must wake it.
+        assert collector.payload_in.wait(5), "the large payload never completed"
         a.sendall(wire.encode(wire.Error(wire.ErrorCode.STALE, False, "next", 7, 0)))
 
     collector = _Collector(b)

@@ -89,6 +89,14 @@ def _push_header(**over: int) -> bytes:
     return struct.pack("<QQQQIIBBH", *fields.values())
 
 
+def _hello_frame(job: bytes, *, rank: int = 0, world_size: int = 4, mode: int = 0) -> bytes:
+    """A HELLO built by hand, as core/wire.py declares its header (rank, world_size, mode,
+    min_contributors, deadline_ms, op_timeout_ms, session, nonce), so that it can carry what the
+    encoder refuses to write."""
+    header = struct.pack("<IIBxxxIIIQ32s", rank, world_size, mode, 0, 0, 1, 1, NONCE)
+    return _prefix(wire.FrameType.HELLO, len(header), len(job)) + header + job
+
+
 MALFORMED = {
     "bad magic": b"HTTP" + wire.encode(wire.Heartbeat())[4:],
     "unsupported version": _prefix(wire.FrameType.HEARTBEAT, 0, 0, version=99),
@@ -101,11 +109,12 @@ MALFORMED = {
     "chunk beyond total": _prefix(wire.FrameType.PUSH, 44, 8) + _push_header(offset=9) + bytes(8),
     "payload on a heartbeat": _prefix(wire.FrameType.HEARTBEAT, 0, 4) + b"abcd",
     "unknown error code": _prefix(wire.FrameType.ERROR, 16, 0) + struct.pack("<HBxQI", 999, 0, 0, 0),
-    "rank beyond world size": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack("<IIBxxxIIIQ32s", 5, 4, 0, 0, 0, 1, 1, NONCE) + b"j",
-    "empty job id": _prefix(wire.FrameType.HELLO, 60, 0) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 0, 0, 0, 1, 1, NONCE),
-    "unknown straggler mode": _prefix(wire.FrameType.HELLO, 60, 1) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 9, 0, 0, 1, 1, NONCE) + b"j",
-    "job id not utf-8": _prefix(wire.FrameType.HELLO, 60, 2) + struct.pack("<IIBxxxIIIQ32s", 0, 4, 0, 0, 0, 1, 1, NONCE) + b"\xff\xfe",
-    "result bitmap larger than payload": _prefix(wire.FrameType.RESULT, 32, 4) + struct.pack("<QQIIBxHI", 1, 0, 1, 0, 1, 1, 8) + bytes(4),
+    "rank beyond world size": _hello_frame(b"j", rank=5, world_size=4),
+    "empty job id": _hello_frame(b""),
+    "unknown straggler mode": _hello_frame(b"j", mode=9),
+    "job id not utf-8": _hello_frame(b"\xff\xfe"),
+    "result bitmap larger than payload":
+        _prefix(wire.FrameType.RESULT, 32, 4) + struct.pack("<QQIIBxHI", 1, 0, 1, 0, 1, 1, 8) + bytes(4),
 }
 
 

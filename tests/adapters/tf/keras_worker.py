@@ -5,7 +5,9 @@
 SPEC: {"mode": "worker"|"reference", "devices": n, "seed": s (model init; workers add their index),
        "samples": n, "features": f, "batch_size": b, "epochs": e, "job": "...", "strategy": {...kwargs},
        "progress": bool (write OUT_PREFIX.progress after each epoch), "steps_per_execution": k,
-       "jit_compile": bool, "keras": "keras" (Keras 3, default) | "tf_keras" (Keras 2), "model": "mlp" (default) | "bn" (BatchNormalization and Dropout), "save": bool (save weights to worker{index}.weights.h5 or reference.weights.h5 next to OUT_PREFIX each
+       "jit_compile": bool, "keras": "keras" (Keras 3, default) | "tf_keras" (Keras 2),
+       "model": "mlp" (default) | "bn" (BatchNormalization and Dropout),
+       "save": bool (save weights to worker{index}.weights.h5 or reference.weights.h5 next to OUT_PREFIX each
        epoch; ReductionServerStrategy workers pass the callback through strategy.chief_only)}
 
 "reference" is a single process with a stock MirroredStrategy over n logical CPUs; "worker" is one

@@ -161,7 +161,8 @@ def check_training(run: Run, config: str) -> None:
     count = run.reports[0]["parameters"][config]
     first = [ours.tobytes() for _, ours, _ in parameters(run, 0, config)][:count]
     for rank in range(1, run.world_size):
-        assert [ours.tobytes() for _, ours, _ in parameters(run, rank, config)][:count] == first, f"{config}: rank {rank} diverged"
+        theirs = [ours.tobytes() for _, ours, _ in parameters(run, rank, config)][:count]
+        assert theirs == first, f"{config}: rank {rank} diverged"
 
 
 def check_collective(run: Run, name: str) -> None:

@@ -24,8 +24,10 @@ LOST_BOUND = 2.0
 
 def test_backward_raises_on_timeout_and_on_a_reducer_killed_mid_step(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from conftest import child_env
+    from tests_support import wait_for_open_operations
 
-    timeout_reducer, killed_reducer = procs.start_reducer(), procs.start_reducer()
+    # A short stall warning is how the test learns that the step's buckets reached the reducer.
+    timeout_reducer, killed_reducer = procs.start_reducer(), procs.start_reducer(env={"REDSRV_STALL_WARNING": "0.05"})
     prefix = str(tmp_path / "fault")
     spec = {"timeout_reducer": timeout_reducer.address, "killed_reducer": killed_reducer.address, "op_timeout": OP_TIMEOUT}
     log = open(prefix + ".log", "w")
@@ -38,7 +40,7 @@ def test_backward_raises_on_timeout_and_on_a_reducer_killed_mid_step(procs, tmp_
         assert worker.poll() is None, f"worker exited early: {open(prefix + '.log').read()[-3000:]}"
         assert time.monotonic() < deadline, "worker never reached the second scenario"
         time.sleep(0.05)
-    time.sleep(0.5)  # let the step's buckets reach the reducer and wait there for rank 1
+    wait_for_open_operations(killed_reducer.log, 1)  # the step's buckets wait there for rank 1
     killed_at = time.time()
     killed_reducer.signal(signal.SIGKILL)
 

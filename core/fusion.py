@@ -1,0 +1,117 @@
+"""Fusing many arrays into one flat vector per dtype, and splitting the result back.
+
+A model's gradients are many small arrays of a few dtypes. One all-reduce per array pays a round
+trip each; one per dtype pays one round trip for all of them and lets the chunker pipeline the
+bytes. Every adapter that reduces a list of arrays (a pytree, a list of gradients) needs the same
+three steps, so they live here, pure: group the arrays by dtype (:func:`group_by_dtype`), fuse
+each group (:func:`fuse`), reduce the flat vector, and :func:`split` it back into views of the
+original shapes.
+
+The grouping only reads ``.dtype`` and ``.shape``, and :func:`split` only slices and reshapes, so
+both work on any array type that has them (a JAX tracer included); :func:`fuse` builds a NumPy
+vector. Groups come in order of each dtype's first appearance and keep their members' order, which
+every rank computes identically from the same list: the layouts agree without any exchange.
+
+>>> import numpy as np
+>>> arrays = [np.ones((2, 2), np.float32), np.arange(3), np.full(1, 7, np.float32)]
+>>> groups = group_by_dtype(arrays)
+>>> [(g.dtype.name, g.members, g.total) for g in groups]
+[('float32', (0, 2), 5), ('int64', (1,), 3)]
+>>> flat = fuse(arrays, groups[0])
+>>> flat
+array([1., 1., 1., 1., 7.], dtype=float32)
+>>> [a.shape for a in split(flat * 2, groups[0])]
+[(2, 2), (1,)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+__all__ = ["FusedGroup", "fuse", "group_by_dtype", "split"]
+
+
+class _Shaped(Protocol):
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+_Sliceable = TypeVar("_Sliceable")
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """The arrays of one dtype, in the order given: ``members`` are their positions in the list,
+    ``shapes`` their shapes; in the fused vector member ``k`` is ``[offsets[k], offsets[k] + sizes[k])``."""
+
+    dtype: np.dtype[Any]
+    members: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(shape) for shape in self.shapes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        starts, at = [], 0
+        for size in self.sizes:
+            starts.append(at)
+            at += size
+        return tuple(starts)
+
+    @property
+    def total(self) -> int:
+        """Elements in the fused vector."""
+        return sum(self.sizes)
+
+
+def group_by_dtype(arrays: Sequence[_Shaped]) -> list[FusedGroup]:
+    """Group ``arrays`` by dtype, in order of each dtype's first appearance.
+
+    >>> import numpy as np
+    >>> [g.members for g in group_by_dtype([np.zeros(2, np.int32), np.zeros(1), np.zeros(3, np.int32)])]
+    [(0, 2), (1,)]
+    >>> group_by_dtype([])
+    []
+    """
+    members: dict[np.dtype[Any], list[int]] = {}
+    for index, array in enumerate(arrays):
+        members.setdefault(np.dtype(array.dtype), []).append(index)
+    return [FusedGroup(dtype, tuple(indices), tuple(tuple(int(n) for n in arrays[i].shape) for i in indices))
+            for dtype, indices in members.items()]
+
+
+def fuse(arrays: Sequence[np.ndarray[Any, Any]], group: FusedGroup) -> np.ndarray[Any, Any]:
+    """One new contiguous vector holding ``group``'s members of ``arrays``, flattened in order.
+
+    >>> import numpy as np
+    >>> fuse([np.array([[1, 2], [3, 4]]), np.array([5])], FusedGroup(np.dtype(int), (0, 1), ((2, 2), (1,))))
+    array([1, 2, 3, 4, 5])
+    """
+    for index, shape in zip(group.members, group.shapes):
+        array = arrays[index]
+        if np.dtype(array.dtype) != group.dtype or tuple(array.shape) != shape:
+            raise ValueError(f"array {index} is {array.dtype}{list(array.shape)}, "
+                             f"the group was made for {group.dtype}{list(shape)}")
+    if not group.members:
+        return np.empty(0, group.dtype)
+    return np.concatenate([np.asarray(arrays[i]).reshape(-1) for i in group.members])
+
+
+def split(flat: _Sliceable, group: FusedGroup) -> list[_Sliceable]:
+    """``flat`` (a fused vector of ``group.total`` or more elements; padding past the end is
+    ignored) cut back into the members' shapes, in member order. NumPy slices are views."""
+    length = len(flat)  # type: ignore[arg-type]
+    if length < group.total:
+        raise ValueError(f"a fused vector of {length} elements cannot hold the group's {group.total}")
+    return [flat[start : start + size].reshape(shape)  # type: ignore[index]
+            for start, size, shape in zip(group.offsets, group.sizes, group.shapes)]
