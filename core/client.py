@@ -208,7 +208,8 @@ class Client:
         if config is None:
             config = Config.from_env(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
         elif reducers is not None or rank is not None or world_size is not None or job is not None or options:
-            config = config.replace(**{k: v for k, v in dict(reducers=reducers, rank=rank, world_size=world_size, job=job, **options).items() if v is not None})
+            given = dict(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
+            config = config.replace(**{k: v for k, v in given.items() if v is not None})
         if not config.reducers:
             raise LocalProtocolError("no reducers given: pass reducers=[...] or set REDSRV_REDUCERS")
         self.config = config
@@ -899,7 +900,8 @@ class Client:
                 writer, reader = stream.writer, stream.reader
                 try:
                     if writer.out and now - writer.last_progress > self.config.op_timeout:
-                        self._stream_broken(stream, ConnectionBroken("timeout", f"{stream.peer} stopped reading: send timed out"), "push")
+                        stalled = ConnectionBroken("timeout", f"{stream.peer} stopped reading: send timed out")
+                        self._stream_broken(stream, stalled, "push")
                         continue
                     if reader.lowat > 1:  # waiting for the rest of a chunk: an ERROR that came instead wakes nobody
                         reader.read(now, _FRAMES_PER_TURN)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -30,13 +30,16 @@ from .errors import ContributionMismatchError, PeerTimeoutError
 __all__ = ["allgather_async", "allgather", "allgather_into_async", "alltoall_async", "alltoall", "reducescatter_async",
            "split_sizes", "MAX_DIMS"]
 
+_T = TypeVar("_T")
+
 #: The most dimensions an array may have in a collective whose shapes are gathered first (the
 #: shape table has a fixed width so that it can travel as one all-reduce).
 MAX_DIMS = 16
 _SHAPE_WIDTH = 2 + MAX_DIMS  # dtype code, ndim, dims
 
 
-def allgather_async(client: Client, x: np.ndarray, *, key: Any, timeout: float | None = None) -> concurrent.futures.Future[list[np.ndarray]]:
+def allgather_async(client: Client, x: np.ndarray, *, key: Any,
+                    timeout: float | None = None) -> concurrent.futures.Future[list[np.ndarray]]:
     """Every rank's ``x``, in rank order, on every rank. First dimensions may differ per rank;
     the dtype and the other dimensions must agree (else :class:`ContributionMismatchError` on
     every rank). ``key`` must be the same on every rank and unique among operations in flight."""
@@ -76,7 +79,8 @@ def allgather_into_async(client: Client, x: np.ndarray, out: np.ndarray, *, key:
     arr = np.ascontiguousarray(x).reshape(-1)
     flat = out.reshape(-1)
     if out.dtype != arr.dtype or flat.size != arr.size * client.world_size:
-        raise ValueError(f"out must hold {client.world_size} x {arr.size} elements of {arr.dtype}, got {flat.size} of {out.dtype}")
+        raise ValueError(f"out must hold {client.world_size} x {arr.size} elements of {arr.dtype}, "
+                         f"got {flat.size} of {out.dtype}")
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("out must be a C-contiguous, writeable array")
     result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
@@ -272,7 +276,7 @@ def _settle(result: concurrent.futures.Future[Any], value: Any = None, *, exc: B
         result.set_result(value)
 
 
-def _wait(client: Client, future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
+def _wait(client: Client, future: concurrent.futures.Future[_T], timeout: float | None) -> _T:
     """The result, bounded like :meth:`Client.wait` (each part keeps its own deadline; this bound
     holds even if that machinery were stuck). Two rounds: twice the operation timeout."""
     bound = 2 * (client.config.op_timeout if timeout is None else timeout) + client.config.heartbeat_timeout + 1.0

@@ -19,7 +19,9 @@ from . import constants as C
 from .errors import ConfigError
 from .wire import StragglerMode
 
-__all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address", "require_positive", "congestion_setting", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
+__all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address",
+           "require_positive", "congestion_setting", "check_secret", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES",
+           "STRAGGLER_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -383,7 +385,8 @@ class DaemonSettings:
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.job_budget_bytes > self.memory_budget_bytes:
-            raise ConfigError(f"job_budget_bytes ({self.job_budget_bytes}) exceeds memory_budget_bytes ({self.memory_budget_bytes})")
+            raise ConfigError(f"job_budget_bytes ({self.job_budget_bytes}) exceeds memory_budget_bytes "
+                              f"({self.memory_budget_bytes})")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.result_piece_bytes < 0:

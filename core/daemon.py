@@ -321,7 +321,8 @@ class ReducerDaemon:
                 return
             if len(self._conns) >= self.settings.max_connections:
                 _reject(sock, wire.Error(wire.ErrorCode.OVERLOADED, True,
-                                         f"reducer connection limit of {self.settings.max_connections} joined connections reached"))
+                                         f"reducer connection limit of {self.settings.max_connections} joined "
+                                         "connections reached"))
                 continue
             if len(self._pending) >= self.settings.max_pending_handshakes:
                 # The oldest pending handshake makes room: a flood of slow or silent connections
@@ -339,6 +340,7 @@ class ReducerDaemon:
                                ServerHandshake(incarnation=self.incarnation, secret=self.settings.secret,
                                                max_op_timeout_ms=int(self.settings.max_op_timeout * 1000)))
             self._pending[pending.id] = pending
+            assert self._selector is not None
             pending.events = watch(self._selector, sock, pending, 0, selectors.EVENT_READ)
 
     def _set_listening(self, on: bool) -> None:

@@ -510,7 +510,7 @@ class ReducerCore:
             delivery.shared.release()
         for chunk in job.open.values():  # contributions of the old session that never finished
             part = chunk.parts.get(rank) if chunk.parts is not None else None
-            if part is not None and not part.writing and part.received < part.shared.buffer.nbytes:
+            if chunk.parts is not None and part is not None and not part.writing and part.received < part.shared.buffer.nbytes:
                 del chunk.parts[rank]
                 part.chunk = None
                 part.shared.release()
@@ -716,12 +716,15 @@ class ReducerCore:
     def _refusal(self, chunk: _OpenChunk, rank: int, shape: _Shape, got: int) -> tuple[ErrorCode, str] | None:
         """Why rank ``rank``'s contribution of ``got`` payload bytes cannot join ``chunk``."""
         if chunk.shape != shape:
-            return ErrorCode.CONTRIBUTION_MISMATCH, f"ranks disagree: rank {chunk.first_rank} sent {chunk.shape.describe()}, rank {rank} sent {shape.describe()}"
+            return ErrorCode.CONTRIBUTION_MISMATCH, (f"ranks disagree: rank {chunk.first_rank} sent {chunk.shape.describe()}, "
+                                                     f"rank {rank} sent {shape.describe()}")
         if chunk.contributors >> rank & 1 or (chunk.parts is not None and rank in chunk.parts):
             return ErrorCode.DUPLICATE, f"rank {rank} contributed twice"
-        expected = 0 if (shape.op is ReduceOp.BROADCAST and rank != shape.root) else shape.count * numpy_dtype(shape.dtype).itemsize
+        silent = shape.op is ReduceOp.BROADCAST and rank != shape.root
+        expected = 0 if silent else shape.count * numpy_dtype(shape.dtype).itemsize
         if got != expected:
-            return ErrorCode.CONTRIBUTION_MISMATCH, f"rank {rank} sent {got} payload bytes for {shape.describe()}, expected {expected}"
+            return ErrorCode.CONTRIBUTION_MISMATCH, f"rank {rank} sent {got} payload bytes for {shape.describe()}, " \
+                                                    f"expected {expected}"
         return None
 
     def _refuse(self, job: _Job, chunk: _OpenChunk, rank: int, conn: int, code: ErrorCode, why: str, now: float) -> list[Action]:
@@ -755,12 +758,14 @@ class ReducerCore:
 
     def _check_push(self, job: _Job, rank: int, push: Push, now: float) -> Error | None:
         if push.incarnation != self.incarnation:
-            return Error(ErrorCode.STALE, False, f"push for incarnation {push.incarnation:#x} reached incarnation {self.incarnation:#x} (the reducer restarted)", push.key, push.chunk)
+            return Error(ErrorCode.STALE, False, f"push for incarnation {push.incarnation:#x} reached incarnation "
+                         f"{self.incarnation:#x} (the reducer restarted)", push.key, push.chunk)
         if push.count == 0 and push.total != 0:
             return Error(ErrorCode.CONTRIBUTION_MISMATCH, False, f"push of zero elements of a {push.total}-element operation "
                          "(only an empty operation sends an empty chunk)", push.key, push.chunk)
         if push.op is ReduceOp.BROADCAST and push.root >= job.params.world_size:
-            return Error(ErrorCode.CONTRIBUTION_MISMATCH, False, f"broadcast root {push.root} is not a rank of a {job.params.world_size}-rank job", push.key, push.chunk)
+            return Error(ErrorCode.CONTRIBUTION_MISMATCH, False,
+                         f"broadcast root {push.root} is not a rank of a {job.params.world_size}-rank job", push.key, push.chunk)
         if job.lost and job.params.mode is StragglerMode.ALL and (push.key, push.chunk) not in job.closed:
             return Error(ErrorCode.PEER_LOST, False, "; ".join(job.lost[r] for r in sorted(job.lost)), push.key, push.chunk)
         return None
@@ -1017,9 +1022,11 @@ class ReducerCore:
         if closed.answered >> rank & 1:
             stats = self.stats(job.name)
             stats.rejected["STALE"] = stats.rejected.get("STALE", 0) + 1
-            return [SendError(conn, Error(ErrorCode.STALE, False, f"rank {rank} pushed again to a closed chunk (key reused?)", key, chunk))]
+            return [SendError(conn, Error(ErrorCode.STALE, False, f"rank {rank} pushed again to a closed chunk (key reused?)",
+                                          key, chunk))]
         if closed.result is None or closed.data is None:
-            return [SendError(conn, Error(ErrorCode.STALE, False, f"chunk closed without rank {rank}; its result is no longer kept", key, chunk))]
+            return [SendError(conn, Error(ErrorCode.STALE, False,
+                                          f"chunk closed without rank {rank}; its result is no longer kept", key, chunk))]
         closed.answered |= 1 << rank
         self.stats(job.name).bytes_out += len(closed.data)
         actions: list[Action] = [self._send_to([conn], closed.header, closed.data, closed.result)]
@@ -1096,10 +1103,12 @@ class ReducerCore:
                     actions += self._close(job, chunk, now)
                 elif age * 1000 >= params.op_timeout_ms:
                     actions += self._fail(job, chunk_key, ErrorCode.TIMEOUT,
-                                          f"timed out after {age:.3f}s (op timeout {params.op_timeout_ms / 1000:.3f}s) waiting for rank(s) {self._missing(job, chunk)}", now)
+                                          f"timed out after {age:.3f}s (op timeout {params.op_timeout_ms / 1000:.3f}s) "
+                                          f"waiting for rank(s) {self._missing(job, chunk)}", now)
                 elif age >= self.stall_warning and not chunk.stall_warned:
                     chunk.stall_warned = True
-                    actions.append(Log("warning", f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk} open for {age:.1f}s; waiting for rank(s) {self._missing(job, chunk)}"))
+                    actions.append(Log("warning", f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk} open for {age:.1f}s; "
+                                                  f"waiting for rank(s) {self._missing(job, chunk)}"))
             retained = job.retained
             while retained and (retained[0].result is None or now >= retained[0].expires_at):
                 self._drop_retained(retained.popleft())

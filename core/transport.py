@@ -139,7 +139,8 @@ class FrameReader:
     call stopped, straight into the buffers its owner names.
 
     Heartbeats are read and dropped here, an ERROR frame is parsed whole and handed to
-    ``on_error``, and an ACK's count to ``on_ack`` (where given); any type other than these and ``data_frame`` (PUSH for the reducer, RESULT for
+    ``on_error``, and an ACK's count to ``on_ack`` (where given); any type other than these and
+    ``data_frame`` (PUSH for the reducer, RESULT for
     the client) is a protocol error from ``sender``. For each data frame the owner's callbacks
     decide where the payload goes: ``on_header(header)`` returns ``(view, what)`` to receive it
     into ``view`` (``what`` names it in timeout messages), or :data:`SKIP` or :data:`WAIT`;
@@ -202,7 +203,8 @@ class FrameReader:
                 raise ConnectionBroken("reset", f"connection to {self.peer} failed while reading {self.what}: {exc}") from None
             if got == 0:
                 mid = self.got or self.stage != _PREFIX
-                raise ConnectionBroken("eof", f"{self.peer} closed the connection" + (f" in the middle of {self.what}" if mid else ""))
+                where = f" in the middle of {self.what}" if mid else ""
+                raise ConnectionBroken("eof", f"{self.peer} closed the connection{where}")
             self.last_recv = now
             self.got += got
             if got < want:
@@ -286,7 +288,8 @@ class FrameReader:
                         return False
                     if step is SKIP:
                         self.discard_left = header.payload_len
-                        self._expect(_DISCARD, _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))], "a discarded payload")
+                        first = _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))]
+                        self._expect(_DISCARD, first, "a discarded payload")
                     else:
                         assert isinstance(step, tuple)
                         self._expect(_PAYLOAD, *step)

@@ -474,7 +474,8 @@ def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
         return Push(f[0], f[1], f[2], f[3], f[4], f[5], _enum(DType, f[6], "dtype"), _enum(ReduceOp, f[7], "op"), f[8], payload)
     if t is FrameType.RESULT:
         bitmap_len = f[6]
-        return Result(f[0], f[1], f[2], f[3], _enum(DType, f[4], "dtype"), f[5], bytes(payload[:bitmap_len]), payload[bitmap_len:])
+        dtype = _enum(DType, f[4], "dtype")
+        return Result(f[0], f[1], f[2], f[3], dtype, f[5], bytes(payload[:bitmap_len]), payload[bitmap_len:])
     if t is FrameType.HELLO:
         try:
             job = bytes(payload).decode("utf-8")

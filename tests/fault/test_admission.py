@@ -74,7 +74,8 @@ def test_a_header_announcing_a_huge_frame_before_authentication_is_refused_and_a
     secret_file = procs_tmp_secret(procs)
     reducer = procs.start_reducer("--secret-file", secret_file)
     baseline = rss_bytes(reducer.proc.pid)
-    announce = wire.encode(wire.Hello("j", 0, 1, 1, bytes(32)))[:8] + (64 * MIB).to_bytes(4, "little")  # a HELLO prefix announcing 64 MiB
+    # a HELLO's prefix announcing 64 MiB
+    announce = wire.encode(wire.Hello("j", 0, 1, 1, bytes(32)))[:8] + (64 * MIB).to_bytes(4, "little")
     socks = [connect(reducer.address) for _ in range(40)]
     try:
         for sock in socks:
@@ -180,7 +181,8 @@ def test_memory_stays_under_the_reducer_wide_budget_and_returns_after_the_attack
             attackers.append(sock)
         poll(lambda: (rss_bytes(reducer.proc.pid) - baseline) // MIB > 64, 20, "the attack to take hold")
         peak = sample_max(lambda: rss_bytes(reducer.proc.pid), seconds=1.0)
-        assert peak - baseline < budget + 32 * MIB, f"RSS grew {(peak - baseline) / MIB:.0f} MiB under a {budget / MIB:.0f} MiB budget"
+        grown = (peak - baseline) / MIB
+        assert peak - baseline < budget + 32 * MIB, f"RSS grew {grown:.0f} MiB under a {budget / MIB:.0f} MiB budget"
         # A new job is refused within the send-stall bound, with an error naming the budget.
         with redsrv.Client([reducer.address], rank=0, world_size=1, job="victim", op_timeout=60) as client:
             started = time.monotonic()

@@ -22,7 +22,10 @@ from tests_support import make_input, rank_order_sum, read_frames
 pytestmark = pytest.mark.timeout(120)
 
 HEARTBEAT_BOUND = 0.2 * 5  # FAST_ENV: interval x misses
-FAST = dict(heartbeat_interval=0.2, heartbeat_misses=5, op_timeout=20.0, close_timeout=3.0, connect_timeout=5.0, reconnect_window=0.0)
+# reconnect_window=0: these tests check that a lost reducer fails the step at once (R2); the
+# recovery tests (test_recovery.py) turn reconnects on.
+FAST = dict(heartbeat_interval=0.2, heartbeat_misses=5, op_timeout=20.0, close_timeout=3.0, connect_timeout=5.0,
+            reconnect_window=0.0)
 
 
 def loop_spec(**extra) -> dict:  # type: ignore[no-untyped-def,type-arg]

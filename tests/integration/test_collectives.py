@@ -103,7 +103,10 @@ def test_alltoall_refuses_splits_that_do_not_add_up(reducers: list[str]) -> None
 def test_reducescatter_keeps_each_ranks_rows_of_the_rank_order_result(reducers: list[str]) -> None:
     n = 3
     inputs = [np.random.default_rng(r).standard_normal((10, 2)).astype(np.float32) for r in range(n)]
-    results = on_every_rank(reducers, n, lambda c: collectives.reducescatter_async(c, inputs[c.rank], op="max", key="rs").result(timeout=20), "rs")
+    def body(c: redsrv.Client) -> np.ndarray:
+        return collectives.reducescatter_async(c, inputs[c.rank], op="max", key="rs").result(timeout=20)
+
+    results = on_every_rank(reducers, n, body, "rs")
     total = np.maximum(np.maximum(inputs[0], inputs[1]), inputs[2])
     assert [r.shape[0] for r in results] == collectives.split_sizes(10, n) == [4, 3, 3]
     assert np.concatenate(results).tobytes() == total.tobytes()

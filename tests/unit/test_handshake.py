@@ -97,7 +97,8 @@ def test_the_operation_timeout_a_worker_asks_for_is_capped_by_the_reducer() -> N
 
 def test_a_header_announcing_more_than_the_pre_auth_cap_is_refused_at_the_header() -> None:
     server = ServerHandshake(incarnation=INC, secret=SECRET, max_op_timeout_ms=600_000)
-    huge = wire.encode(wire.Hello("j", 0, 1, 1, bytes(32)))[:8] + (64 * 2**20).to_bytes(4, "little")  # a HELLO prefix announcing 64 MiB
+    # a HELLO's prefix announcing 64 MiB
+    huge = wire.encode(wire.Hello("j", 0, 1, 1, bytes(32)))[:8] + (64 * 2**20).to_bytes(4, "little")
     server.receive_data(huge)
     assert server.state is HandshakeState.FAILED and server.failure is not None
     assert "exceeds the cap" in server.failure.message
