@@ -82,3 +82,12 @@ def test_worker_metrics(fleet) -> None:  # type: ignore[no-untyped-def]
     labels = (("job", "w"), ("rank", "0"))
     assert m[("redsrv_worker_bytes_pushed_total", labels)] == 1024
     assert m[("redsrv_worker_operations_total", labels)] == 1
+
+
+def test_the_metrics_endpoint_binds_the_reducers_host_unless_told_otherwise(procs) -> None:  # type: ignore[no-untyped-def]
+    port = free_port()
+    reducer = procs.start_reducer("--metrics-port", str(port))  # the fixture binds the reducer to 127.0.0.1
+    scrape(port)  # served on the reducer's address
+    bound = [c.laddr for c in __import__("psutil").Process(reducer.proc.pid).net_connections("tcp")
+             if c.status == "LISTEN" and c.laddr.port == port]
+    assert [address.ip for address in bound] == ["127.0.0.1"], bound

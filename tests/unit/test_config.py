@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -166,3 +167,40 @@ def test_tcp_congestion_defaults_to_cubic_and_system_means_the_kernel_default() 
             Config.from_env({"REDSRV_TCP_CONGESTION": bad})
         with pytest.raises(ConfigError, match="tcp_congestion must be an algorithm name"):
             DaemonSettings(tcp_congestion=bad)
+
+
+def test_reducer_settings_come_from_one_validated_source_with_the_workers_rules(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from redsrv.core.config import DaemonSettings
+
+    settings = DaemonSettings.from_env({"REDSRV_MEMORY_BUDGET_BYTES": "2000000000", "REDSRV_SEND_STALL_TIMEOUT": "3",
+                                        "REDSRV_PORT": "7000"}, host="10.0.0.5")
+    assert (settings.memory_budget_bytes, settings.send_stall_timeout, settings.port, settings.host) == (2_000_000_000, 3.0,
+                                                                                                         7000, "10.0.0.5")
+    with pytest.raises(ConfigError, match="unknown variable.*REDSRV_MEMORY_BUDGE"):
+        DaemonSettings.from_env({"REDSRV_MEMORY_BUDGE": "1"})
+    with pytest.raises(ConfigError, match="send_stall_timeout must be positive"):
+        DaemonSettings.from_env({"REDSRV_SEND_STALL_TIMEOUT": "0"})
+    tf_config = json.dumps({"cluster": {"worker": ["w:1"], "reducer": ["r0:29600", "r1:29601"]},
+                            "task": {"type": "reducer", "index": 1}})
+    assert DaemonSettings.from_env({"TF_CONFIG": tf_config}).port == 29601
+    with pytest.raises(ConfigError, match="conflicting port: REDSRV_PORT gives 7000 but TF_CONFIG gives 29601"):
+        DaemonSettings.from_env({"TF_CONFIG": tf_config, "REDSRV_PORT": "7000"})
+    # A worker's environment may carry the reducer's variables and the other way round.
+    assert Config.from_env({"REDSRV_MEMORY_BUDGET_BYTES": "1"}).job == "default"
+
+
+def test_a_secret_from_any_source_obeys_the_same_length_rule(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from redsrv.core.config import DaemonSettings
+
+    short = tmp_path / "short"
+    short.write_bytes(b"four")
+    for build in (lambda: DaemonSettings.from_env({}, secret_file=str(short)),
+                  lambda: DaemonSettings.from_env({"REDSRV_SECRET_FILE": str(short)}),
+                  lambda: DaemonSettings(secret=b"four"),
+                  lambda: Config.from_env({"REDSRV_SECRET_FILE": str(short)})):
+        with pytest.raises(ConfigError, match="secret must be at least 16 bytes"):
+            build()
+    good = tmp_path / "good"
+    good.write_bytes(b"x" * 32 + b"\n")
+    assert DaemonSettings.from_env({}, secret_file=str(good)).secret == b"x" * 32
+
