@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Sequence
 from typing import IO, Any
 
+from redsrv.core.config import Config
 from redsrv.examples.launcher import start_reducers, stop_processes
 
 __all__ = ["add_parser", "run"]
@@ -60,6 +61,7 @@ def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | 
     base = {k: v for k, v in os.environ.items() if k not in _INHERITED_PLACEMENT}
     base["REDSRV_SECRET"] = secrets.token_hex(32)  # reducers and workers of this run only
     job = job or f"run-{uuid.uuid4().hex[:8]}"
+    Config.from_env(base, rank=0, world_size=num_proc, reducers=("127.0.0.1:1",), job=job)  # bad REDSRV_* fail here, once
     previous = signal.signal(signal.SIGTERM, _interrupt)
     fleet = start_reducers(reducers, env=base)
     workers: list[subprocess.Popen[bytes]] = []
