@@ -134,3 +134,22 @@ def test_keras_fit_equals_global_batch_and_callbacks(run) -> None:  # type: igno
     expected = [0.4 / N * ((e + 1) * (N - 1) / 2 + 1) for e in range(2)] + [0.4]
     for f in facts:
         np.testing.assert_allclose(f["warmup.lr"], expected, rtol=1e-6)
+
+
+def test_keras_example_under_redsrv_run_equals_one_process_on_the_global_batch() -> None:
+    import re
+
+    from conftest import child_env
+
+    script = os.path.join(HERE, "..", "..", "..", "examples", "horovod_keras.py")
+
+    def checksum(args: list[str]) -> float:
+        result = subprocess.run(args, env=child_env({"TF_CPP_MIN_LOG_LEVEL": "2"}), capture_output=True, text=True,
+                                timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return float(re.search(r"parameter checksum (\d+\.\d+)", result.stdout).group(1))
+
+    distributed = checksum([sys.executable, "-m", "redsrv", "run", "-np", "2", sys.executable, script, "--epochs", "2",
+                            "--warmup-epochs", "0"])
+    single = checksum([sys.executable, script, "--epochs", "2", "--warmup-epochs", "0", "--batch-size", "32", "--lr", "0.02"])
+    assert distributed == pytest.approx(single, rel=1e-6)  # float32, other summation order
