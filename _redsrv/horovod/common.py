@@ -20,7 +20,9 @@ Unpickling trusts the other ranks of your own job, exactly as Horovod does.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
+import contextlib
 import enum
 import hashlib
 import io
@@ -28,7 +30,7 @@ import itertools
 import pickle
 import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +100,19 @@ def internal_error(exc: BaseException) -> BaseException:
     error = wrapped(exc.detail, **context)
     error.__cause__ = exc
     return error
+
+
+@contextlib.contextmanager
+def _submitting() -> Iterator[None]:
+    """Errors raised while starting an operation (a client already broken or closed) come out as
+    :class:`HorovodInternalError` too, as Horovod raises them."""
+    try:
+        yield
+    except RedsrvError as exc:
+        wrapped = internal_error(exc)
+        if wrapped is exc:
+            raise
+        raise wrapped from exc
 
 
 def resolve_op(op: Any, average: bool | None) -> ReduceOp:
@@ -288,6 +303,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             global_process_set.ranks = list(range(runtime.size))
             runtime.topology = _discover_topology(runtime, global_process_set)
             _runtime = runtime
+            atexit.register(shutdown)  # close connections cleanly when the script ends (as Horovod)
             for process_set in process_sets or ():
                 add_process_set(process_set)
         except BaseException:
@@ -301,6 +317,7 @@ def shutdown() -> None:
     global _runtime
     with _init_lock:
         runtime, _runtime = _runtime, None
+    atexit.unregister(shutdown)
     if runtime is not None:
         runtime.close()
 
@@ -453,7 +470,8 @@ def allreduce_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, *, n
     if client is None:
         result = _done(np.array(arr, copy=True) if out is None else _copy_into(out, arr))
     else:
-        result = client.allreduce_async(arr, op=core_op, key=key, out=out)
+        with _submitting():
+            result = client.allreduce_async(arr, op=core_op, key=key, out=out)
     set_size = process_set._set_size()
     integer_average = op is ReduceOp.AVERAGE and not is_float and arr.dtype.kind in "iu"
 
@@ -484,7 +502,8 @@ def broadcast_async(process_set: ProcessSet, arr: np.ndarray, root_rank: int, *,
     root = process_set.root_index(root_rank)
     if client is None:
         return _done(np.array(arr, copy=True) if out is None else _copy_into(out, arr))
-    return client.broadcast_async(arr, root=root, key=key, out=out)
+    with _submitting():
+        return client.broadcast_async(arr, root=root, key=key, out=out)
 
 
 def allgather_async(process_set: ProcessSet, arr: np.ndarray, *, name: str | None = None,
@@ -494,7 +513,8 @@ def allgather_async(process_set: ProcessSet, arr: np.ndarray, *, name: str | Non
     client = process_set.client()
     if client is None:
         return _done([np.array(arr, copy=True)])
-    return collectives.allgather_async(client, arr, key=key)
+    with _submitting():
+        return collectives.allgather_async(client, arr, key=key)
 
 
 def alltoall_async(process_set: ProcessSet, arr: np.ndarray, splits: Sequence[int] | None, *,
@@ -506,7 +526,8 @@ def alltoall_async(process_set: ProcessSet, arr: np.ndarray, splits: Sequence[in
         if splits is not None and [int(s) for s in splits] != [rows]:
             raise ValueError(f"splits must be one count adding up to the first dimension {rows}, got {list(splits)}")
         return _done((np.array(arr, copy=True), [rows]))
-    return collectives.alltoall_async(client, arr, splits, key=key)
+    with _submitting():
+        return collectives.alltoall_async(client, arr, splits, key=key)
 
 
 def reducescatter_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, *, name: str | None = None,

@@ -329,3 +329,23 @@ def test_script_under_mpirun(procs, fleet, tmp_path) -> None:  # type: ignore[no
         assert data["sum"].tolist() == [3.0] * 3
         assert data["gather"].tolist() == [0, 1, 1]
         assert facts["object"] == "hello from 1"
+
+
+def test_errors_when_starting_an_operation_are_horovod_errors_too(monkeypatch, daemon) -> None:  # type: ignore[no-untyped-def]
+    """A one-rank job through a real reducer; once its connection is closed, starting an
+    operation raises an error that both Horovod's and redsrv's ``except`` clauses catch."""
+    from redsrv.core.errors import ClientClosedError
+
+    for name in [k for k in os.environ if k.startswith("REDSRV_") or k in ("RANK", "WORLD_SIZE")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("REDSRV_REDUCERS", daemon)
+    hvd.init()
+    try:
+        x = torch.arange(4.0)
+        assert torch.equal(hvd.allreduce(x, op=hvd.Sum), x)
+        hvd.global_process_set.client().close()  # what a lost connection leaves behind
+        with pytest.raises(hvd.HorovodInternalError) as caught:
+            hvd.allreduce(x)
+        assert isinstance(caught.value, ClientClosedError) and isinstance(caught.value, RuntimeError)
+    finally:
+        hvd.shutdown()
