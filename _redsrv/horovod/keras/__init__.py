@@ -12,53 +12,18 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from ..common import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from ..common import *  # noqa: F403 - init, size, rank, ..., ops, process sets: listed once in common.__all__
+from ..common import Average, ProcessSet, Sum, global_process_set
+from ..common import __all__ as _common_all
 from ..tensorflow import distributed as _distributed
 from ..tensorflow import mpi_ops as _ops
 from ..tensorflow.mpi_ops import Compression
 from . import callbacks
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
-    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
-    "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Compression", "callbacks",
-    "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather", "broadcast", "reducescatter",
+    *_common_all,
+    "Compression", "callbacks", "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
+    "broadcast", "reducescatter",
 ]
 
 

@@ -11,41 +11,8 @@ and is launched with ``redsrv run -np 4 python train.py`` (or ``mpirun``/SLURM/t
 ``REDSRV_REDUCERS`` set). See docs/horovod.md for what differs from Horovod.
 """
 
-from ..common import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cross_rank,
-    cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    rocm_built,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
+from ..common import *  # noqa: F403 - init, size, rank, ..., ops, process sets: listed once in common.__all__
+from ..common import __all__ as _common_all
 from .compression import Compression
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import (
@@ -80,18 +47,11 @@ from .mpi_ops import (
 from .optimizer import DistributedOptimizer
 
 __all__ = [
-    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_size", "cross_rank",
-    "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built", "nccl_built",
-    "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
-    "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
-    "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-    "Compression",
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
-    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
-    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
-    "reducescatter", "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async",
-    "join", "barrier", "poll", "synchronize",
-    "broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object",
-    "DistributedOptimizer",
+    *_common_all,
+    "Compression", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async", "allgather",
+    "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "join", "barrier", "poll", "synchronize", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer",
 ]

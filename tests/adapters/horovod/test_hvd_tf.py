@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "hvd_tf_worker.py")
 sys.path.insert(0, HERE)
 
+from hvd_support import start_ranks, wait_ranks  # noqa: E402
 from hvd_tf_worker import data, make_model  # noqa: E402
 
 N = 2
@@ -29,30 +29,15 @@ N = 2
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from conftest import ProcessTracker, child_env
+    from conftest import ProcessTracker
 
     tracker = ProcessTracker()
     tmp = tmp_path_factory.mktemp("hvd-tf")
     try:
         reducer = tracker.start_reducer()
-        prefixes, workers = [], []
-        for rank in range(N):
-            prefix = str(tmp / f"rank{rank}")
-            env = child_env({"REDSRV_REDUCERS": reducer.address, "REDSRV_JOB": "hvd-tf", "RANK": str(rank),
-                             "WORLD_SIZE": str(N), "TF_CPP_MIN_LOG_LEVEL": "2"})
-            err = open(prefix + ".err", "w")
-            tracker.files.append(err)
-            workers.append(tracker.popen([sys.executable, WORKER, prefix], env=env, stdout=err, stderr=subprocess.STDOUT))
-            prefixes.append(prefix)
-        deadline = time.monotonic() + 200
-        for proc, prefix in zip(workers, prefixes):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"worker {prefix} still running after 200 s") from None
-            if proc.returncode != 0:
-                with open(prefix + ".err") as f:
-                    raise AssertionError(f"worker {prefix} exited with {proc.returncode}:\n{f.read()}")
+        workers, prefixes = start_ranks(tracker, N, [reducer.address], "hvd-tf", lambda rank: str(tmp / f"rank{rank}"),
+                                        lambda prefix: [WORKER, prefix], {"TF_CPP_MIN_LOG_LEVEL": "2"})
+        wait_ranks(workers, prefixes, timeout=200)
         results, facts = [], []
         for prefix in prefixes:
             with np.load(prefix + ".npz") as npz:

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -26,36 +25,13 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "hvd_torch_worker.py")
 sys.path.insert(0, HERE)
 
+from hvd_support import start_ranks, wait_ranks  # noqa: E402
 from hvd_torch_worker import fresh_model, global_batch, train  # noqa: E402
 
 N = 3
 
 
-def launch(procs, reducers, n: int, scenario: str, tmp_path, job: str) -> list[str]:  # type: ignore[no-untyped-def]
-    from conftest import child_env
-
-    prefixes = []
-    for rank in range(n):
-        prefix = str(tmp_path / f"{scenario}-{rank}")
-        env = child_env({"REDSRV_REDUCERS": ",".join(r.address for r in reducers), "REDSRV_JOB": job, "RANK": str(rank),
-                         "WORLD_SIZE": str(n)})
-        err = open(prefix + ".err", "w")
-        procs.files.append(err)
-        procs.popen([sys.executable, WORKER, scenario, prefix], env=env, stdout=err, stderr=subprocess.STDOUT)
-        prefixes.append(prefix)
-    return prefixes
-
-
-def collect(procs, prefixes: list[str], timeout: float = 150.0) -> tuple[list[dict], list[dict]]:  # type: ignore[no-untyped-def,type-arg]
-    deadline = time.monotonic() + timeout
-    for proc, prefix in zip(procs.procs[-len(prefixes):], prefixes):
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"worker {prefix} still running after {timeout}s") from None
-        if proc.returncode != 0:
-            with open(prefix + ".err") as f:
-                raise AssertionError(f"worker {prefix} exited with {proc.returncode}:\n{f.read()}")
+def collect(prefixes: list[str]) -> tuple[list[dict], list[dict]]:  # type: ignore[type-arg]
     tensors = [torch.load(p + ".pt") for p in prefixes]
     facts = []
     for p in prefixes:
@@ -69,10 +45,13 @@ def api_run(tmp_path_factory):  # type: ignore[no-untyped-def]
     from conftest import ProcessTracker
 
     tracker = ProcessTracker()
+    tmp = tmp_path_factory.mktemp("hvd")
     try:
-        reducers = [tracker.start_reducer() for _ in range(2)]
-        prefixes = launch(tracker, reducers, N, "api", tmp_path_factory.mktemp("hvd"), "hvd-api")
-        yield collect(tracker, prefixes)
+        reducers = [tracker.start_reducer().address for _ in range(2)]
+        workers, prefixes = start_ranks(tracker, N, reducers, "hvd-api", lambda rank: str(tmp / f"api-{rank}"),
+                                        lambda prefix: [WORKER, "api", prefix])
+        wait_ranks(workers, prefixes, timeout=150)
+        yield collect(prefixes)
     finally:
         tracker.cleanup()
 
