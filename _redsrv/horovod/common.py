@@ -406,7 +406,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if runtime is None or process_set.process_set_id in (None, 0):
         return False
     with runtime.lock:
-        removed = runtime.sets.pop(process_set.process_set_id, None)  # type: ignore[arg-type]
+        removed = runtime.sets.pop(process_set.process_set_id, None)
     _close_set(process_set)
     return removed is not None
 

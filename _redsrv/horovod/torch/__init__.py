@@ -45,6 +45,7 @@ from .mpi_ops import (
     synchronize,
 )
 from .optimizer import DistributedOptimizer
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     *_common_all,
@@ -53,5 +54,5 @@ __all__ = [
     "allgather_async", "grouped_allgather", "grouped_allgather_async", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async", "grouped_reducescatter",
     "grouped_reducescatter_async", "join", "barrier", "poll", "synchronize", "broadcast_parameters",
-    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object", "DistributedOptimizer", "SyncBatchNorm",
 ]

@@ -39,6 +39,22 @@ class Model(torch.nn.Module):
         return self.fc2(torch.tanh(self.fc1(x)))
 
 
+class NormModel(torch.nn.Module):
+    def __init__(self, norm: type[torch.nn.Module]) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(5, 4)
+        self.norm = norm(4)
+        self.fc2 = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def norm_model(norm: type[torch.nn.Module]) -> NormModel:
+    torch.manual_seed(0)
+    return NormModel(norm).double()
+
+
 def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(12, 5, generator=g, dtype=torch.float64)
@@ -226,7 +242,15 @@ def optimizers(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
     train(model, opt, x[local], y[local], steps=2)
     for name, p in model.named_parameters():
         out[f"train3.{name}"] = p.detach().clone()
-    # 4. broadcast_optimizer_state: rank 0's Adam has stepped; the others' are fresh, other lr
+    # 4. SyncBatchNorm: statistics of the global batch, so training equals BatchNorm on it
+    model = norm_model(hvd.SyncBatchNorm)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    train(model, opt, x[local], y[local], steps=3)
+    for name, value in model.state_dict().items():
+        out[f"syncbn.{name}"] = value.clone()
+    model.eval()
+    out["syncbn.eval"] = model(x[local]).detach()
+    # 5. broadcast_optimizer_state: rank 0's Adam has stepped; the others' are fresh, other lr
     model = fresh_model(seed=0)
     adam = torch.optim.Adam(model.parameters(), lr=0.01 if r == 0 else 0.5 + r, betas=(0.8, 0.9))
     if r == 0:

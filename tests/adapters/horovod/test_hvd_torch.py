@@ -26,7 +26,7 @@ WORKER = os.path.join(HERE, "hvd_torch_worker.py")
 sys.path.insert(0, HERE)
 
 from hvd_support import start_ranks, wait_ranks  # noqa: E402
-from hvd_torch_worker import fresh_model, global_batch, train  # noqa: E402
+from hvd_torch_worker import fresh_model, global_batch, norm_model, train  # noqa: E402
 
 N = 3
 
@@ -213,6 +213,19 @@ def test_distributed_optimizer_equals_global_batch_training(api_run) -> None:  #
         for name, value in summed.items():
             torch.testing.assert_close(t[f"train3.{name}"], value, rtol=1e-3, atol=1e-3)
     assert all(f["optimizer.class"] == ["SGD", True] for f in facts)
+
+
+def test_sync_batch_norm_equals_batch_norm_on_the_global_batch(api_run) -> None:  # type: ignore[no-untyped-def]
+    tensors, _ = api_run
+    x, y = global_batch()
+    model = norm_model(torch.nn.BatchNorm1d)
+    train(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, steps=3)
+    reference = model.state_dict()
+    model.eval()
+    for r, t in enumerate(tensors):
+        for name, value in reference.items():  # weights, running mean and variance, batches tracked
+            torch.testing.assert_close(t[f"syncbn.{name}"], value, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(t["syncbn.eval"], model(x[4 * r : 4 * r + 4]).detach(), rtol=1e-10, atol=1e-12)
 
 
 def test_backward_passes_per_step_guards(api_run) -> None:  # type: ignore[no-untyped-def]
