@@ -80,9 +80,9 @@ class _DistributedOptimizer:
         return super().apply(self._reduce_gradients(list(grads)), trainable_variables)  # type: ignore[misc]
 
 
-def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",  # noqa: N802 - Horovod's name
-                         compression: Any = Compression.none, sparse_as_dense: bool = False,
-                         gradient_predivide_factor: float = 1.0, op: Any = common.Average, backward_passes_per_step: int = 1,
+def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False, device_dense: str = "",  # noqa: N802 - Horovod's name
+                         device_sparse: str = "", compression: Any = Compression.none, sparse_as_dense: bool = False,
+                         backward_passes_per_step: int = 1, op: Any = common.Average, gradient_predivide_factor: float = 1.0,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
                          process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True) -> Any:
     """A Keras 3 optimizer of ``optimizer``'s class and configuration whose updates use gradients

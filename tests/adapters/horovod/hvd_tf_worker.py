@@ -124,6 +124,13 @@ def keras_fit(out: dict[str, np.ndarray], facts: dict[str, object]) -> None:
     history = warm.fit(x[8 * r : 8 * r + 8], y[8 * r : 8 * r + 8], batch_size=4, epochs=3, shuffle=False, verbose=0,
                        callbacks=[hvd_keras.callbacks.LearningRateWarmupCallback(initial_lr=0.4, warmup_epochs=2)])
     facts["warmup.lr"] = history.history["lr"]
+    stairs = make_model(seed=0)
+    stairs.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.3)), loss="mse",
+                   jit_compile=False)
+    schedule = hvd_keras.callbacks.LearningRateScheduleCallback(initial_lr=0.4, multiplier=0.5, start_epoch=1)
+    history = stairs.fit(x[8 * r : 8 * r + 8], y[8 * r : 8 * r + 8], batch_size=4, epochs=3, shuffle=False, verbose=0,
+                         callbacks=[schedule])
+    facts["schedule.lr"] = history.history["lr"]
 
 
 def main() -> None:

@@ -119,6 +119,8 @@ def test_keras_fit_equals_global_batch_and_callbacks(run) -> None:  # type: igno
     expected = [0.4 / N * ((e + 1) * (N - 1) / 2 + 1) for e in range(2)] + [0.4]
     for f in facts:
         np.testing.assert_allclose(f["warmup.lr"], expected, rtol=1e-6)
+        # staircase from epoch 1: 0.4 * 0.5 ** (epoch - 1); epoch 0 keeps the compiled 0.3
+        np.testing.assert_allclose(f["schedule.lr"], [0.3, 0.4, 0.2], rtol=1e-6)
 
 
 def test_keras_example_under_redsrv_run_equals_one_process_on_the_global_batch() -> None:
