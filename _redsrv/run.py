@@ -73,7 +73,11 @@ def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | 
             env = {**base, "REDSRV_REDUCERS": ",".join(fleet.addresses), "REDSRV_JOB": job, "RANK": str(rank),
                    "WORLD_SIZE": str(num_proc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(num_proc),
                    "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            try:
+                proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            except OSError as exc:
+                _note(sink, write_lock, f"redsrv run: cannot start {command[0]!r}: {exc.strerror}")
+                return 127
             workers.append(proc)
             pump = threading.Thread(target=_pump, args=(rank, proc, sink, write_lock, exits), name=f"redsrv-run-{rank}",
                                     daemon=True)

@@ -93,3 +93,10 @@ def test_success_exits_zero(procs, tmp_path) -> None:  # type: ignore[no-untyped
                             text=True, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(line.split()[0] for line in result.stdout.splitlines()) == ["[0]", "[1]"]
+
+
+def test_a_command_that_cannot_start_is_reported() -> None:
+    result = subprocess.run([*RUN, "-np", "2", "/nonexistent/trainer"], env=child_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 127
+    assert "cannot start '/nonexistent/trainer'" in result.stdout
