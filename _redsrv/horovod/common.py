@@ -241,12 +241,15 @@ class Topology:
         >>> (t.local_rank, t.local_size, t.cross_rank, t.cross_size, t.homogeneous)
         (0, 2, 1, 2, True)
         """
-        mine = hosts[rank]
-        local_ranks = [sum(1 for h in hosts[:r] if h == hosts[r]) for r in range(len(hosts))]
+        per_host: dict[int, int] = {}
+        local_ranks = []
+        for host in hosts:  # one pass: a rank's local rank counts the earlier ranks on its host
+            local_ranks.append(per_host.get(host, 0))
+            per_host[host] = local_ranks[-1] + 1
         local_rank = local_ranks[rank]
-        per_host = {h: sum(1 for x in hosts if x == h) for h in hosts}
-        same_local = [r for r in range(len(hosts)) if local_ranks[r] == local_rank]
-        return cls(rank, len(hosts), local_rank, per_host[mine], same_local.index(rank), len(same_local),
+        cross_rank = sum(1 for r in range(rank) if local_ranks[r] == local_rank)
+        cross_size = sum(1 for lr in local_ranks if lr == local_rank)
+        return cls(rank, len(hosts), local_rank, per_host[hosts[rank]], cross_rank, cross_size,
                    len(set(per_host.values())) == 1)
 
 
@@ -297,6 +300,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             raise ConfigError(f"{config.world_size} ranks but no reducers: set REDSRV_REDUCERS (redsrv run does), "
                               "or start the script with `redsrv run -np N`")
         runtime = _Runtime(config)
+        global_process_set._counters.clear()  # a new session numbers its operations from zero on every rank
         try:
             runtime.connect(global_process_set, list(range(runtime.size)), config.job)
             runtime.sets[0] = global_process_set
@@ -534,6 +538,7 @@ def reducescatter_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, 
                         prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> concurrent.futures.Future[np.ndarray]:
     """The reduction of ``arr``, of which each member keeps its rows: the first ``rows % size``
     members one more than the others (Horovod's split)."""
+    process_set.client()  # a clear error for a set this rank is not in
     if arr.ndim == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension")
     set_size = process_set._set_size()
