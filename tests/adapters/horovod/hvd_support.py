@@ -9,6 +9,11 @@ from collections.abc import Callable
 
 from conftest import ProcessTracker, child_env
 
+#: Workers import torch or TensorFlow before their first collective (hvd.init()); on a loaded
+#: machine one rank may start many seconds after another, longer than the tests' shrunk 20 s
+#: operation timeout. Failures these tests look for arrive as errors at once, not as timeouts.
+START_ENV = {"REDSRV_OP_TIMEOUT": "120"}
+
 
 def start_ranks(tracker: ProcessTracker, n: int, reducers: list[str], job: str, prefix_of: Callable[[int], str],
                 args_of: Callable[[str], list[str]], extra_env: dict[str, str] | None = None,
@@ -19,7 +24,7 @@ def start_ranks(tracker: ProcessTracker, n: int, reducers: list[str], job: str, 
     for rank in range(n):
         prefix = prefix_of(rank)
         env = child_env({"REDSRV_REDUCERS": ",".join(reducers), "REDSRV_JOB": job, "RANK": str(rank), "WORLD_SIZE": str(n),
-                         **(extra_env or {})})
+                         **START_ENV, **(extra_env or {})})
         err = open(prefix + ".err", "w")  # a file, not a pipe: a chatty child can never block
         tracker.files.append(err)
         workers.append(tracker.popen([sys.executable, *args_of(prefix)], env=env, stdout=err, stderr=subprocess.STDOUT))

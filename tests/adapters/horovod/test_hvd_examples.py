@@ -12,6 +12,9 @@ import pytest
 
 from conftest import child_env
 
+sys.path.insert(0, os.path.dirname(__file__))
+from hvd_support import START_ENV  # noqa: E402
+
 pytest.importorskip("torch")
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples")
@@ -19,7 +22,7 @@ CHECKSUM = re.compile(r"parameter checksum (\d+\.\d+)")
 
 
 def run(args: list[str]) -> str:
-    result = subprocess.run(args, env=child_env(), capture_output=True, text=True, timeout=240)
+    result = subprocess.run(args, env=child_env(START_ENV), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -21,7 +21,7 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "hvd_tf_worker.py")
 sys.path.insert(0, HERE)
 
-from hvd_support import start_ranks, wait_ranks  # noqa: E402
+from hvd_support import START_ENV, start_ranks, wait_ranks  # noqa: E402
 from hvd_tf_worker import data, make_model  # noqa: E402
 
 N = 2
@@ -131,7 +131,7 @@ def test_keras_example_under_redsrv_run_equals_one_process_on_the_global_batch()
     script = os.path.join(HERE, "..", "..", "..", "examples", "horovod_keras.py")
 
     def checksum(args: list[str]) -> float:
-        result = subprocess.run(args, env=child_env({"TF_CPP_MIN_LOG_LEVEL": "2"}), capture_output=True, text=True,
+        result = subprocess.run(args, env=child_env({"TF_CPP_MIN_LOG_LEVEL": "2", **START_ENV}), capture_output=True, text=True,
                                 timeout=240)
         assert result.returncode == 0, result.stdout + result.stderr
         return float(re.search(r"parameter checksum (\d+\.\d+)", result.stdout).group(1))

@@ -25,7 +25,7 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "hvd_torch_worker.py")
 sys.path.insert(0, HERE)
 
-from hvd_support import start_ranks, wait_ranks  # noqa: E402
+from hvd_support import START_ENV, start_ranks, wait_ranks  # noqa: E402
 from hvd_torch_worker import fresh_model, global_batch, norm_model, train  # noqa: E402
 
 N = 3
@@ -295,7 +295,7 @@ def test_script_under_mpirun(procs, fleet, tmp_path) -> None:  # type: ignore[no
 
     reducers = fleet(1)
     prefix = str(tmp_path / "mpi")
-    env = child_env({"REDSRV_REDUCERS": reducers[0].address, "REDSRV_JOB": "hvd-mpi"})
+    env = child_env({"REDSRV_REDUCERS": reducers[0].address, "REDSRV_JOB": "hvd-mpi", **START_ENV})
     args = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
     for name in ("REDSRV_REDUCERS", "REDSRV_JOB", *[k for k in env if k.startswith("REDSRV_")], "PYTHONPATH"):
         if name in env:
