@@ -3,7 +3,8 @@ rank, size and reducers in the environment (the test, ``redsrv run`` or ``mpirun
 
 It saves every input it used and every result it got (``OUT_PREFIX.pt``) plus facts and error
 descriptions (``OUT_PREFIX.json``); the test recomputes each result with PyTorch alone and
-compares. Scenarios: ``api`` (everything, 3 ranks), ``mini`` (a few collectives, any size).
+compares. Scenarios: ``api`` (everything, 3 ranks), ``mini`` (a few collectives, any size),
+``lost`` (rank 1 dies after init).
 """
 
 from __future__ import annotations
@@ -164,6 +165,14 @@ def api(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
     gathered = hvd.allgather(w)
     (gathered * torch.arange(gathered.numel(), dtype=torch.float64).reshape(gathered.shape)).sum().backward()
     out["grad.allgather"] = w.grad
+    # named asynchronous operations issued in a different order on different ranks
+    first, second = make(r, 14, (3,), torch.float32), make(r, 15, (3,), torch.float32)
+    out["in.first"], out["in.second"] = first, second
+    if r % 2:
+        h_first, h_second = hvd.allreduce_async(first, name="first", op=hvd.Sum), hvd.allreduce_async(second, name="second", op=hvd.Sum)
+    else:
+        h_second, h_first = hvd.allreduce_async(second, name="second", op=hvd.Sum), hvd.allreduce_async(first, name="first", op=hvd.Sum)
+    out["reordered.first"], out["reordered.second"] = hvd.synchronize(h_first), hvd.synchronize(h_second)
     # objects, barrier, join
     facts["broadcast_object"] = hvd.broadcast_object({"from": r, "list": [r] * 3}, root_rank=2)
     facts["allgather_object"] = hvd.allgather_object(("rank", r))
@@ -306,12 +315,28 @@ def mini(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
     facts["object"] = hvd.broadcast_object(f"hello from {r}", root_rank=hvd.size() - 1)
 
 
+def lost(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
+    """Rank 1 dies after init; rank 0's next collective must fail fast, in Horovod's idiom."""
+    import os
+    import time
+
+    if hvd.rank() == 1:
+        os._exit(17)
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(4), name="after-loss")
+        facts["error"] = None
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        facts["error"] = describe(exc)
+    facts["seconds"] = time.monotonic() - started
+
+
 def main() -> None:
     scenario, prefix = sys.argv[1], sys.argv[2]
     hvd.init()
     out: dict[str, torch.Tensor] = {}
     facts: dict[str, object] = {}
-    {"api": api, "mini": mini}[scenario](out, facts)
+    {"api": api, "mini": mini, "lost": lost}[scenario](out, facts)
     torch.save({k: v.detach().clone() for k, v in out.items()}, prefix + ".pt")
     with open(prefix + ".json", "w") as f:
         json.dump(facts, f)

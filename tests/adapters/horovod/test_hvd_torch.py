@@ -158,6 +158,13 @@ def test_autograd(api_run) -> None:  # type: ignore[no-untyped-def]
         assert torch.equal(t["grad.allgather"], own * N)
 
 
+def test_named_async_operations_may_be_issued_in_any_order(api_run) -> None:  # type: ignore[no-untyped-def]
+    tensors, _ = api_run
+    for name in ("first", "second"):
+        expected = rank_order([t[f"in.{name}"] for t in tensors], "sum")
+        assert all(torch.equal(t[f"reordered.{name}"], expected) for t in tensors)
+
+
 def test_objects_barrier_join(api_run) -> None:  # type: ignore[no-untyped-def]
     _, facts = api_run
     for f in facts:
@@ -341,3 +348,19 @@ def test_errors_when_starting_an_operation_are_horovod_errors_too(monkeypatch, d
         assert isinstance(caught.value, ClientClosedError) and isinstance(caught.value, RuntimeError)
     finally:
         hvd.shutdown()
+
+
+def test_a_lost_rank_is_a_horovod_error_on_the_others(procs, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 exits after init: rank 0's next allreduce raises HorovodInternalError (which is
+    redsrv's PeerLostError) within the heartbeat window, not at the 120 s operation timeout."""
+    reducers = [r.address for r in fleet(1)]
+    workers, prefixes = start_ranks(procs, 2, reducers, "hvd-lost", lambda rank: str(tmp_path / f"lost-{rank}"),
+                                    lambda prefix: [WORKER, "lost", prefix])
+    wait_ranks(workers[:1], prefixes[:1], timeout=120)
+    assert workers[1].wait(timeout=30) == 17
+    with open(prefixes[0] + ".json") as f:
+        facts = json.load(f)
+    assert facts["error"] is not None
+    assert "HorovodInternalError" in facts["error"]["types"] and "PeerLostError" in facts["error"]["types"], facts["error"]
+    assert "rank 1 of job 'hvd-lost' disconnected" in facts["error"]["message"]  # who, which job
+    assert facts["seconds"] < 10
