@@ -1,4 +1,4 @@
-"""The ``redsrv`` command line: ``redsrv reducer``, ``redsrv demo``, ``redsrv bench``."""
+"""The ``redsrv`` command line: ``redsrv reducer``, ``redsrv demo``, ``redsrv run``, ``redsrv bench``."""
 
 from __future__ import annotations
 
@@ -176,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress gradients on the wire")
     p.set_defaults(func=_demo)
 
+    importlib.import_module("redsrv.run").add_parser(sub)
     importlib.import_module("redsrv.soak").add_parser(sub)
     importlib.import_module("redsrv.plan").add_parser(sub)
     importlib.import_module("redsrv.timeline_cmd").add_parser(sub)

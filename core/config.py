@@ -20,8 +20,8 @@ from .errors import ConfigError
 from .wire import StragglerMode
 
 __all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address",
-           "require_positive", "congestion_setting", "check_secret", "read_secret_file", "ENV_PREFIX", "WIRE_DTYPES",
-           "STRAGGLER_MODES"]
+           "require_positive", "congestion_setting", "check_secret", "read_secret_file", "launcher_variables", "ENV_PREFIX",
+           "WIRE_DTYPES", "STRAGGLER_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -326,7 +326,9 @@ class Config:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """Explicit ``overrides`` (those not ``None``) win. Then the environment, from three
         sources that must agree: ``REDSRV_*`` variables, ``TF_CONFIG`` / ``CLUSTER_SPEC`` (reducers,
-        world size and rank) and torchrun's ``RANK`` / ``WORLD_SIZE``. Two sources that give
+        world size and rank) and the launchers' rank and size (torchrun's ``RANK`` / ``WORLD_SIZE``,
+        Open MPI's ``OMPI_COMM_WORLD_*``, MPICH's ``PMI_*``, SLURM's ``SLURM_PROCID`` /
+        ``SLURM_NTASKS``: see :func:`launcher_variables`). Two sources that give
         different values for one setting are a :class:`ConfigError` naming both variables.
         ``REDSRV_SECRET_FILE`` names a file holding the secret (preferred over ``REDSRV_SECRET``,
         which other local users may see)."""
@@ -339,9 +341,8 @@ class Config:
             sources.offer("reducers", cluster.reducers, cluster.source)
             sources.offer("world_size", cluster.num_workers, cluster.source)
             sources.offer("rank", cluster.worker_index, cluster.source)
-        for name, var in (("rank", "RANK"), ("world_size", "WORLD_SIZE")):
-            if var in env:
-                sources.offer(name, _convert(name, env[var], "int", var), var)
+        for name, var in launcher_variables(env):
+            sources.offer(name, _convert(name, env[var], "int", var), var)
         values = sources.values(fields)
         return cls(**values)
 
@@ -413,6 +414,31 @@ class DaemonSettings:
             sources.offer("host", listed[0], spec.source)
             sources.offer("port", listed[1], spec.source)
         return cls(**sources.values(fields, secret_file=secret_file))
+
+
+#: (rank variable, size variable) that process launchers set: torchrun, Open MPI's mpirun, and
+#: MPICH / Intel MPI (Hydra's PMI).
+_LAUNCHERS = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+#: SLURM's, consulted only when no launcher above set its own: a launcher started inside an
+#: allocation (mpirun or torchrun in a batch script) inherits the batch step's SLURM_PROCID.
+_SLURM = ("SLURM_PROCID", "SLURM_NTASKS")
+
+
+def launcher_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The (field, variable) pairs that give this process's rank and world size, from the
+    launchers' own variables present in ``environ``. Every pair is offered to
+    :meth:`Config.from_env`, so two launchers that disagree are a :class:`ConfigError`.
+
+    >>> launcher_variables({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "SLURM_PROCID": "0"})
+    [('rank', 'OMPI_COMM_WORLD_RANK'), ('world_size', 'OMPI_COMM_WORLD_SIZE')]
+    >>> launcher_variables({"SLURM_PROCID": "3", "SLURM_NTASKS": "4"})
+    [('rank', 'SLURM_PROCID'), ('world_size', 'SLURM_NTASKS')]
+    """
+    found = [(field_name, var) for pair in _LAUNCHERS for field_name, var in zip(("rank", "world_size"), pair)
+             if var in environ]
+    if not found:
+        found = [(field_name, var) for field_name, var in zip(("rank", "world_size"), _SLURM) if var in environ]
+    return found
 
 
 def read_secret_file(path: str) -> bytes:

@@ -1,0 +1,124 @@
+"""``redsrv run -np N [--reducers M] python train.py ...``: the ``horovodrun -np N`` of one
+machine. Starts M reducers on free loopback ports and N workers running the command with their
+rank, world size, reducers, job and a fresh shared secret in the environment; streams every
+worker's output with a ``[rank]`` prefix; stops everything when the workers end, one fails, or
+on Ctrl-C / SIGTERM. Exits with the first failing worker's status (0 when all succeed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import IO, Any
+
+from redsrv.core.config import Config
+from redsrv.examples.launcher import start_reducers, stop_processes
+
+__all__ = ["add_parser", "run"]
+
+#: Variables a worker must not inherit from whatever launched ``redsrv run``: each names a rank
+#: or size that would conflict with the one given here.
+_INHERITED_PLACEMENT = ("REDSRV_RANK", "REDSRV_WORLD_SIZE", "REDSRV_REDUCERS", "REDSRV_JOB", "REDSRV_SECRET",
+                        "REDSRV_SECRET_FILE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
+                        "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", "PMI_RANK",
+                        "PMI_SIZE", "TF_CONFIG", "CLUSTER_SPEC")
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("run", help="start local reducers and N workers running a command (like horovodrun -np N)",
+                       description="Start reducers and N worker processes on this machine running COMMAND, with "
+                       "RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, REDSRV_REDUCERS, REDSRV_JOB and a fresh "
+                       "REDSRV_SECRET set. Output is prefixed with [rank]. Everything stops when the workers end, one "
+                       "fails, or on Ctrl-C.")
+    p.add_argument("-np", "--num-proc", dest="num_proc", type=int, required=True, help="worker processes")
+    p.add_argument("--reducers", type=int, default=1, help="reducer processes (default 1)")
+    p.add_argument("--job", default=None, help="job id (default: a fresh one)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs, e.g. python train.py")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return run(command, num_proc=args.num_proc, reducers=args.reducers, job=args.job)
+
+
+def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | None = None,
+        output: IO[bytes] | None = None) -> int:
+    """Run ``command`` as ``num_proc`` workers through ``reducers`` local reducers; the exit
+    status: 0, or the first failing worker's (128 + signal number when killed by one)."""
+    if not command:
+        raise SystemExit("redsrv run: no command given (e.g. redsrv run -np 2 python train.py)")
+    if num_proc < 1 or reducers < 1:
+        raise SystemExit("redsrv run: -np and --reducers must be at least 1")
+    sink = output if output is not None else sys.stdout.buffer
+    base = {k: v for k, v in os.environ.items() if k not in _INHERITED_PLACEMENT}
+    base["REDSRV_SECRET"] = secrets.token_hex(32)  # reducers and workers of this run only
+    job = job or f"run-{uuid.uuid4().hex[:8]}"
+    Config.from_env(base, rank=0, world_size=num_proc, reducers=("127.0.0.1:1",), job=job)  # bad REDSRV_* fail here, once
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    fleet = start_reducers(reducers, env=base)
+    workers: list[subprocess.Popen[bytes]] = []
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+    write_lock = threading.Lock()
+    pumps = []
+    try:
+        for rank in range(num_proc):
+            env = {**base, "REDSRV_REDUCERS": ",".join(fleet.addresses), "REDSRV_JOB": job, "RANK": str(rank),
+                   "WORLD_SIZE": str(num_proc), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(num_proc),
+                   "PYTHONUNBUFFERED": "1"}
+            try:
+                proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            except OSError as exc:
+                _note(sink, write_lock, f"redsrv run: cannot start {command[0]!r}: {exc.strerror}")
+                return 127
+            workers.append(proc)
+            pump = threading.Thread(target=_pump, args=(rank, proc, sink, write_lock, exits), name=f"redsrv-run-{rank}",
+                                    daemon=True)
+            pump.start()
+            pumps.append(pump)
+        for _ in range(num_proc):
+            rank, code = exits.get()
+            if code != 0:
+                status = 128 - code if code < 0 else code
+                _note(sink, write_lock, f"redsrv run: rank {rank} exited with status {code}; stopping the other workers")
+                return status
+        return 0
+    except KeyboardInterrupt:
+        _note(sink, write_lock, "redsrv run: interrupted; stopping workers and reducers")
+        return 130
+    finally:
+        stop_processes(workers, timeout=5)
+        stop_processes(fleet.procs)
+        for pump in pumps:
+            pump.join(5)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _pump(rank: int, proc: subprocess.Popen[bytes], sink: IO[bytes], lock: threading.Lock,
+          exits: queue.Queue[tuple[int, int]]) -> None:
+    """Copy the worker's output line by line with its rank in front; report its exit."""
+    prefix = f"[{rank}] ".encode()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        with lock:
+            sink.write(prefix + line)
+            sink.flush()
+    proc.stdout.close()
+    exits.put((rank, proc.wait()))
+
+
+def _note(sink: IO[bytes], lock: threading.Lock, text: str) -> None:
+    with lock:
+        sink.write(text.encode() + b"\n")
+        sink.flush()

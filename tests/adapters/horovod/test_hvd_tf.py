@@ -1,0 +1,142 @@
+"""``redsrv.horovod.tensorflow`` and ``redsrv.horovod.keras`` on two worker processes, against
+NumPy and single-process TensorFlow/Keras (one run of ``hvd_tf_worker.py`` holds every check)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+HERE = os.path.dirname(__file__)
+WORKER = os.path.join(HERE, "hvd_tf_worker.py")
+sys.path.insert(0, HERE)
+
+from hvd_support import START_ENV, start_ranks, wait_ranks  # noqa: E402
+from hvd_tf_worker import data, make_model  # noqa: E402
+
+N = 2
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):  # type: ignore[no-untyped-def]
+    from conftest import ProcessTracker
+
+    tracker = ProcessTracker()
+    tmp = tmp_path_factory.mktemp("hvd-tf")
+    try:
+        reducer = tracker.start_reducer()
+        workers, prefixes = start_ranks(tracker, N, [reducer.address], "hvd-tf", lambda rank: str(tmp / f"rank{rank}"),
+                                        lambda prefix: [WORKER, prefix], {"TF_CPP_MIN_LOG_LEVEL": "2"})
+        wait_ranks(workers, prefixes, timeout=200)
+        results, facts = [], []
+        for prefix in prefixes:
+            with np.load(prefix + ".npz") as npz:
+                results.append({k: npz[k] for k in npz.files})
+            with open(prefix + ".json") as f:
+                facts.append(json.load(f))
+        yield results, facts
+    finally:
+        tracker.cleanup()
+
+
+def in_order(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    total = arrays[0].copy()
+    for a in arrays[1:]:
+        total = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum}[op](total, a)
+    return total
+
+
+def test_collectives_on_tensors(run) -> None:  # type: ignore[no-untyped-def]
+    results, facts = run
+    for dtype in ("float32", "float64", "int32"):
+        xs = [r[f"in.{dtype}"] for r in results]
+        for op in ("sum", "min", "max", "prod"):
+            for r in results:
+                np.testing.assert_array_equal(r[f"allreduce.{dtype}.{op}"], in_order(xs, op))
+        average = in_order(xs, "sum") // N if dtype == "int32" else in_order(xs, "sum") / N
+        for r in results:
+            np.testing.assert_array_equal(r[f"allreduce.{dtype}.avg"], average)
+    x = [r["in.x"] for r in results]
+    for rank, r in enumerate(results):
+        np.testing.assert_array_equal(r["graph.0"], x[0] + x[1] + x[1])  # sum, plus rank 1's value
+        np.testing.assert_array_equal(r["graph.1"], 2 * (x[0] + x[1]) + 2 * x[1])  # keys taken at run time
+        np.testing.assert_array_equal(r["allgather"], np.concatenate([s["in.z"] for s in results]))
+        start = 0 if rank == 0 else 1
+        np.testing.assert_array_equal(r["alltoall"], np.concatenate([s["in.t"][start : start + rank + 1] for s in results]))
+        assert r["alltoall.splits"].tolist() == [rank + 1] * N
+        total = in_order([s["in.s"] for s in results], "sum")
+        np.testing.assert_array_equal(r["reducescatter"], total[:3] if rank == 0 else total[3:])
+        for i in range(2):
+            np.testing.assert_array_equal(r[f"grouped.{i}"], in_order([s[f"in.g{i}"] for s in results], "sum"))
+        np.testing.assert_array_equal(r["keras.allreduce"], x[0] + x[1])
+        np.testing.assert_allclose(r["fp16"], in_order([s["in.fp16"] for s in results], "sum"), rtol=2e-3, atol=1e-2)
+        np.testing.assert_array_equal(r["broadcast_variables"], results[1]["in.v"])
+        np.testing.assert_array_equal(r["grad.allreduce"], N * np.array([1.0, 2.0, 3.0]))
+    for rank, f in enumerate(facts):
+        assert f["objects"] == [{"from": 1}, [0, 1]]
+        assert f["basics"] == [rank, N, rank, N]
+        assert "HorovodInternalError" in f["error"] and "ContributionMismatchError" in f["error"]
+
+
+def test_distributed_gradient_tape_equals_global_batch(run) -> None:  # type: ignore[no-untyped-def]
+    results, _ = run
+    x, y = data()
+    model = make_model(seed=0)
+    opt = keras.optimizers.SGD(learning_rate=0.1)
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    for r in results:
+        for i, v in enumerate(model.trainable_variables):
+            np.testing.assert_allclose(r[f"tape.{i}"], v.numpy(), rtol=1e-5, atol=1e-6)  # float32, other summation order
+
+
+def test_keras_fit_equals_global_batch_and_callbacks(run) -> None:  # type: ignore[no-untyped-def]
+    results, facts = run
+    x, y = data()
+    # one process on the global batch: step k sees rank 0's and rank 1's k-th batches of 4
+    order = np.concatenate([np.r_[4 * k : 4 * k + 4, 8 + 4 * k : 8 + 4 * k + 4] for k in range(2)])
+    model = make_model(seed=0)
+    model.compile(optimizer=keras.optimizers.SGD(learning_rate=0.05, momentum=0.9), loss="mse", jit_compile=False)
+    model.fit(x[order], y[order], batch_size=8, epochs=3, shuffle=False, verbose=0)
+    for r in results:
+        for i, v in enumerate(model.trainable_variables):
+            np.testing.assert_allclose(r[f"fit.{i}"], v.numpy(), rtol=1e-5, atol=1e-6)
+    assert facts[0]["fit.loss"] == facts[1]["fit.loss"]  # MetricAverageCallback: the same logs everywhere
+    assert all(f["fit.class"] == ["SGD", True] for f in facts)
+    # warmup over 2 epochs from 0.4 / N to 0.4, then left alone
+    expected = [0.4 / N * ((e + 1) * (N - 1) / 2 + 1) for e in range(2)] + [0.4]
+    for f in facts:
+        np.testing.assert_allclose(f["warmup.lr"], expected, rtol=1e-6)
+        # staircase from epoch 1: 0.4 * 0.5 ** (epoch - 1); epoch 0 keeps the compiled 0.3
+        np.testing.assert_allclose(f["schedule.lr"], [0.3, 0.4, 0.2], rtol=1e-6)
+
+
+def test_keras_example_under_redsrv_run_equals_one_process_on_the_global_batch() -> None:
+    import re
+
+    from conftest import child_env
+
+    script = os.path.join(HERE, "..", "..", "..", "examples", "horovod_keras.py")
+
+    def checksum(args: list[str]) -> float:
+        result = subprocess.run(args, env=child_env({"TF_CPP_MIN_LOG_LEVEL": "2", **START_ENV}), capture_output=True, text=True,
+                                timeout=240)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return float(re.search(r"parameter checksum (\d+\.\d+)", result.stdout).group(1))
+
+    distributed = checksum([sys.executable, "-m", "redsrv", "run", "-np", "2", sys.executable, script, "--epochs", "2",
+                            "--warmup-epochs", "0"])
+    single = checksum([sys.executable, script, "--epochs", "2", "--warmup-epochs", "0", "--batch-size", "32", "--lr", "0.02"])
+    assert distributed == pytest.approx(single, rel=1e-6)  # float32, other summation order

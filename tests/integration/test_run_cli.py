@@ -1,0 +1,102 @@
+"""``redsrv run -np N``: workers get rank, size, reducers, job and a secret; output carries
+rank prefixes; a failing worker or Ctrl-C stops everything and sets the exit status."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import child_env
+
+RUN = [sys.executable, "-m", "redsrv", "run"]
+
+# A worker that reports what it was given, then either exits with RUNTEST_EXIT's status
+# (rank 1 only) or blocks reading stdin (a worker stuck in training) until it is stopped.
+WORKER = """
+import os, sys
+env = os.environ
+print("pid", os.getpid(), "rank", env["RANK"], "of", env["WORLD_SIZE"], "local", env["LOCAL_RANK"],
+      "reducers", len(env["REDSRV_REDUCERS"].split(",")), "job", env["REDSRV_JOB"],
+      "secret", len(env.get("REDSRV_SECRET", "")), flush=True)
+if env["RANK"] == "1" and "RUNTEST_EXIT" in env:
+    sys.exit(int(env["RUNTEST_EXIT"]))
+if "RUNTEST_BLOCK" in env:
+    sys.stdin.read()
+"""
+
+
+def wait_for_lines(path: str, count: int, timeout: float = 60.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            lines = [line for line in f if " pid " in line]
+        if len(lines) >= count:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {count} worker lines after {timeout}s")
+
+
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def pids_of(lines: list[str]) -> list[int]:
+    return [int(line.split()[2]) for line in lines]
+
+
+def assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        raise AssertionError(f"worker pid {pid} is still running")
+
+
+def test_workers_get_their_placement_and_a_failure_stops_the_rest(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = str(tmp_path / "run.log")
+    env = child_env({"RUNTEST_EXIT": "3", "RUNTEST_BLOCK": "1"})
+    with open(log, "w") as out:
+        proc = procs.popen([*RUN, "-np", "3", "--reducers", "2", sys.executable, "-c", WORKER], env=env, stdout=out,
+                           stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+        assert proc.wait(timeout=90) == 3  # rank 1's status; ranks 0 and 2 were blocked and got stopped
+    lines = wait_for_lines(log, 3)
+    by_rank = {line.split()[4]: line for line in lines}
+    assert sorted(by_rank) == ["0", "1", "2"]
+    for rank, line in by_rank.items():
+        words = line.split()
+        assert words[0] == f"[{rank}]" and words[6] == "3" and words[8] == rank  # prefix, size, local rank
+        assert words[10] == "2" and words[12].startswith("run-") and words[14] == "64"  # reducers, job, secret
+    assert len({line.split()[12] for line in lines}) == 1  # one job
+    assert "rank 1 exited with status 3" in read(log)
+    assert_gone(pids_of(lines))
+
+
+def test_interrupt_stops_workers_and_reducers(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    log = str(tmp_path / "run.log")
+    with open(log, "w") as out:
+        proc = procs.popen([*RUN, "-np", "2", sys.executable, "-c", WORKER], env=child_env({"RUNTEST_BLOCK": "1"}),
+                           stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+        lines = wait_for_lines(log, 2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    assert "interrupted" in read(log)
+    assert_gone(pids_of(lines))
+
+
+def test_success_exits_zero(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = subprocess.run([*RUN, "-np", "2", sys.executable, "-c", WORKER], env=child_env(), capture_output=True,
+                            text=True, timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert sorted(line.split()[0] for line in result.stdout.splitlines()) == ["[0]", "[1]"]
+
+
+def test_a_command_that_cannot_start_is_reported() -> None:
+    result = subprocess.run([*RUN, "-np", "2", "/nonexistent/trainer"], env=child_env(), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 127
+    assert "cannot start '/nonexistent/trainer'" in result.stdout
