@@ -67,11 +67,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from redsrv.core import Client, Config, ConfigError, RedsrvError
+from redsrv.core import Client, Config, ConfigError, LocalProtocolError, RedsrvError, collectives, wire
 
 from . import _tf_internals
 
 __all__ = [
+    "BackupAndRestore",
     "ReductionServerCrossDeviceOps",
     "ReductionServerStrategy",
     "SUPPORTED_DTYPES",
@@ -91,6 +92,15 @@ _KEY_PREFIX = "redsrv.tf"
 # retrace (TensorFlow), between Python patch releases (the standard library), or between processes
 # (autograph writes converted code to uniquely named temporary modules).
 _SITE_SKIPPED = ("tensorflow", "redsrv.adapters", "__autograph_generated")
+
+
+def __getattr__(name: str) -> Any:
+    # Keras-dependent pieces load Keras on first use only.
+    if name == "BackupAndRestore":
+        from ._tf_keras import BackupAndRestore
+
+        return BackupAndRestore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- the cross-device ops ----------------------------------------------------------------------
@@ -181,7 +191,31 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
         return results
 
     def _gather_implementation(self, per_replica_value: Any, destinations: Any, axis: Any, options: Any) -> Any:
-        raise NotImplementedError("redsrv reducers sum; they do not gather (strategy.gather / all_gather)")
+        """Every replica's value concatenated along ``axis`` in global replica order (this worker's
+        devices in order, the workers in index order), on every worker: ``strategy.gather`` and
+        ``ReplicaContext.all_gather``. Sizes along ``axis`` may differ per replica; the other
+        dimensions and the dtype must agree (else :class:`redsrv.ContributionMismatchError` on
+        every worker, raised inside the step)."""
+        _refuse_xla()
+        values = [tf.convert_to_tensor(v) for v in _tf_internals.local_values(per_replica_value)]
+        first = values[0]
+        rank = first.shape.rank
+        if rank is None or rank == 0:
+            raise ValueError(f"gather/all_gather needs tensors of known, non-zero rank (got shape {first.shape}); "
+                             "use tf.expand_dims before gathering scalars")
+        axis = _static_axis(axis, rank)
+        if first.dtype in (tf.string, tf.resource, tf.variant):
+            raise TypeError(f"redsrv cannot gather {first.dtype.name} tensors: only fixed-size dtypes travel as bytes")
+        with tf.device(first.device):
+            local = tf.concat(values, axis) if len(values) > 1 else tf.identity(first)
+            # The core gathers along the first dimension: move the gathered axis there and back.
+            order = [axis, *(d for d in range(rank) if d != axis)]
+            leading = tf.transpose(local, order) if axis else local
+            (gathered,) = _host_call(functools.partial(self._host_allgather, _call_site()), [leading], "redsrv_allgather")
+            gathered.set_shape(tf.TensorShape([None]).concatenate(leading.shape[1:]))
+            if axis:
+                gathered = tf.transpose(gathered, [order.index(d) for d in range(rank)])
+        return self.broadcast_implementation(gathered, destinations)
 
     # --- the fused host exchange ---
 
@@ -224,6 +258,16 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
         except RedsrvError as exc:
             self._fail(exc, f"all-reduce at {site}, call {call}")
             raise
+
+    def _host_allgather(self, site: str, array: np.ndarray) -> np.ndarray:
+        call = self._next_call(("gather", site))
+        try:
+            parts = collectives.allgather(self.client, _wire_view(array), key=(_KEY_PREFIX, "gather", site, call),
+                                          timeout=self.timeout)
+        except RedsrvError as exc:
+            self._fail(exc, f"all-gather at {site}, call {call}")
+            raise
+        return np.concatenate([_from_wire_view(part, array.dtype) for part in parts], axis=0)
 
     def broadcast_initial_value(self, value: tf.Tensor) -> tf.Tensor:
         """Worker 0's ``value`` on every worker (exact, any numeric dtype). Used for the initial
@@ -290,6 +334,33 @@ def _divide(total: tf.Tensor, count: int) -> tf.Tensor:
     if total.dtype.is_integer:
         return tf.truncatediv(total, tf.cast(count, total.dtype))  # as TensorFlow's collective MEAN
     return total / tf.cast(count, total.dtype)
+
+
+def _static_axis(axis: Any, rank: int) -> int:
+    value = tf.get_static_value(axis)
+    if value is None or np.ndim(value) != 0:
+        raise ValueError(f"gather/all_gather needs an axis known when the function is traced, got {axis!r}")
+    value = int(value)
+    if not -rank <= value < rank:
+        raise ValueError(f"axis {value} is out of range for tensors of rank {rank}")
+    return value % rank
+
+
+def _wire_view(array: np.ndarray) -> np.ndarray:
+    """``array`` as the core can move it: itself for the wire's dtypes, else its bytes with one
+    trailing dimension of the item size (uint16, complex, ... arrive bit for bit)."""
+    array = np.ascontiguousarray(array)
+    try:
+        wire.dtype_code(array.dtype)
+    except LocalProtocolError:
+        return array.reshape(-1).view(np.uint8).reshape(*array.shape, array.dtype.itemsize)
+    return array
+
+
+def _from_wire_view(part: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if part.dtype == dtype:
+        return part
+    return np.ascontiguousarray(part).reshape(-1).view(dtype).reshape(part.shape[:-1])
 
 
 def _has_bytes(dtype: tf.DType) -> bool:
@@ -371,10 +442,24 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
         try:
             extended = _tf_internals.ReductionServerExtended(self, _Hooks(ops), devices)
             _tf_internals.init_strategy(self, extended)
+            _tf_internals.install_keras_multi_worker_paths()
             self._check_devices(len(extended.worker_devices))
         except BaseException:
             ops.close()
             raise
+
+    def _redsrv_keras_reduce(self, reduce_op: str, values: Any) -> Any:
+        """Keras 3's per-step logs reduced over every replica of every worker, as Keras means to
+        under MultiWorkerMirroredStrategy: one fused exchange for all of them (each tensor
+        elementwise; ``MEAN`` divides by the global replica count)."""
+        leaves = tf.nest.flatten(values)
+        reducible = [i for i, v in enumerate(leaves) if isinstance(v, (tf.Tensor, tf.Variable, tf.distribute.DistributedValues))]
+        if not reducible:
+            return values
+        reduced = self._redsrv_ops.batch_reduce(reduce_op, [(leaves[i], "/cpu:0") for i in reducible])
+        for i, value in zip(reducible, reduced):
+            leaves[i] = self.experimental_local_results(value)[0]
+        return tf.nest.pack_sequence_as(values, leaves)
 
     def _check_devices(self, local: int) -> None:
         counts = np.zeros(self.num_workers, dtype=np.int64)
