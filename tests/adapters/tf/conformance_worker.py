@@ -126,6 +126,9 @@ def minimize_loss_eager(strategy: Any, worker: int) -> Any:
 
 @check
 def minimize_loss_graph(strategy: Any, worker: int) -> Any:
+    if len(strategy.extended.worker_devices) > 1:
+        # The library's TF1 session has its own ConfigProto: it sees one CPU, not the logical ones.
+        return "skipped: several logical CPU devices"
     _library_case("_test_minimize_loss_graph")._test_minimize_loss_graph(strategy)
     return "passed"
 

@@ -31,6 +31,9 @@ pytestmark = [pytest.mark.tf, pytest.mark.slow, pytest.mark.timeout(360)]
 
 WORKER = os.path.join(os.path.dirname(__file__), "conformance_worker.py")
 TABLE = ("gather_of_run", "all_gather_in_run", "predict_rows")
+# strategy_test_lib's graph test opens a TF1 session with its own ConfigProto, which sees one CPU
+# device: logical CPU devices exist only for eager contexts. It runs with one device per worker.
+SESSION_SKIP = "skipped: several logical CPU devices"
 
 
 def expected(workers: int, devices: int, worker: int) -> dict[str, object]:
@@ -51,13 +54,13 @@ def expected(workers: int, devices: int, worker: int) -> dict[str, object]:
         "gather_axis_1_int32": [list(range(n)), [10 + g for g in range(n)]],
         "all_gather_gradient": [[n * 2.0 * g, n * (2.0 * g + 1)] for g in mine],
         "minimize_loss_eager": "passed",
-        "minimize_loss_graph": "passed",
+        "minimize_loss_graph": "passed" if devices == 1 else SESSION_SKIP,
         "replica_ids": {"num_replicas_in_sync": n, "local": mine},
         "values_from_function": [[g, n] for g in mine],
         "all_reduce_in_function": [[[total * 1.0, total * 2.0]] * devices, [[total / n, 2 * total / n]] * devices,
                                    [total] * devices],
         "all_reduce_gradient_tape": {"SUM": [float(total)] * devices, "MEAN": [total / n] * devices},
-        "all_reduce_indexed_slices": [dense.tolist()] * devices,
+        "all_reduce_indexed_slices": [dense.tolist()],  # reduced to one destination, /cpu:0
         "reduce_over_axes": {"sum_0": weighted.tolist(), "mean_0": (weighted / total).tolist(),
                              "sum_none": np.full((2, 3), float(sum(range(n)))).tolist(),
                              "mean_none": np.full((2, 3), mean_g).tolist(), "mean_1": [mean_g, mean_g]},
