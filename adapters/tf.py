@@ -482,6 +482,16 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
         return self._redsrv_ops.worker_index
 
     @property
+    def cluster_resolver(self) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
+        """This worker's place, as ``MultiWorkerMirroredStrategy.cluster_resolver`` gives it: task type
+        ``"worker"`` (a TF_CONFIG ``"chief"`` is worker 0), ``task_id`` the worker index, one entry per
+        worker in ``cluster_spec()``. Programs written for MWMS pick their chief with it. The
+        entries are names, not addresses: workers never connect to each other."""
+        workers = [f"worker{i}" for i in range(self.num_workers)]
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": workers}), task_type="worker", task_id=self.worker_index)
+
+    @property
     def is_chief(self) -> bool:
         """Worker 0: the one that writes checkpoints and summaries."""
         return self.worker_index == 0

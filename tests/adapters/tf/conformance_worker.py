@@ -143,6 +143,13 @@ def replica_ids(strategy: Any, worker: int) -> Any:
 
 
 @check
+def cluster_resolver(strategy: Any, worker: int) -> Any:
+    """What MWMS programs pick their chief with."""
+    resolver = strategy.cluster_resolver
+    return [resolver.task_type, resolver.task_id, len(resolver.cluster_spec().as_dict()["worker"])]
+
+
+@check
 def values_from_function(strategy: Any, worker: int) -> Any:
     value = strategy.experimental_distribute_values_from_function(
         lambda c: tf.constant([c.replica_id_in_sync_group, c.num_replicas_in_sync]))

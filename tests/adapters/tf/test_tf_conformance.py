@@ -57,6 +57,7 @@ def expected(workers: int, devices: int, worker: int) -> dict[str, object]:
         "minimize_loss_graph": "passed" if devices == 1 else SESSION_SKIP,
         "replica_ids": {"num_replicas_in_sync": n, "local": mine},
         "values_from_function": [[g, n] for g in mine],
+        "cluster_resolver": ["worker", worker, workers],
         "all_reduce_in_function": [[[total * 1.0, total * 2.0]] * devices, [[total / n, 2 * total / n]] * devices,
                                    [total] * devices],
         "all_reduce_gradient_tape": {"SUM": [float(total)] * devices, "MEAN": [total / n] * devices},
