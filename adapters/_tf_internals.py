@@ -300,7 +300,7 @@ def install_keras_multi_worker_paths() -> None:
         return original(values, strategy, reduction)
 
     reduce_per_replica._redsrv_original = original  # type: ignore[attr-defined]
-    trainer.reduce_per_replica = reduce_per_replica
+    trainer.reduce_per_replica = reduce_per_replica  # type: ignore[attr-defined]
 
 
 def init_strategy(strategy: tf.distribute.Strategy, extended: Any) -> None:

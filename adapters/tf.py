@@ -21,11 +21,16 @@ Two public pieces:
   sum over the other processes. ``MirroredStrategy`` itself still believes it is alone
   (``num_replicas_in_sync`` is local, datasets are not sharded): fine for custom loops that scale
   their loss themselves, not for Keras ``fit``.
-* :class:`ReductionServerStrategy` is the multi-worker strategy Keras ``fit`` needs: global
-  ``num_replicas_in_sync`` (Keras divides the loss by it), per-worker dataset shards
-  (:class:`tf.distribute.InputContext`), global replica ids, initial values broadcast from worker 0,
-  epoch metrics and losses reduced over every worker, partial last batches handled globally, and
-  ``should_checkpoint``/``should_save_summary`` true on worker 0 only.
+* :class:`ReductionServerStrategy` is the multi-worker strategy Keras ``fit`` needs, answering as
+  ``MultiWorkerMirroredStrategy`` (MWMS) does: global ``num_replicas_in_sync`` (Keras divides the
+  loss by it), per-worker dataset shards (:class:`tf.distribute.InputContext`), global replica ids,
+  initial values broadcast from worker 0, epoch metrics and losses reduced over every worker,
+  partial last batches handled globally, ``should_checkpoint``/``should_save_summary`` true on worker
+  0 only, ``strategy.gather``/``all_gather`` over every worker (through the core's all-gather), and
+  Keras's multi-worker paths: ``predict`` returns every row on every worker, per-step logs (the
+  progress bar) are reduced over every replica.
+* :class:`BackupAndRestore` is Keras's callback made multi-worker: the chief writes, every worker
+  resumes from the chief's backup.
 
 How a reduction runs: at trace time each ``batch_reduce`` sums every value over the local devices
 (``tf.add_n``), packs the sums into one flat vector per dtype and calls **one** host function,
@@ -47,9 +52,7 @@ Limits: XLA (``jit_compile=True``) cannot contain host calls and is refused with
 :class:`redsrv.ConfigError`. Every worker must have the same number of local devices (checked at
 start-up) and run the same number of steps. In-memory arrays passed to ``fit(shuffle=True)`` are
 shuffled before sharding: give every worker the same shuffle seed (``keras.utils.set_random_seed``)
-or pass a ``tf.data.Dataset``. ``predict`` returns each worker's own shard; per-batch logs (the
-progress bar) are the worker's own, epoch logs (``History``, ``on_epoch_end``) are global.
-IndexedSlices gradients are summed densely. Variables that each replica updates on its own, without
+or pass a ``tf.data.Dataset``. IndexedSlices gradients are summed densely. Variables that each replica updates on its own, without
 aggregation (Keras 3 ``BatchNormalization``'s moving statistics), stay per replica as under
 ``MirroredStrategy``; worker 0, which writes the checkpoints, holds what a single-process
 ``MirroredStrategy``'s first replica would.
@@ -72,7 +75,7 @@ from redsrv.core import Client, Config, ConfigError, LocalProtocolError, RedsrvE
 from . import _tf_internals
 
 __all__ = [
-    "BackupAndRestore",
+    "BackupAndRestore",  # noqa: F822 - defined by the module __getattr__ (loads Keras on first use)
     "ReductionServerCrossDeviceOps",
     "ReductionServerStrategy",
     "SUPPORTED_DTYPES",
@@ -182,7 +185,7 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
         for values in per_value:
             with tf.device(values[0].device):
                 local_sums.append(tf.math.add_n(values) if len(values) > 1 else tf.identity(values[0]))
-        totals = self._exchange(_call_site(), local_sums)
+        totals = self._exchange(_call_site(), local_sums, self._timeout_for(options))
         results = []
         for (_, destinations), values, total in zip(value_destination_pairs, per_value, totals):
             if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -211,7 +214,8 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
             # The core gathers along the first dimension: move the gathered axis there and back.
             order = [axis, *(d for d in range(rank) if d != axis)]
             leading = tf.transpose(local, order) if axis else local
-            (gathered,) = _host_call(functools.partial(self._host_allgather, _call_site()), [leading], "redsrv_allgather")
+            host = functools.partial(self._host_allgather, _call_site(), self._timeout_for(options))
+            (gathered,) = _host_call(host, [leading], "redsrv_allgather")
             gathered.set_shape(tf.TensorShape([None]).concatenate(leading.shape[1:]))
             if axis:
                 gathered = tf.transpose(gathered, [order.index(d) for d in range(rank)])
@@ -219,7 +223,12 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
 
     # --- the fused host exchange ---
 
-    def _exchange(self, site: str, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def _timeout_for(self, options: Any) -> float | None:
+        """A call's ``CommunicationOptions(timeout_seconds=...)`` bounds its exchange, as under MWMS."""
+        seconds = getattr(options, "timeout_seconds", None)
+        return float(seconds) if seconds else self.timeout
+
+    def _exchange(self, site: str, tensors: Sequence[tf.Tensor], timeout: float | None) -> list[tf.Tensor]:
         """Sum ``tensors`` over the workers with one stateful host call: one flat vector per dtype."""
         groups: dict[tf.DType, list[int]] = {}
         for i, t in enumerate(tensors):
@@ -228,7 +237,7 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
                                 f"supported: {', '.join(d.name for d in SUPPORTED_DTYPES)}")
             groups.setdefault(t.dtype, []).append(i)
         flats = [tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0) for members in groups.values()]
-        outs = _host_call(functools.partial(self._host_allreduce, site), flats, "redsrv_allreduce")
+        outs = _host_call(functools.partial(self._host_allreduce, site, timeout), flats, "redsrv_allreduce")
         results: list[Any] = [None] * len(tensors)
         for members, flat, out in zip(groups.values(), flats, outs):
             out = tf.reshape(out, tf.shape(flat))
@@ -247,23 +256,23 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
             self._counters[site] = call + 1
         return call
 
-    def _host_allreduce(self, site: str, *arrays: np.ndarray) -> list[np.ndarray]:
+    def _host_allreduce(self, site: str, timeout: float | None, *arrays: np.ndarray) -> list[np.ndarray]:
         call = self._next_call(site)
         try:
             # One exchange per dtype group (almost always one: the gradients' dtype), all in flight.
             futures = [self.client.allreduce_async(np.asarray(a), key=(_KEY_PREFIX, site, call, g),
-                                                   wire_dtype=self.wire_dtype, timeout=self.timeout)
+                                                   wire_dtype=self.wire_dtype, timeout=timeout)
                        for g, a in enumerate(arrays)]
-            return [self.client.wait(f, timeout=self.timeout) for f in futures]
+            return [self.client.wait(f, timeout=timeout) for f in futures]
         except RedsrvError as exc:
             self._fail(exc, f"all-reduce at {site}, call {call}")
             raise
 
-    def _host_allgather(self, site: str, array: np.ndarray) -> np.ndarray:
+    def _host_allgather(self, site: str, timeout: float | None, array: np.ndarray) -> np.ndarray:
         call = self._next_call(("gather", site))
         try:
             parts = collectives.allgather(self.client, _wire_view(array), key=(_KEY_PREFIX, "gather", site, call),
-                                          timeout=self.timeout)
+                                          timeout=timeout)
         except RedsrvError as exc:
             self._fail(exc, f"all-gather at {site}, call {call}")
             raise
@@ -432,7 +441,16 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
     def __init__(self, reducers: Sequence[str] | str | None = None, num_workers: int | None = None,
                  worker_index: int | None = None, devices: Sequence[str] | None = None, *, job: str | None = None,
                  timeout: float | None = None, wire_dtype: str | None = None,
-                 environ: Mapping[str, str] | None = None, **config_fields: Any) -> None:
+                 environ: Mapping[str, str] | None = None, cluster_resolver: Any = None,
+                 communication_options: Any = None, **config_fields: Any) -> None:
+        if cluster_resolver is not None:
+            raise ConfigError("ReductionServerStrategy does not take MultiWorkerMirroredStrategy's cluster_resolver: "
+                              "it reads TF_CONFIG (with a \"reducer\" task list), CLUSTER_SPEC or REDSRV_*; pass "
+                              "reducers=, num_workers= and worker_index= to say who is who explicitly")
+        if timeout is None and communication_options is not None and communication_options.timeout_seconds:
+            # MWMS's CommunicationOptions: the timeout bounds every exchange; implementation (RING,
+            # NCCL) and bytes_per_pack choose collective algorithms the reducers do not use.
+            timeout = float(communication_options.timeout_seconds)
         # The one read of the environment (REDSRV_*, TF_CONFIG / CLUSTER_SPEC, RANK / WORLD_SIZE),
         # by the core's discovery: explicit arguments win, conflicting sources are an error.
         config = Config.from_env(environ, reducers=reducers, rank=worker_index, world_size=num_workers, job=job,

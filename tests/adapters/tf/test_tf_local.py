@@ -261,3 +261,20 @@ def test_gather_of_mismatched_trailing_dimensions_fails_on_every_worker(daemon) 
 
     for error in two_workers(daemon, "tf-gather-mismatch", gather):
         assert isinstance(error, redsrv.ContributionMismatchError) and "rank 1 has float32[1, 3]" in str(error), error
+
+
+def test_communication_options_timeout_bounds_the_exchange(daemon) -> None:  # type: ignore[no-untyped-def]
+    # Worker 1 never joins: the call's timeout_seconds (0.5 s), not the 20 s operation timeout, ends the wait.
+    import time
+
+    def reduce(ops, rank):  # type: ignore[no-untyped-def]
+        if rank == 1:
+            return None
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=0.5)
+        started = time.monotonic()
+        with pytest.raises(redsrv.PeerTimeoutError):
+            ops.batch_reduce("SUM", [(tf.constant([1.0]), "/cpu:0")], options=options)
+        return time.monotonic() - started
+
+    elapsed, _ = two_workers(daemon, "tf-options-timeout", reduce)
+    assert elapsed < 5, elapsed
