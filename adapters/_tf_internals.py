@@ -11,6 +11,11 @@ the redsrv logic in :mod:`redsrv.adapters.tf` and calling back into it.
 (``tests/adapters/tf/test_tf_internals.py``) checks every entry against the installed TensorFlow
 and names what moved; it is the first test to read when a new TensorFlow release breaks the
 adapter. Tested against :data:`TESTED_TF`.
+
+One Keras 3 function is wrapped here too (:func:`install_keras_multi_worker_paths`): Keras takes its
+multi-worker paths (``predict`` concatenating every worker's outputs, per-step logs reduced over every
+worker) only for ``isinstance(strategy, MultiWorkerMirroredStrategy)``; :data:`KERAS_PRIVATE_API`
+lists what the wrapper relies on, checked by the same canary test.
 """
 
 from __future__ import annotations

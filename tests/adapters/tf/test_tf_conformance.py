@@ -94,18 +94,9 @@ def launch(procs, tmp_path, name: str, spec: dict, tf_configs: list[dict]) -> li
 
 
 def collect(started: list[tuple[subprocess.Popen, str]], timeout: float = 300) -> list[dict]:  # type: ignore[type-arg]
-    results = []
-    for proc, prefix in started:
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"conformance worker pid {proc.pid} still running after {timeout}s: a hang") from None
-        with open(prefix + ".out") as f:
-            output = f.read()
-        assert proc.returncode == 0, f"{prefix} exited with {proc.returncode}:\n{output[-4000:]}"
-        with open(prefix + ".json") as f:
-            results.append(json.load(f))
-    return results
+    from test_tf_multiprocess import finish  # waits (bounded), checks the exit status, reads OUT_PREFIX.json
+
+    return [finish(proc, prefix, timeout)[1] for proc, prefix in started]
 
 
 def ours(procs, tmp_path, reducers: list[str], workers: int, devices: int):  # type: ignore[no-untyped-def]
