@@ -52,10 +52,10 @@ Limits: XLA (``jit_compile=True``) cannot contain host calls and is refused with
 :class:`redsrv.ConfigError`. Every worker must have the same number of local devices (checked at
 start-up) and run the same number of steps. In-memory arrays passed to ``fit(shuffle=True)`` are
 shuffled before sharding: give every worker the same shuffle seed (``keras.utils.set_random_seed``)
-or pass a ``tf.data.Dataset``. IndexedSlices gradients are summed densely. Variables that each replica updates on its own, without
-aggregation (Keras 3 ``BatchNormalization``'s moving statistics), stay per replica as under
-``MirroredStrategy``; worker 0, which writes the checkpoints, holds what a single-process
-``MirroredStrategy``'s first replica would.
+or pass a ``tf.data.Dataset``. IndexedSlices gradients are summed densely. Variables that each
+replica updates on its own, without aggregation (Keras 3 ``BatchNormalization``'s moving
+statistics), stay per replica as under ``MirroredStrategy``; worker 0, which writes the checkpoints,
+holds what a single-process ``MirroredStrategy``'s first replica would.
 """
 
 from __future__ import annotations

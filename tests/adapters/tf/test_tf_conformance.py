@@ -94,9 +94,19 @@ def launch(procs, tmp_path, name: str, spec: dict, tf_configs: list[dict]) -> li
 
 
 def collect(started: list[tuple[subprocess.Popen, str]], timeout: float = 300) -> list[dict]:  # type: ignore[type-arg]
-    from test_tf_multiprocess import finish  # waits (bounded), checks the exit status, reads OUT_PREFIX.json
-
-    return [finish(proc, prefix, timeout)[1] for proc, prefix in started]
+    """Each worker's results, after it exited 0 within ``timeout`` (else the end of its output)."""
+    results = []
+    for proc, prefix in started:
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"conformance worker pid {proc.pid} still running after {timeout}s: a hang") from None
+        if returncode != 0:
+            with open(prefix + ".out") as f:
+                raise AssertionError(f"{prefix} exited with {returncode}:\n{f.read()[-4000:]}")
+        with open(prefix + ".json") as f:
+            results.append(json.load(f))
+    return results
 
 
 def ours(procs, tmp_path, reducers: list[str], workers: int, devices: int):  # type: ignore[no-untyped-def]
