@@ -87,7 +87,9 @@ def launch(procs, tmp_path, name: str, spec: dict, tf_configs: list[dict]) -> li
         prefix = str(tmp_path / f"{name}{index}")
         output = open(prefix + ".out", "w")
         procs.files.append(output)
-        env = child_env({"REDSRV_OP_TIMEOUT": "60", "TF_CONFIG": json.dumps(tf_config)})
+        # Workers import TensorFlow and trace for tens of seconds on a busy machine before their first
+        # exchange: the operation timeout must outlast the slowest start, not the exchange itself.
+        env = child_env({"REDSRV_OP_TIMEOUT": "180", "TF_CONFIG": json.dumps(tf_config)})
         started.append((procs.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=env, stdout=output,
                                     stderr=subprocess.STDOUT), prefix))
     return started

@@ -32,7 +32,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "keras_worker.py")
 # worker may trace tf.data and Keras functions for many seconds on a busy machine, and the first
 # exchange after that waits for the slowest worker. Failures are still detected within a second or
 # two (heartbeats, closed connections), which is what the killed-reducer test measures.
-KERAS_ENV = {"REDSRV_OP_TIMEOUT": "120"}
+KERAS_ENV = {"REDSRV_OP_TIMEOUT": "180"}
 
 
 def start(procs, spec: dict, prefix: str, env: dict[str, str] | None = None) -> subprocess.Popen:  # type: ignore[no-untyped-def,type-arg]
