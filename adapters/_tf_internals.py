@@ -11,10 +11,16 @@ the redsrv logic in :mod:`redsrv.adapters.tf` and calling back into it.
 (``tests/adapters/tf/test_tf_internals.py``) checks every entry against the installed TensorFlow
 and names what moved; it is the first test to read when a new TensorFlow release breaks the
 adapter. Tested against :data:`TESTED_TF`.
+
+One Keras 3 function is wrapped here too (:func:`install_keras_multi_worker_paths`): Keras takes its
+multi-worker paths (``predict`` concatenating every worker's outputs, per-step logs reduced over every
+worker) only for ``isinstance(strategy, MultiWorkerMirroredStrategy)``; :data:`KERAS_PRIVATE_API`
+lists what the wrapper relies on, checked by the same canary test.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +54,9 @@ PRIVATE_API: tuple[tuple[Any, str, str], ...] = (
     (_mirrored_strategy.MirroredExtended, "_get_cross_device_ops", "stock code keeps int32 local"),
     (_mirrored_strategy.MirroredExtended, "_reduce_to", "stock code keeps CPU-destined reductions local"),
     (_mirrored_strategy.MirroredExtended, "_use_merge_call", "always merge_call into batch_reduce"),
+    (_mirrored_strategy.MirroredExtended, "_gather_to_implementation", "plain tensors are gathered over the workers too"),
+    (_cross_device_ops.CrossDeviceOps, "_gather", "strategy.gather / all_gather enter the cross-device ops here"),
+    (_cross_device_ops.CrossDeviceOps, "_gather_implementation", "our cross-worker all-gather"),
     (_cross_device_ops.CrossDeviceOps, "_num_between_graph_workers", "stock code skips one-replica reductions"),
     (_input_util, "get_distributed_dataset", "distribute a dataset with our InputContext"),
     (_input_util, "get_distributed_datasets_from_function", "distribute a dataset function with our InputContexts"),
@@ -77,6 +86,7 @@ OVERRIDDEN_SIGNATURES: dict[str, tuple[str, ...]] = {
     "_get_cross_device_ops": ("self", "value"),
     "_reduce_to": ("self", "reduce_op", "value", "destinations", "options"),
     "_use_merge_call": ("self",),
+    "_gather_to_implementation": ("self", "value", "destinations", "axis", "options"),
     "_in_multi_worker_mode": ("self",),
 }
 
@@ -227,6 +237,11 @@ class ReductionServerExtended(_mirrored_strategy.MirroredExtended):  # type: ign
         # Stock MirroredStrategy sends int32 to a local-only ReductionToOneDevice.
         return self._redsrv.cross_device_ops
 
+    def _gather_to_implementation(self, value: Any, destinations: Any, axis: Any, options: Any) -> Any:
+        # Stock MirroredStrategy returns a plain tensor unchanged; MultiWorkerMirroredStrategy (and
+        # so we) gathers it over the workers: Keras gathers each worker's batch sizes that way.
+        return self._redsrv.cross_device_ops._gather(value, destinations=destinations, axis=axis, options=options)
+
     def _reduce_to(self, reduce_op: Any, value: Any, destinations: Any, options: Any) -> Any:
         # As CollectiveAllReduceExtended._reduce_to: stock MirroredStrategy reduces anything bound
         # for a CPU locally, which would keep metrics and partial-batch counts per worker.
@@ -239,6 +254,58 @@ class ReductionServerExtended(_mirrored_strategy.MirroredExtended):  # type: ign
             return self._redsrv.cross_device_ops.reduce(reduce_op, v, destinations=destinations, options=options)
 
         return tf.nest.map_structure(reduce_one, value)
+
+
+# --- Keras 3 ----------------------------------------------------------------------------------
+
+#: Keras 3's TensorFlow trainer: its multi-worker paths are keyed on MultiWorkerMirroredStrategy.
+KERAS_TRAINER = "keras.src.backend.tensorflow.trainer"
+
+#: (name in KERAS_TRAINER, why we need it), checked by the canary test like PRIVATE_API.
+KERAS_PRIVATE_API: tuple[tuple[str, str], ...] = (
+    ("reduce_per_replica", "wrapped: its multi-worker branch is taken for MultiWorkerMirroredStrategy only"),
+    ("_multi_worker_concat", "predict's concatenation of every worker's outputs, in Keras's own replica order"),
+    ("_collective_all_reduce_multi_worker", "the isinstance test we stand in for (the canary reads its source)"),
+)
+
+
+def install_keras_multi_worker_paths() -> None:
+    """Make Keras 3's ``reduce_per_replica`` treat a multi-worker redsrv strategy as it treats
+    ``MultiWorkerMirroredStrategy``. Idempotent; without Keras 3 (or with another backend) a no-op.
+
+    Keras decides with ``isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and
+    strategy.extended._in_multi_worker_mode()`` (``_collective_all_reduce_multi_worker``), a class
+    we must not derive from (it starts gRPC collectives). A strategy opts in by having a
+    ``_redsrv_keras_reduce(reduce_op, values)`` method and a multi-worker extended object:
+
+    * ``"concat"`` (``predict``): Keras's own ``_multi_worker_concat`` (every worker's outputs,
+      gathered through ``strategy.gather``), so each worker returns every row, as under MWMS;
+    * ``"auto"``/``"mean"``/``"sum"`` (the per-step logs of ``fit`` and ``evaluate``): reduced over
+      every replica of every worker by the strategy, as MWMS means to (Keras's MWMS branch calls
+      ``strategy.reduce(..., axis=0)``, which TensorFlow refuses for scalar logs);
+    * ``"first"`` and any other strategy: Keras's code unchanged.
+    """
+    try:
+        trainer = importlib.import_module(KERAS_TRAINER)
+        import keras
+    except ImportError:
+        return
+    original = trainer.reduce_per_replica
+    if getattr(original, "_redsrv_original", None) is not None:
+        return
+
+    def reduce_per_replica(values: Any, strategy: Any, reduction: str) -> Any:
+        reduce_logs = getattr(strategy, "_redsrv_keras_reduce", None)
+        if reduce_logs is None or not strategy.extended._in_multi_worker_mode():
+            return original(values, strategy, reduction)
+        if reduction == "concat":
+            return keras.tree.map_structure(lambda v: trainer._multi_worker_concat(v, strategy), values)
+        if reduction in ("auto", "mean", "sum"):
+            return reduce_logs("SUM" if reduction == "sum" else "MEAN", values)
+        return original(values, strategy, reduction)
+
+    reduce_per_replica._redsrv_original = original  # type: ignore[attr-defined]
+    trainer.reduce_per_replica = reduce_per_replica  # type: ignore[attr-defined]
 
 
 def init_strategy(strategy: tf.distribute.Strategy, extended: Any) -> None:

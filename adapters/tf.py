@@ -21,11 +21,16 @@ Two public pieces:
   sum over the other processes. ``MirroredStrategy`` itself still believes it is alone
   (``num_replicas_in_sync`` is local, datasets are not sharded): fine for custom loops that scale
   their loss themselves, not for Keras ``fit``.
-* :class:`ReductionServerStrategy` is the multi-worker strategy Keras ``fit`` needs: global
-  ``num_replicas_in_sync`` (Keras divides the loss by it), per-worker dataset shards
-  (:class:`tf.distribute.InputContext`), global replica ids, initial values broadcast from worker 0,
-  epoch metrics and losses reduced over every worker, partial last batches handled globally, and
-  ``should_checkpoint``/``should_save_summary`` true on worker 0 only.
+* :class:`ReductionServerStrategy` is the multi-worker strategy Keras ``fit`` needs, answering as
+  ``MultiWorkerMirroredStrategy`` (MWMS) does: global ``num_replicas_in_sync`` (Keras divides the
+  loss by it), per-worker dataset shards (:class:`tf.distribute.InputContext`), global replica ids,
+  initial values broadcast from worker 0, epoch metrics and losses reduced over every worker,
+  partial last batches handled globally, ``should_checkpoint``/``should_save_summary`` true on worker
+  0 only, ``strategy.gather``/``all_gather`` over every worker (through the core's all-gather), and
+  Keras's multi-worker paths: ``predict`` returns every row on every worker, per-step logs (the
+  progress bar) are reduced over every replica.
+* :class:`BackupAndRestore` is Keras's callback made multi-worker: the chief writes, every worker
+  resumes from the chief's backup.
 
 How a reduction runs: at trace time each ``batch_reduce`` sums every value over the local devices
 (``tf.add_n``), packs the sums into one flat vector per dtype and calls **one** host function,
@@ -47,12 +52,10 @@ Limits: XLA (``jit_compile=True``) cannot contain host calls and is refused with
 :class:`redsrv.ConfigError`. Every worker must have the same number of local devices (checked at
 start-up) and run the same number of steps. In-memory arrays passed to ``fit(shuffle=True)`` are
 shuffled before sharding: give every worker the same shuffle seed (``keras.utils.set_random_seed``)
-or pass a ``tf.data.Dataset``. ``predict`` returns each worker's own shard; per-batch logs (the
-progress bar) are the worker's own, epoch logs (``History``, ``on_epoch_end``) are global.
-IndexedSlices gradients are summed densely. Variables that each replica updates on its own, without
-aggregation (Keras 3 ``BatchNormalization``'s moving statistics), stay per replica as under
-``MirroredStrategy``; worker 0, which writes the checkpoints, holds what a single-process
-``MirroredStrategy``'s first replica would.
+or pass a ``tf.data.Dataset``. IndexedSlices gradients are summed densely. Variables that each
+replica updates on its own, without aggregation (Keras 3 ``BatchNormalization``'s moving
+statistics), stay per replica as under ``MirroredStrategy``; worker 0, which writes the checkpoints,
+holds what a single-process ``MirroredStrategy``'s first replica would.
 """
 
 from __future__ import annotations
@@ -67,11 +70,12 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from redsrv.core import Client, Config, ConfigError, RedsrvError
+from redsrv.core import Client, Config, ConfigError, LocalProtocolError, RedsrvError, collectives, wire
 
 from . import _tf_internals
 
 __all__ = [
+    "BackupAndRestore",  # noqa: F822 - defined by the module __getattr__ (loads Keras on first use)
     "ReductionServerCrossDeviceOps",
     "ReductionServerStrategy",
     "SUPPORTED_DTYPES",
@@ -91,6 +95,15 @@ _KEY_PREFIX = "redsrv.tf"
 # retrace (TensorFlow), between Python patch releases (the standard library), or between processes
 # (autograph writes converted code to uniquely named temporary modules).
 _SITE_SKIPPED = ("tensorflow", "redsrv.adapters", "__autograph_generated")
+
+
+def __getattr__(name: str) -> Any:
+    # Keras-dependent pieces load Keras on first use only.
+    if name == "BackupAndRestore":
+        from ._tf_keras import BackupAndRestore
+
+        return BackupAndRestore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- the cross-device ops ----------------------------------------------------------------------
@@ -172,7 +185,7 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
         for values in per_value:
             with tf.device(values[0].device):
                 local_sums.append(tf.math.add_n(values) if len(values) > 1 else tf.identity(values[0]))
-        totals = self._exchange(_call_site(), local_sums)
+        totals = self._exchange(_call_site(), local_sums, self._timeout_for(options))
         results = []
         for (_, destinations), values, total in zip(value_destination_pairs, per_value, totals):
             if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -181,11 +194,41 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
         return results
 
     def _gather_implementation(self, per_replica_value: Any, destinations: Any, axis: Any, options: Any) -> Any:
-        raise NotImplementedError("redsrv reducers sum; they do not gather (strategy.gather / all_gather)")
+        """Every replica's value concatenated along ``axis`` in global replica order (this worker's
+        devices in order, the workers in index order), on every worker: ``strategy.gather`` and
+        ``ReplicaContext.all_gather``. Sizes along ``axis`` may differ per replica; the other
+        dimensions and the dtype must agree (else :class:`redsrv.ContributionMismatchError` on
+        every worker, raised inside the step)."""
+        _refuse_xla()
+        values = [tf.convert_to_tensor(v) for v in _tf_internals.local_values(per_replica_value)]
+        first = values[0]
+        rank = first.shape.rank
+        if rank is None or rank == 0:
+            raise ValueError(f"gather/all_gather needs tensors of known, non-zero rank (got shape {first.shape}); "
+                             "use tf.expand_dims before gathering scalars")
+        axis = _static_axis(axis, rank)
+        if first.dtype in (tf.string, tf.resource, tf.variant):
+            raise TypeError(f"redsrv cannot gather {first.dtype.name} tensors: only fixed-size dtypes travel as bytes")
+        with tf.device(first.device):
+            local = tf.concat(values, axis) if len(values) > 1 else tf.identity(first)
+            # The core gathers along the first dimension: move the gathered axis there and back.
+            order = [axis, *(d for d in range(rank) if d != axis)]
+            leading = tf.transpose(local, order) if axis else local
+            host = functools.partial(self._host_allgather, _call_site(), self._timeout_for(options))
+            (gathered,) = _host_call(host, [leading], "redsrv_allgather")
+            gathered.set_shape(tf.TensorShape([None]).concatenate(leading.shape[1:]))
+            if axis:
+                gathered = tf.transpose(gathered, [order.index(d) for d in range(rank)])
+        return self.broadcast_implementation(gathered, destinations)
 
     # --- the fused host exchange ---
 
-    def _exchange(self, site: str, tensors: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    def _timeout_for(self, options: Any) -> float | None:
+        """A call's ``CommunicationOptions(timeout_seconds=...)`` bounds its exchange, as under MWMS."""
+        seconds = getattr(options, "timeout_seconds", None)
+        return float(seconds) if seconds else self.timeout
+
+    def _exchange(self, site: str, tensors: Sequence[tf.Tensor], timeout: float | None) -> list[tf.Tensor]:
         """Sum ``tensors`` over the workers with one stateful host call: one flat vector per dtype."""
         groups: dict[tf.DType, list[int]] = {}
         for i, t in enumerate(tensors):
@@ -194,7 +237,7 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
                                 f"supported: {', '.join(d.name for d in SUPPORTED_DTYPES)}")
             groups.setdefault(t.dtype, []).append(i)
         flats = [tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0) for members in groups.values()]
-        outs = _host_call(functools.partial(self._host_allreduce, site), flats, "redsrv_allreduce")
+        outs = _host_call(functools.partial(self._host_allreduce, site, timeout), flats, "redsrv_allreduce")
         results: list[Any] = [None] * len(tensors)
         for members, flat, out in zip(groups.values(), flats, outs):
             out = tf.reshape(out, tf.shape(flat))
@@ -213,17 +256,27 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
             self._counters[site] = call + 1
         return call
 
-    def _host_allreduce(self, site: str, *arrays: np.ndarray) -> list[np.ndarray]:
+    def _host_allreduce(self, site: str, timeout: float | None, *arrays: np.ndarray) -> list[np.ndarray]:
         call = self._next_call(site)
         try:
             # One exchange per dtype group (almost always one: the gradients' dtype), all in flight.
             futures = [self.client.allreduce_async(np.asarray(a), key=(_KEY_PREFIX, site, call, g),
-                                                   wire_dtype=self.wire_dtype, timeout=self.timeout)
+                                                   wire_dtype=self.wire_dtype, timeout=timeout)
                        for g, a in enumerate(arrays)]
-            return [self.client.wait(f, timeout=self.timeout) for f in futures]
+            return [self.client.wait(f, timeout=timeout) for f in futures]
         except RedsrvError as exc:
             self._fail(exc, f"all-reduce at {site}, call {call}")
             raise
+
+    def _host_allgather(self, site: str, timeout: float | None, array: np.ndarray) -> np.ndarray:
+        call = self._next_call(("gather", site))
+        try:
+            parts = collectives.allgather(self.client, _wire_view(array), key=(_KEY_PREFIX, "gather", site, call),
+                                          timeout=timeout)
+        except RedsrvError as exc:
+            self._fail(exc, f"all-gather at {site}, call {call}")
+            raise
+        return np.concatenate([_from_wire_view(part, array.dtype) for part in parts], axis=0)
 
     def broadcast_initial_value(self, value: tf.Tensor) -> tf.Tensor:
         """Worker 0's ``value`` on every worker (exact, any numeric dtype). Used for the initial
@@ -290,6 +343,33 @@ def _divide(total: tf.Tensor, count: int) -> tf.Tensor:
     if total.dtype.is_integer:
         return tf.truncatediv(total, tf.cast(count, total.dtype))  # as TensorFlow's collective MEAN
     return total / tf.cast(count, total.dtype)
+
+
+def _static_axis(axis: Any, rank: int) -> int:
+    value = tf.get_static_value(axis)
+    if value is None or np.ndim(value) != 0:
+        raise ValueError(f"gather/all_gather needs an axis known when the function is traced, got {axis!r}")
+    value = int(value)
+    if not -rank <= value < rank:
+        raise ValueError(f"axis {value} is out of range for tensors of rank {rank}")
+    return value % rank
+
+
+def _wire_view(array: np.ndarray) -> np.ndarray:
+    """``array`` as the core can move it: itself for the wire's dtypes, else its bytes with one
+    trailing dimension of the item size (uint16, complex, ... arrive bit for bit)."""
+    array = np.ascontiguousarray(array)
+    try:
+        wire.dtype_code(array.dtype)
+    except LocalProtocolError:
+        return array.reshape(-1).view(np.uint8).reshape(*array.shape, array.dtype.itemsize)
+    return array
+
+
+def _from_wire_view(part: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    if part.dtype == dtype:
+        return part
+    return np.ascontiguousarray(part).reshape(-1).view(dtype).reshape(part.shape[:-1])
 
 
 def _has_bytes(dtype: tf.DType) -> bool:
@@ -361,7 +441,16 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
     def __init__(self, reducers: Sequence[str] | str | None = None, num_workers: int | None = None,
                  worker_index: int | None = None, devices: Sequence[str] | None = None, *, job: str | None = None,
                  timeout: float | None = None, wire_dtype: str | None = None,
-                 environ: Mapping[str, str] | None = None, **config_fields: Any) -> None:
+                 environ: Mapping[str, str] | None = None, cluster_resolver: Any = None,
+                 communication_options: Any = None, **config_fields: Any) -> None:
+        if cluster_resolver is not None:
+            raise ConfigError("ReductionServerStrategy does not take MultiWorkerMirroredStrategy's cluster_resolver: "
+                              "it reads TF_CONFIG (with a \"reducer\" task list), CLUSTER_SPEC or REDSRV_*; pass "
+                              "reducers=, num_workers= and worker_index= to say who is who explicitly")
+        if timeout is None and communication_options is not None and communication_options.timeout_seconds:
+            # MWMS's CommunicationOptions: the timeout bounds every exchange; implementation (RING,
+            # NCCL) and bytes_per_pack choose collective algorithms the reducers do not use.
+            timeout = float(communication_options.timeout_seconds)
         # The one read of the environment (REDSRV_*, TF_CONFIG / CLUSTER_SPEC, RANK / WORLD_SIZE),
         # by the core's discovery: explicit arguments win, conflicting sources are an error.
         config = Config.from_env(environ, reducers=reducers, rank=worker_index, world_size=num_workers, job=job,
@@ -371,10 +460,24 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
         try:
             extended = _tf_internals.ReductionServerExtended(self, _Hooks(ops), devices)
             _tf_internals.init_strategy(self, extended)
+            _tf_internals.install_keras_multi_worker_paths()
             self._check_devices(len(extended.worker_devices))
         except BaseException:
             ops.close()
             raise
+
+    def _redsrv_keras_reduce(self, reduce_op: str, values: Any) -> Any:
+        """Keras 3's per-step logs reduced over every replica of every worker, as Keras means to
+        under MultiWorkerMirroredStrategy: one fused exchange for all of them (each tensor
+        elementwise; ``MEAN`` divides by the global replica count)."""
+        leaves = tf.nest.flatten(values)
+        reducible = [i for i, v in enumerate(leaves) if isinstance(v, (tf.Tensor, tf.Variable, tf.distribute.DistributedValues))]
+        if not reducible:
+            return values
+        reduced = self._redsrv_ops.batch_reduce(reduce_op, [(leaves[i], "/cpu:0") for i in reducible])
+        for i, value in zip(reducible, reduced):
+            leaves[i] = self.experimental_local_results(value)[0]
+        return tf.nest.pack_sequence_as(values, leaves)
 
     def _check_devices(self, local: int) -> None:
         counts = np.zeros(self.num_workers, dtype=np.int64)
@@ -395,6 +498,16 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
     @property
     def worker_index(self) -> int:
         return self._redsrv_ops.worker_index
+
+    @property
+    def cluster_resolver(self) -> tf.distribute.cluster_resolver.SimpleClusterResolver:
+        """This worker's place, as ``MultiWorkerMirroredStrategy.cluster_resolver`` gives it: task type
+        ``"worker"`` (a TF_CONFIG ``"chief"`` is worker 0), ``task_id`` the worker index, one entry per
+        worker in ``cluster_spec()``. Programs written for MWMS pick their chief with it. The
+        entries are names, not addresses: workers never connect to each other."""
+        workers = [f"worker{i}" for i in range(self.num_workers)]
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec({"worker": workers}), task_type="worker", task_id=self.worker_index)
 
     @property
     def is_chief(self) -> bool:

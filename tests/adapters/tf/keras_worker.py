@@ -4,8 +4,10 @@
 
 SPEC: {"mode": "worker"|"reference", "devices": n, "seed": s (model init; workers add their index),
        "samples": n, "features": f, "batch_size": b, "epochs": e, "job": "...", "strategy": {...kwargs},
-       "progress": bool (write OUT_PREFIX.progress after each epoch), "steps_per_execution": k,
-       "jit_compile": bool, "keras": "keras" (Keras 3, default) | "tf_keras" (Keras 2),
+       "progress": bool (write OUT_PREFIX.progress after each epoch),
+       "backup": dir name (redsrv.tf.BackupAndRestore next to OUT_PREFIX), "stop_at": [epoch, batch] (write
+       OUT_PREFIX.stopped there and wait to be killed), "save_model": bool (model.save on the chief),
+       "steps_per_execution": k, "jit_compile": bool, "keras": "keras" (Keras 3, default) | "tf_keras" (Keras 2),
        "model": "mlp" (default) | "bn" (BatchNormalization and Dropout),
        "save": bool (save weights to worker{index}.weights.h5 or reference.weights.h5 next to OUT_PREFIX each
        epoch; ReductionServerStrategy workers pass the callback through strategy.chief_only)}
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -86,7 +89,24 @@ def main() -> int:
                 with open(prefix + ".progress", "w") as f:
                     f.write(str(epoch + 1))
 
-        callbacks = [Progress()] if spec.get("progress") else []
+        class Record(keras.callbacks.Callback):
+            """Epochs run and per-batch losses (Keras's per-step logs), for the report."""
+
+            def on_epoch_begin(self, epoch, logs=None):
+                report.setdefault("epochs_run", []).append(epoch)
+
+            def on_train_batch_end(self, batch, logs=None):
+                report.setdefault("batch_losses", []).append(float(logs["loss"]))
+                if spec.get("stop_at") == [report["epochs_run"][-1], batch]:
+                    # Tell the test where we are, then wait (bounded) to be killed mid-epoch.
+                    with open(prefix + ".stopped", "w") as f:
+                        f.write(f"{batch}")
+                    threading.Event().wait(120)
+                    raise TimeoutError("stop_at: the test did not kill this worker within 120 s")
+
+        callbacks = [Record()] + ([Progress()] if spec.get("progress") else [])
+        if spec.get("backup"):
+            callbacks.append(redsrv.tf.BackupAndRestore(os.path.join(os.path.dirname(prefix), spec["backup"])))
         if spec.get("save"):
             name = "reference" if spec["mode"] == "reference" else f"worker{index}"
             path = os.path.join(os.path.dirname(prefix), f"{name}.weights.h5")
@@ -98,8 +118,10 @@ def main() -> int:
         report["fit_seconds"] = time.monotonic() - started
         report["history"] = history.history
         report["evaluate"] = model.evaluate(x, y, batch_size=spec.get("batch_size", 32), verbose=0, return_dict=True)
-        report["predict_rows"] = int(model.predict(x, batch_size=spec.get("batch_size", 32), verbose=0).shape[0])
+        report["predict"] = model.predict(x, batch_size=spec.get("batch_size", 32), verbose=0).tolist()
         report["weights"] = [getattr(w, "path", w.name) for w in model.weights]
+        if spec.get("save_model") and spec["mode"] == "worker" and strategy.extended.should_checkpoint:  # the chief alone
+            model.save(os.path.join(os.path.dirname(prefix), f"worker{index}.keras"))
         np.savez(prefix + ".npz", **{f"w{i}": w.numpy() for i, w in enumerate(model.weights)})
     except Exception as exc:  # the test reads the type and message
         report["error"] = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}

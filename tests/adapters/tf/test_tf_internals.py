@@ -68,3 +68,26 @@ def test_tf_keras_reads_only_the_attributes_we_provide() -> None:
     read = set(re.findall(r"extended\.(_[a-z_]+)\b(?!\()", source))
     assert read <= {"_in_multi_worker_mode", *_tf_internals.KERAS2_READS}, (
         f"tf_keras's distributed_file_utils now reads {sorted(read)} from the strategy's extended object")
+
+
+def test_keras_3_trainer_still_keys_its_multi_worker_paths_on_mwms() -> None:
+    trainer = pytest.importorskip(_tf_internals.KERAS_TRAINER)
+    moved = [f"{name} ({why})" for name, why in _tf_internals.KERAS_PRIVATE_API if not hasattr(trainer, name)]
+    assert not moved, "Keras's TensorFlow trainer no longer has: " + "; ".join(moved)
+    # Still an isinstance test on MultiWorkerMirroredStrategy: if Keras asks the strategy instead
+    # (extended._in_multi_worker_mode() alone), the shim is no longer needed.
+    source = inspect.getsource(trainer._collective_all_reduce_multi_worker)
+    assert "MultiWorkerMirroredStrategy" in source and "_in_multi_worker_mode" in source, source
+    assert inspect.signature(trainer.reduce_per_replica).parameters.keys() == {"values", "strategy", "reduction"}
+    assert inspect.signature(trainer._multi_worker_concat).parameters.keys() == {"v", "strategy"}
+
+
+def test_keras_shim_is_installed_once_and_leaves_other_strategies_alone() -> None:
+    trainer = pytest.importorskip(_tf_internals.KERAS_TRAINER)
+    _tf_internals.install_keras_multi_worker_paths()
+    installed = trainer.reduce_per_replica
+    _tf_internals.install_keras_multi_worker_paths()
+    assert trainer.reduce_per_replica is installed and installed._redsrv_original is not None
+    stock = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    value = stock.experimental_distribute_values_from_function(lambda c: tf.constant([float(c.replica_id_in_sync_group)]))
+    assert installed(value, stock, "concat").numpy().tolist() == [0.0, 1.0]

@@ -221,3 +221,60 @@ def test_workers_with_different_device_counts_are_refused_at_start_up(daemon) ->
         errors = list(pool.map(start, (0, 1)))
     for error in errors:
         assert error is not None and "worker 0: 2, worker 1: 1" in str(error)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "bool", "uint16", "complex64"])
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_returns_every_replica_in_replica_order_bit_for_bit(daemon, dtype, axis) -> None:  # type: ignore[no-untyped-def]
+    # Two workers of two devices; replica g (global id) holds g + 1 slices along the axis (ragged).
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    strategy = tf.distribute.MirroredStrategy(DEVICES)
+    gathered_axis = axis % 3
+
+    def block(replica: int) -> np.ndarray:
+        shape = [2, 3, 2]
+        shape[gathered_axis] = replica + 1
+        raw = np.random.default_rng(replica).integers(0, 256, size=int(np.prod(shape)) * np_dtype.itemsize)
+        if np_dtype == np.bool_:
+            raw %= 2
+        return raw.astype(np.uint8).view(np_dtype).reshape(shape)
+
+    def gather(ops, rank):  # type: ignore[no-untyped-def]
+        pr = strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(block(2 * rank + ctx.replica_id_in_sync_group)))
+        return local(strategy, [ops._gather(pr, pr, axis)])[0]
+
+    want = np.concatenate([block(g) for g in range(4)], axis=gathered_axis)
+    for per_device in two_workers(daemon, f"tf-gather-{dtype}-{axis}", gather):
+        for got in per_device:
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(bits(got), bits(want))
+
+
+def test_gather_of_mismatched_trailing_dimensions_fails_on_every_worker(daemon) -> None:  # type: ignore[no-untyped-def]
+    def gather(ops, rank):  # type: ignore[no-untyped-def]
+        try:
+            ops._gather(tf.zeros([1, 2 + rank]), "/cpu:0", 0)
+        except redsrv.ContributionMismatchError as exc:
+            return exc
+        return None
+
+    for error in two_workers(daemon, "tf-gather-mismatch", gather):
+        assert isinstance(error, redsrv.ContributionMismatchError) and "rank 1 has float32[1, 3]" in str(error), error
+
+
+def test_communication_options_timeout_bounds_the_exchange(daemon) -> None:  # type: ignore[no-untyped-def]
+    # Worker 1 never joins: the call's timeout_seconds (0.5 s), not the 20 s operation timeout, ends the wait.
+    import time
+
+    def reduce(ops, rank):  # type: ignore[no-untyped-def]
+        if rank == 1:
+            return None
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=0.5)
+        started = time.monotonic()
+        with pytest.raises(redsrv.PeerTimeoutError):
+            ops.batch_reduce("SUM", [(tf.constant([1.0]), "/cpu:0")], options=options)
+        return time.monotonic() - started
+
+    elapsed, _ = two_workers(daemon, "tf-options-timeout", reduce)
+    assert elapsed < 5, elapsed
