@@ -72,7 +72,8 @@ class Compression:
 # --- host calls -----------------------------------------------------------------------------
 
 
-def _host(function: Callable[..., Any], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType], name: str) -> list[tf.Tensor]:
+def _host(function: Callable[..., Any], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+          name: str) -> list[tf.Tensor]:
     """``function(*arrays) -> arrays`` on the host: eagerly a plain call, in a graph one stateful
     ``tf.numpy_function`` (program order on every rank)."""
     if tf.executing_eagerly():
@@ -131,7 +132,8 @@ def _differentiable_reduce(tensors: list[tf.Tensor], op: common.ReduceOp, name: 
 
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
               compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              name: str | None = None, process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> tf.Tensor:
+              name: str | None = None, process_set: ProcessSet = global_process_set,
+              ignore_name_scope: bool = False) -> tf.Tensor:
     """``op`` (default Average) of ``tensor`` over the ranks, combined in rank order (identical on
     every rank). ``device_*`` and ``ignore_name_scope`` are accepted for Horovod's signature."""
     chosen = common.resolve_op(op, average)
@@ -275,7 +277,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: st
     return common.broadcast_object(obj, root_rank, name, process_set)
 
 
-def allgather_object(obj: Any, session: Any = None, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
     return common.allgather_object(obj, name, process_set)
 

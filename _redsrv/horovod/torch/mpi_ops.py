@@ -122,7 +122,8 @@ def _all(futures: Sequence[concurrent.futures.Future[Any]]) -> concurrent.future
 
 def _allreduce_start(tensor: torch.Tensor, in_place: bool, name: str | None, op: common.ReduceOp, prescale_factor: float,
                      postscale_factor: float, process_set: ProcessSet,
-                     kind: str = "allreduce") -> tuple[concurrent.futures.Future[np.ndarray], Callable[[np.ndarray], torch.Tensor], Any]:
+                     kind: str = "allreduce",
+                     ) -> tuple[concurrent.futures.Future[np.ndarray], Callable[[np.ndarray], torch.Tensor], Any]:
     _check(tensor)
     arr, shares = _host_view(tensor)
     out = arr if in_place and shares and prescale_factor == 1.0 else None
@@ -242,7 +243,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any, proc
 
 
 def _gather_start(tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
-                  kind: str = "allgather") -> tuple[concurrent.futures.Future[list[np.ndarray]], Callable[[list[np.ndarray]], torch.Tensor]]:
+                  kind: str = "allgather",
+                  ) -> tuple[concurrent.futures.Future[list[np.ndarray]], Callable[[list[np.ndarray]], torch.Tensor]]:
     _check(tensor)
     if tensor.dim() == 0:
         raise ValueError("allgather needs a tensor with at least one dimension (it concatenates along the first)")

@@ -169,9 +169,11 @@ def api(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
     first, second = make(r, 14, (3,), torch.float32), make(r, 15, (3,), torch.float32)
     out["in.first"], out["in.second"] = first, second
     if r % 2:
-        h_first, h_second = hvd.allreduce_async(first, name="first", op=hvd.Sum), hvd.allreduce_async(second, name="second", op=hvd.Sum)
+        h_first = hvd.allreduce_async(first, name="first", op=hvd.Sum)
+        h_second = hvd.allreduce_async(second, name="second", op=hvd.Sum)
     else:
-        h_second, h_first = hvd.allreduce_async(second, name="second", op=hvd.Sum), hvd.allreduce_async(first, name="first", op=hvd.Sum)
+        h_second = hvd.allreduce_async(second, name="second", op=hvd.Sum)
+        h_first = hvd.allreduce_async(first, name="first", op=hvd.Sum)
     out["reordered.first"], out["reordered.second"] = hvd.synchronize(h_first), hvd.synchronize(h_second)
     # objects, barrier, join
     facts["broadcast_object"] = hvd.broadcast_object({"from": r, "list": [r] * 3}, root_rank=2)
@@ -206,7 +208,8 @@ def process_sets(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None
     if r == 2:
         facts["ps.non_member_raises"] = _raises(lambda: hvd.allreduce(x, process_set=low), ValueError)
     facts["ps.unregistered_raises"] = _raises(lambda: hvd.allreduce(x, process_set=hvd.ProcessSet([0])), ValueError)
-    facts["ps.removed"] = [hvd.remove_process_set(low), hvd.remove_process_set(low), hvd.remove_process_set(hvd.global_process_set)]
+    facts["ps.removed"] = [hvd.remove_process_set(low), hvd.remove_process_set(low),
+                           hvd.remove_process_set(hvd.global_process_set)]
     edge = hvd.add_process_set([0, 2])
     if edge.included():
         out["ps.edge"] = hvd.allreduce(x, op=hvd.Sum, process_set=edge)
@@ -287,7 +290,8 @@ def misuse(facts: dict[str, object]) -> None:
 def errors(facts: dict[str, object]) -> None:
     """Ranks that disagree: every rank gets an error that is both Horovod's and redsrv's."""
     r = hvd.rank()
-    for label, tensor in (("shape", torch.ones(r + 2)), ("dtype", torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64)),
+    for label, tensor in (("shape", torch.ones(r + 2)),
+                          ("dtype", torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64)),
                           ("gather_dims", torch.ones(2, r + 1))):
         try:
             if label == "gather_dims":
