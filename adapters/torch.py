@@ -186,6 +186,22 @@ class HookState:
         if self._owns_client:
             self.client.close()
 
+    def replace_client(self, client: Client | None = None) -> None:
+        """Swap the client the hook uses, keeping the step counter (so keys stay aligned with the
+        other ranks), for a DDP model whose hook cannot be registered again.
+
+        A client rides through a lost reducer by itself (``REDSRV_RECONNECT_WINDOW``); replace it
+        only when it is broken for good (the window passed, or reconnects are off). Every rank
+        must then replace its client before its next step: each gets a new session, and the
+        reducers answer the operations of the new sessions only. A worker *process* that
+        restarted cannot rejoin a step the others are in; restart the whole job from a
+        checkpoint instead. ``client=None`` builds a new client from the old one's settings."""
+        old, owned = self.client, self._owns_client
+        self.client = Client(config=old.config) if client is None else client
+        self._owns_client = client is None
+        if owned:
+            old.close()
+
     def __enter__(self) -> "HookState":
         return self
 
