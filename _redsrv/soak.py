@@ -2,9 +2,12 @@
 what happened.
 
 Workers run rounds of all-reduces with mixed sizes and check every sum against a reference
-they compute themselves. Meanwhile the driver kills and restarts reducers, freezes a worker
-for a few seconds, and lets a rogue client send garbage. It reports steps completed, steps that
-failed with a clear error, hangs (must be 0), wrong sums (must be 0), and reducer memory growth.
+they compute themselves. Meanwhile the driver kills and restarts reducers, stops them with
+SIGTERM and restarts them, freezes a reducer for ``--reducer-freeze`` seconds, freezes a worker
+for a few seconds, and lets a rogue client send garbage. Workers ride through lost reducers
+(RELIABILITY R22). It reports steps completed, steps that failed with a clear error, hangs (must
+be 0), wrong sums (must be 0), the time from each fault to the end of its round (median, max), and
+reducer memory.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -43,11 +47,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
     p.add_argument("--steps-per-round", type=int, default=20, help="steps between synchronisation points (default 20)")
     p.add_argument("--fault-probability", type=float, default=0.3, help="chance that a round gets a fault (default 0.3)")
+    p.add_argument("--reducer-freeze", type=float, default=5.0, help="seconds a frozen reducer stays stopped (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the report to this file")
     p.set_defaults(func=lambda a: run_soak(duration=a.duration, workers=a.workers, reducers=a.reducers,
                                            steps_per_round=a.steps_per_round, fault_probability=a.fault_probability,
-                                           seed=a.seed, json_path=a.json))
+                                           seed=a.seed, json_path=a.json, reducer_freeze=a.reducer_freeze))
 
 
 #: Shrunk liveness settings so that faults are detected in about a second.
@@ -67,6 +72,7 @@ class _Totals:
     faults: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     rss_mib: dict[str, list[float]] = field(default_factory=dict)
+    recovery_s: dict[str, list[float]] = field(default_factory=dict)  # fault -> seconds from it to its round's end
 
 
 def _rss_mib(pid: int) -> float:
@@ -81,7 +87,7 @@ def _rss_mib(pid: int) -> float:
 
 
 def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: int, fault_probability: float,
-             seed: int, json_path: str | None) -> int:
+             seed: int, json_path: str | None, reducer_freeze: float = 5.0) -> int:
     rng = random.Random(seed)
     env = {**os.environ, **SOAK_ENV}
     fleet = start_reducers(reducers, env=env)
@@ -103,13 +109,17 @@ def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: i
                 assert p.stdin is not None
                 p.stdin.write(json.dumps({"round": round_id, "steps": steps_per_round}) + "\n")
                 p.stdin.flush()
-            fault = rng.choice(["kill_reducer", "freeze_worker", "term_reducer"]) if rng.random() < fault_probability else None
-            last_fault = time.monotonic()
+            kinds = ["kill_reducer", "freeze_reducer", "freeze_worker", "term_reducer"]
+            fault = rng.choice(kinds) if rng.random() < fault_probability else None
+            last_fault = fault_at = time.monotonic()
             if fault:
                 time.sleep(rng.uniform(0.05, 0.5))
                 totals.faults[fault] = totals.faults.get(fault, 0) + 1
-                last_fault = _inject(fault, rng, fleet, ports, worker_procs, env, totals)
+                fault_at = time.monotonic()
+                last_fault = _inject(fault, rng, fleet, ports, worker_procs, env, totals, reducer_freeze)
             replies = _collect(worker_procs, last_fault + HANG_AFTER_S)
+            if fault:
+                totals.recovery_s.setdefault(fault, []).append(time.monotonic() - fault_at)
             for reply in replies:
                 if reply is None:
                     totals.hangs += 1
@@ -140,13 +150,17 @@ def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: i
         stop_processes(fleet.procs)
         rogue.join(5)
     growth = {a: (max(v[len(v) // 4 :]) - v[len(v) // 4]) if len(v) > 4 else 0.0 for a, v in totals.rss_mib.items()}
+    recovery = {f: {"median_s": statistics.median(v), "max_s": max(v)} for f, v in totals.recovery_s.items()}
     report = {"duration_s": time.monotonic() - started, "rounds": totals.rounds, "workers": workers, "reducers": reducers,
               "steps_completed": totals.steps_completed // workers, "worker_steps_failed": totals.steps_failed,
               "hangs": totals.hangs, "wrong_sums": totals.wrong_sums, "faults": totals.faults, "errors": totals.errors,
-              "reducer_rss_growth_mib": growth}
+              "round_end_after_fault": recovery, "reducer_rss_growth_mib": growth,
+              "reducer_rss_last_mib": {a: v[-1] for a, v in totals.rss_mib.items() if v}}
     print(f"redsrv soak: {report['steps_completed']} steps completed, {totals.steps_failed} worker steps failed with a "
           f"clear error, {totals.hangs} hangs, {totals.wrong_sums} wrong sums; faults {totals.faults}; errors {totals.errors}; "
           f"reducer RSS growth after warm-up (MiB) {', '.join(f'{v:.1f}' for v in growth.values())}")
+    for f, r in recovery.items():
+        print(f"  {f}: its round ended {r['median_s']:.1f}s (median), {r['max_s']:.1f}s (max) after the fault")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
@@ -154,7 +168,7 @@ def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: i
 
 
 def _inject(fault: str, rng: random.Random, fleet, ports: list[int], worker_procs: list, env: dict,  # type: ignore[no-untyped-def,type-arg]
-            totals: _Totals) -> float:
+            totals: _Totals, reducer_freeze: float) -> float:
     if fault in ("kill_reducer", "term_reducer"):
         i = rng.randrange(len(fleet.procs))
         proc = fleet.procs[i]
@@ -166,6 +180,11 @@ def _inject(fault: str, rng: random.Random, fleet, ports: list[int], worker_proc
             proc.kill()
             proc.wait(5)
         fleet.procs[i] = _restart_reducer(ports[i], env)
+    elif fault == "freeze_reducer":
+        proc = rng.choice(fleet.procs)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(reducer_freeze)  # the length of the freeze
+        proc.send_signal(signal.SIGCONT)
     else:
         victim = rng.choice(worker_procs)
         victim.send_signal(signal.SIGSTOP)

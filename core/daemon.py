@@ -255,7 +255,9 @@ class ReducerDaemon:
             self._close(conn, str(exc), None if exc.code is None else wire.encode(wire.Error(exc.code, True, str(exc))))
         else:
             log.error("connection %s failed", conn.label, exc_info=exc)
-            self._close(conn, f"internal error: {exc!r}")
+            # Said as a fatal error, so that the worker fails rather than reconnecting into the same bug.
+            reason = f"internal error of the reducer while serving this connection: {exc!r}"
+            self._close(conn, reason, wire.encode(wire.Error(wire.ErrorCode.PEER_LOST, True, reason)))
 
     def _broken(self, conn: _Conn, exc: ConnectionBroken) -> None:
         if conn.closing_until is not None:  # already leaving; its final frame cannot get out either
