@@ -430,6 +430,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
         op = "sum" if opts is None else _reduce_op(opts, "all_reduce")
+        if any(tensor.is_sparse for tensor in tensors):
+            # Sparse sums exchange indices, not fixed-length arrays: nothing for the reducers to add.
+            return self._delegate("sparse all_reduce", lambda peers: peers.allreduce(tensors, opts),
+                                  "densify the tensor (tensor.to_dense()) to reduce it through the reducers")
         staged = [_Staged(tensor, op, "all_reduce") for tensor in tensors]
         seq, join = self._join("all_reduce", len(staged), tensors)
         for i, part in enumerate(staged):

@@ -28,17 +28,25 @@ import time
 import unittest
 import uuid
 
-# The suite reads these when it is imported, in this process and in every rank it spawns (the
+# The suite reads these when it is imported, in this process and in every rank it forks (the
 # ranks inherit the environment). A plain import (pytest's subset test) defaults to redsrv.
-os.environ.setdefault("BACKEND", "redsrv")
+# DIST_SUITE_BACKEND is the backend the ranks run; BACKEND is the name the suite's skip
+# decorators see, which --gates gloo sets to "gloo" so that the tests the suite reserves for
+# gloo by name run on redsrv too.
+os.environ.setdefault("DIST_SUITE_BACKEND", "redsrv")
+os.environ.setdefault("BACKEND", os.environ["DIST_SUITE_BACKEND"])
 os.environ.setdefault("WORLD_SIZE", "2")
 
 import torch  # noqa: E402
+from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
 import redsrv.torch  # noqa: E402
 
-if os.environ["BACKEND"] == "redsrv":
+#: The backend every rank initialises (the suite passes its module-level BACKEND to
+#: init_process_group and consults it inside test bodies); the decorators have already run.
+distributed_test.BACKEND = os.environ["DIST_SUITE_BACKEND"]
+if distributed_test.BACKEND == "redsrv":
     redsrv.torch.register_backend()
 
 
@@ -109,13 +117,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=["redsrv", "gloo"], default="redsrv")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--gates", choices=["own", "gloo"], default="own",
+                        help="gloo: the suite's skip decisions are gloo's (its tests reserved for gloo by name run too)")
     parser.add_argument("--reducers", type=int, default=2, help="in-process reducers (redsrv only)")
     parser.add_argument("-k", action="append", default=[], help="run tests whose name contains this (repeatable)")
     parser.add_argument("--list", action="store_true", help="print the outcome of every test")
     args = parser.parse_args(argv)
-    if os.environ["BACKEND"] != args.backend or os.environ["WORLD_SIZE"] != str(args.world_size):
+    gates = args.backend if args.gates == "own" else args.gates
+    wanted = {"DIST_SUITE_BACKEND": args.backend, "BACKEND": gates, "WORLD_SIZE": str(args.world_size)}
+    if any(os.environ[name] != value for name, value in wanted.items()):
         # The suite module has already read BACKEND and WORLD_SIZE: start again with them set.
-        env = dict(os.environ, BACKEND=args.backend, WORLD_SIZE=str(args.world_size))
+        env = dict(os.environ, **wanted)
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
     daemons, addresses = _start_reducers(args.reducers) if args.backend == "redsrv" else ([], [])
     os.environ["REDSRV_REDUCERS"] = ",".join(addresses)
@@ -128,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=15)
     assert isinstance(result, _Tally)
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
-    print(f"SUITE backend={args.backend} world_size={args.world_size} passed={len(result.passed)} "
+    print(f"SUITE backend={args.backend} gates={gates} world_size={args.world_size} passed={len(result.passed)} "
           f"failed={failed} skipped={len(result.skipped)} torch={torch.__version__}")
     for test, _ in result.failures + result.errors:
         print(f"FAILED {test.id()}")
