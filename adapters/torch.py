@@ -316,7 +316,7 @@ class _Staged:
         if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
             raise TypeError(f"redsrv {what} with ReduceOp.AVG needs floating-point tensors, got {tensor.dtype}")
         if op in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
-            raise TypeError(f"redsrv {what} with ReduceOp.{op[1:].upper()} needs integer or bool tensors, got {tensor.dtype}")
+            raise TypeError(f"redsrv {what} with ReduceOp.{op.upper()} needs integer or bool tensors, got {tensor.dtype}")
         self.host = host
         self.array = _numpy(host)
         #: Whether the reducers' result lands straight in the tensor's memory.
