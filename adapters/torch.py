@@ -25,9 +25,9 @@ Errors are redsrv's typed exceptions; through DDP they reach the training loop a
 # objects (`torch.futures.Future[torch.Tensor]`), and string annotations would fail that check.
 
 import itertools
-from datetime import timedelta
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import ml_dtypes

@@ -65,6 +65,11 @@ CONFIGS = {
     "backend_ddp": Case(ddp=SMALL, hook="none"),
     "backend_ddp_unused": Case(ddp={**SMALL, "find_unused_parameters": True}, hook="none", unused=True),
     "backend_ddp_buffers": Case(ddp=SMALL, hook="none", batchnorm=True),
+    # DDP over the redsrv group with gradient accumulation, alone and with torch's own
+    # allreduce hook (which chains on the group's Work.get_future()).
+    "backend_ddp_no_sync": Case(ddp=SMALL, hook="none", no_sync=True),
+    "backend_ddp_no_sync_grad_view": Case(ddp={**SMALL, "gradient_as_bucket_view": True}, hook="none", no_sync=True),
+    "backend_ddp_allreduce_hook": Case(ddp=SMALL, hook="torch_allreduce", no_sync=True),
 }
 
 
@@ -152,13 +157,17 @@ def run_case(name: str, case_index: int, spec: dict, client: redsrv.Client, grou
     ddp = DDP(reference, **case.ddp)
     if case.hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif case.hook == "torch_allreduce":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif case.hook == "bf16":
         ddp.register_comm_hook(None, bf16_reference_hook)
     train(reference, ddp, case, case_index, rank, steps)
 
     model = build(case)
-    if case.hook == "none":
+    if case.hook in ("none", "torch_allreduce"):
         ddp = DDP(model, process_group=group, **case.ddp)
+        if case.hook == "torch_allreduce":
+            ddp.register_comm_hook(group, default_hooks.allreduce_hook)
     else:
         ddp = DDP(model, **case.ddp)
         state = redsrv.torch.HookState(client=client, key_prefix=name)
@@ -167,7 +176,7 @@ def run_case(name: str, case_index: int, spec: dict, client: redsrv.Client, grou
                 "bf16": redsrv.torch.bf16_compress_wrapper(redsrv.torch.redsrv_hook)}[case.hook]
         ddp.register_comm_hook(state, hook)
     train(model, ddp, case, case_index, rank, steps)
-    if case.hook != "none":
+    if case.hook not in ("none", "torch_allreduce"):
         # One synchronised step per training step, micro-batches under no_sync() not counted.
         assert state.step == steps, f"hook counted {state.step} steps, expected {steps}"
 
@@ -334,11 +343,12 @@ def main() -> int:
 OPS = ["all_reduce_max_fp32", "all_reduce_min_fp64", "all_reduce_product_fp32", "all_reduce_product_int64",
        "all_reduce_max_int8", "all_reduce_min_uint8", "all_reduce_band_int64",
        "all_reduce_bor_int32", "all_reduce_bxor_uint8", "all_reduce_sum_complex64", "all_reduce_sparse",
-       "all_reduce_coalesced_max", "reduce_sum", "reduce_max", "reduce_product_int", "send_recv_tags",
+       "all_reduce_coalesced_max", "all_reduce_coalesced_min", "all_reduce_coalesced_product",
+       "all_reduce_coalesced_sum", "reduce_sum", "reduce_max", "reduce_product_int", "send_recv_tags",
        "isend_irecv_ring", "recv_any_source", "batch_isend_irecv", "scatter", "gather", "all_gather_coalesced",
        "all_gather_into_tensor_bf16", "reduce_scatter", "reduce_scatter_tensor_max", "all_to_all",
-       "all_to_all_single_splits", "monitored_barrier", "broadcast_object_list", "all_gather_object", "gather_object",
-       "scatter_object_list", "get_future", "subgroup_ops", "new_subgroups"]
+       "all_to_all_single_splits", "monitored_barrier", "monitored_barrier_names_late_rank", "broadcast_object_list", "all_gather_object", "gather_object",
+       "scatter_object_list", "get_future", "subgroup_ops", "new_subgroups", "ddp_refuses_no_grad_model"]
 
 
 def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], report: dict) -> None:  # noqa: C901 - one case per op
@@ -389,12 +399,17 @@ def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], re
 
     both("all_reduce_sparse", sparse)
 
-    def coalesced(pg):  # type: ignore[no-untyped-def]
-        xs = [x32.clone(), x32[0].clone() * 2]
-        dist.all_reduce_coalesced(xs, op=R.MAX, group=pg)
-        return torch.cat([xs[0].view(-1), xs[1]])
+    def coalesced(op):  # type: ignore[no-untyped-def]
+        def fn(pg):  # type: ignore[no-untyped-def]
+            xs = [x32.clone(), x32[0].clone() * 2]
+            dist.all_reduce_coalesced(xs, op=op, group=pg)
+            return torch.cat([xs[0].view(-1), xs[1]])
+        return fn
 
-    both("all_reduce_coalesced_max", coalesced)
+    both("all_reduce_coalesced_max", coalesced(R.MAX))
+    both("all_reduce_coalesced_min", coalesced(R.MIN))
+    both("all_reduce_coalesced_product", coalesced(R.PRODUCT))
+    both("all_reduce_coalesced_sum", coalesced(R.SUM))
 
     def reduce(t: torch.Tensor, op, root: int):  # type: ignore[no-untyped-def]
         def fn(pg):  # type: ignore[no-untyped-def]
@@ -528,6 +543,29 @@ def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], re
 
     both("monitored_barrier", monitored)
 
+    def late_rank(pg):  # type: ignore[no-untyped-def]
+        # Rank 1 never arrives: rank 0's barrier fails naming it (on a group of its own, since
+        # the missing rank leaves that group's links out of step).
+        backend = "gloo" if pg is None else "redsrv"
+        sub = dist.new_group(backend=backend)
+        message = ""
+        if rank == 0:
+            try:
+                if pg is None:
+                    dist.monitored_barrier(group=sub, timeout=timedelta(seconds=1))
+                else:
+                    sub.monitored_barrier(timedelta(seconds=1), False)
+            except RuntimeError as exc:  # gloo's error; redsrv's PeerTimeoutError is a TimeoutError
+                message = f"RuntimeError {exc}"
+            except TimeoutError as exc:
+                message = f"TimeoutError {exc}"
+            assert "Rank 1 failed to pass monitoredBarrier" in message, message
+        dist.barrier()
+        dist.destroy_process_group(sub)
+        return torch.ones(1)
+
+    both("monitored_barrier_names_late_rank", late_rank)
+
     def as_bytes(obj: object) -> torch.Tensor:
         return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
@@ -596,6 +634,18 @@ def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], re
         return x
 
     both("new_subgroups", subgroups)
+
+    def no_grad_model(pg):  # type: ignore[no-untyped-def]
+        model = nn.Linear(2, 2)
+        model.requires_grad_(False)
+        try:
+            DDP(model, process_group=pg)
+        except RuntimeError as exc:
+            assert "parameter that requires a gradient" in str(exc), exc
+            return torch.ones(1)
+        return torch.zeros(1)
+
+    both("ddp_refuses_no_grad_model", no_grad_model)
 
     # Contributions that disagree across ranks fail on every rank with the redsrv error.
     mismatch = torch.ones(3 + rank)

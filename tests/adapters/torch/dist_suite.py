@@ -22,8 +22,8 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 import sys
+import threading
 import time
 import unittest
 import uuid
