@@ -3,7 +3,8 @@ in the same run, per message size.
 
 Worker processes on 127.0.0.1 (default 2) join one gloo group and one redsrv group (reducers
 started here). For each operation and size the two groups take turns (gloo, redsrv, gloo, ...):
-per rep, a barrier, then the operation timed on every rank; a rep's time is the slowest rank's,
+per rep, a barrier, then the operation timed on every rank (below 256 KiB, the mean of a batch of
+back-to-back calls); a rep's time is the slowest rank's,
 and the table gives the median over reps and the median ratio of back-to-back pairs. ``relay`` rows time the alternative design for the
 data-moving operations, through the reducers (one broadcast per rank with the core's
 ``allgather_into_async``), to show why the backend sends them over its peer links instead.
@@ -93,7 +94,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
 
 def _reps(kib: int) -> int:
     # Enough reps for a stable median at small sizes, few at 64 MiB (each is tens of ms).
-    return max(3, min(40, 65536 // (kib * 16) + 3))
+    return max(3, min(15, 65536 // (kib * 16) + 3))
 
 
 def _worker(spec: dict[str, Any]) -> None:
@@ -136,13 +137,14 @@ def _worker(spec: dict[str, Any]) -> None:
             client = ours.client  # the same reducers and job as the redsrv group
             collectives.allgather_into_async(client, x.numpy(), bufs["cat"].numpy(), key=("bench-relay", next(key))).result()
 
-    def timed(op: str, pg: Any, x: torch.Tensor, bufs: dict[str, Any], reps: int) -> list[float]:
+    def timed(op: str, pg: Any, x: torch.Tensor, bufs: dict[str, Any], reps: int, batch: int) -> list[float]:
         times = []
         for _ in range(reps):
             dist.barrier()
             started = time.perf_counter()
-            one_op(op, pg, x, bufs)
-            elapsed = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+            for _ in range(batch):
+                one_op(op, pg, x, bufs)
+            elapsed = torch.tensor([(time.perf_counter() - started) / batch], dtype=torch.float64)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
             times.append(float(elapsed))
         return times
@@ -154,12 +156,15 @@ def _worker(spec: dict[str, Any]) -> None:
             bufs = {"recv": torch.empty(numel), "list": [torch.empty(numel) for _ in range(n)],
                     "cat": torch.empty(numel * n), "cat_in": torch.ones(numel * n)}
             reps = _reps(kib)
+            # Small operations are timed in batches (one sample: the mean of ``batch`` back to
+            # back) so that one descheduling on a busy machine does not decide a sample.
+            batch = max(1, 256 // kib)
             variants = {"gloo": None, "redsrv": ours}
             if op in RELAYED:
                 variants["relay"] = "relay"
             samples: dict[str, list[float]] = {name: [] for name in variants}
             for name, pg in variants.items():  # warm-up: connections, buffers, first-use costs
-                timed("relay" if name == "relay" else op, pg if name != "relay" else ours, x, bufs, 2)
+                timed("relay" if name == "relay" else op, pg if name != "relay" else ours, x, bufs, 2, batch)
             # Paired reps: gloo and redsrv back to back, so that load from elsewhere on the
             # machine (which changes over seconds) hits both alike; the ratio is the median of
             # the per-pair ratios.
@@ -167,7 +172,7 @@ def _worker(spec: dict[str, Any]) -> None:
                 # Alternate which goes first, so that neither always follows the other's traffic.
                 order = list(variants.items())
                 for name, pg in order if rep % 2 == 0 else order[::-1]:
-                    samples[name] += timed("relay" if name == "relay" else op, pg if name != "relay" else ours, x, bufs, 1)
+                    samples[name] += timed("relay" if name == "relay" else op, pg if name != "relay" else ours, x, bufs, 1, batch)
             ratios = [r / g for r, g in zip(samples["redsrv"], samples["gloo"], strict=True)]
             row = {"op": op, "kib": kib, "reps": len(samples["gloo"]),
                    "gloo_ms": statistics.median(samples["gloo"]) * 1e3, "redsrv_ms": statistics.median(samples["redsrv"]) * 1e3,
