@@ -8,9 +8,9 @@ The hook is the one-line switch for an existing DDP job::
     # or, 16-bit floats on the wire (sums still accumulate in float32 on the reducers):
     ddp.register_comm_hook(state, redsrv.torch.bf16_compress_wrapper(redsrv.torch.redsrv_hook))
 
-The backend sends every collective of a process group to the reducers, so plain DDP (and
-``dist.all_reduce``, ``broadcast``, ``all_gather``, ``barrier``) needs no hook and no links
-between workers::
+The backend runs every c10d operation gloo runs on CPU: reductions (every op), broadcast and
+barrier through the reducers, so plain DDP needs no hook; point-to-point, gather, scatter,
+all-to-all, all-gather and reduce-scatter over links between the workers (docs/torch_backend.md)::
 
     redsrv.torch.register_backend()
     dist.init_process_group("redsrv")
@@ -55,9 +55,9 @@ __all__ = [
 BACKEND_NAME = "redsrv"
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-#: torch dtypes the core sums natively (bf16 is handed over as ml_dtypes.bfloat16).
-_NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: torch dtypes the reducers take as they are (bf16 is handed over as ml_dtypes.bfloat16).
+_ON_WIRE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
+            torch.uint8, torch.bool)
 
 
 # --- tensors <-> NumPy --------------------------------------------------------------------
@@ -106,12 +106,6 @@ def _unwords(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     nbytes = like.numel() * like.element_size()
     raw = torch.from_numpy(np.ascontiguousarray(words).view(np.uint8)[:nbytes])
     return raw.view(like.dtype).view(like.shape)
-
-
-def _check_dtype(tensor: torch.Tensor, what: str) -> None:
-    if tensor.dtype not in _NATIVE:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _NATIVE)
-        raise TypeError(f"redsrv {what} supports {names}; got a {str(tensor.dtype).removeprefix('torch.')} tensor")
 
 
 # --- DDP communication hook ---------------------------------------------------------------
@@ -280,7 +274,6 @@ _BITWISE = ("band", "bor", "bxor")
 #: Integer dtypes the wire lacks, carried in a wider one: sums, products and bitwise results
 #: wrap the same way modulo the narrow width, and comparisons are exact.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
-_ON_WIRE = _NATIVE + (torch.int8, torch.uint8, torch.bool)
 
 
 def _op_name(op: Any) -> str:
