@@ -534,15 +534,13 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
-        if opts is not None:
-            _reduce_op(opts, "reduce_scatter")
+        _peer_reduce_op(opts, "reduce_scatter")
         return self._delegate("reduce_scatter", lambda peers: peers.reduce_scatter(
             output_tensors, input_lists, _opts(opts, ReduceScatterOptions)))
 
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor``."""
-        if opts is not None:
-            _reduce_op(opts, "reduce_scatter_tensor")
+        _peer_reduce_op(opts, "reduce_scatter_tensor")
         return self._delegate("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
             output, tensor, _opts(opts, ReduceScatterOptions)))
 
@@ -577,6 +575,17 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         cfg = self.client.config
         return (f"RedsrvProcessGroup(job={cfg.job!r}, rank={self.rank()}, size={self.size()}, "
                 f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
+
+
+def _peer_reduce_op(opts: Any, what: str) -> None:
+    """Refuse, naming redsrv, the reduce ops the peer links (gloo's algorithms) do not have."""
+    if opts is None:
+        return
+    op = _reduce_op(opts, what)
+    if op not in ("sum", "min", "max", "product"):
+        raise ValueError(f"the redsrv backend's {what} travels over peer links, which reduce with SUM, MIN, MAX "
+                         f"and PRODUCT only, got ReduceOp.{_op_name(opts.reduceOp)}: use SUM and divide by the group "
+                         "size, or all_reduce (every op, through the reducers) and keep your part")
 
 
 def _opts(opts: Any, kind: Callable[[], Any]) -> Any:

@@ -5,7 +5,9 @@ Worker processes on 127.0.0.1 (default 2) join one gloo group and one redsrv gro
 started here). For each operation and size the two groups take turns (gloo, redsrv, gloo, ...):
 per rep, a barrier, then the operation timed on every rank (below 256 KiB, the mean of a batch of
 back-to-back calls); a rep's time is the slowest rank's,
-and the table gives the median over reps and the median ratio of back-to-back pairs. ``relay`` rows time the alternative design for the
+and the table gives the median over reps and the median ratio within back-to-back samples. A
+second gloo group timed the same way (``gloo2``) is the control: its ratio to gloo shows how far
+gloo strays from itself on this machine in this run. ``relay`` rows time the alternative design for the
 data-moving operations, through the reducers (one broadcast per rank with the core's
 ``allgather_into_async``), to show why the backend sends them over its peer links instead.
 
@@ -79,14 +81,15 @@ def run(*, workers: int, reducers: int, sizes_kib: list[int], ops: list[str], ro
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"{'op':<24} {'size':>8} {'gloo ms':>10} {'redsrv ms':>10} {'redsrv/gloo':>12} {'relay ms':>10}")
-    # redsrv/gloo: the median over reps of the ratio of back-to-back pairs.
+    print(f"{'op':<24} {'size':>8} {'gloo ms':>10} {'redsrv ms':>10} {'redsrv/gloo':>12} {'gloo2/gloo':>11} {'relay ms':>10}")
+    # Ratios: the median over reps of the ratio within back-to-back samples; gloo2 is a second
+    # gloo group, the control (gloo against itself).
     for row in results:
         size = row["kib"]
         label = f"{size // 1024} MiB" if size >= 1024 else f"{size} KiB"
         relay = f"{row['relay_ms']:10.3f}" if row.get("relay_ms") is not None else f"{'':>10}"
         print(f"{row['op']:<24} {label:>8} {row['gloo_ms']:10.3f} {row['redsrv_ms']:10.3f} "
-              f"{row['ratio']:12.3f} {relay}")
+              f"{row['ratio']:12.3f} {row['control_ratio']:11.3f} {relay}")
 
 
 # --- one worker ---------------------------------------------------------------------------
@@ -109,6 +112,8 @@ def _worker(spec: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=spec["store"], rank=rank, world_size=n)
     redsrv.torch.register_backend(spec["reducers"], job=f"torch-ops-{os.getppid()}")
     ours = dist.new_group(backend="redsrv")
+    # A second gloo group, timed like the others: how far gloo strays from itself in this run.
+    control = dist.new_group(backend="gloo")
     rows = []
     key = iter(range(1 << 62))
 
@@ -159,7 +164,7 @@ def _worker(spec: dict[str, Any]) -> None:
             # Small operations are timed in batches (one sample: the mean of ``batch`` back to
             # back) so that one descheduling on a busy machine does not decide a sample.
             batch = max(1, 256 // kib)
-            variants = {"gloo": None, "redsrv": ours}
+            variants = {"gloo": None, "redsrv": ours, "control": control}
             if op in RELAYED:
                 variants["relay"] = "relay"
             samples: dict[str, list[float]] = {name: [] for name in variants}
@@ -168,15 +173,17 @@ def _worker(spec: dict[str, Any]) -> None:
             # Paired reps: gloo and redsrv back to back, so that load from elsewhere on the
             # machine (which changes over seconds) hits both alike; the ratio is the median of
             # the per-pair ratios.
+            order = list(variants.items())
             for rep in range(spec["rounds"] * reps):
-                # Alternate which goes first, so that neither always follows the other's traffic.
-                order = list(variants.items())
-                for name, pg in order if rep % 2 == 0 else order[::-1]:
+                # Rotate which goes first, so that none always follows another's traffic.
+                shift = rep % len(order)
+                for name, pg in order[shift:] + order[:shift]:
                     samples[name] += timed("relay" if name == "relay" else op, pg if name != "relay" else ours, x, bufs, 1, batch)
             ratios = [r / g for r, g in zip(samples["redsrv"], samples["gloo"], strict=True)]
+            control_ratios = [c / g for c, g in zip(samples["control"], samples["gloo"], strict=True)]
             row = {"op": op, "kib": kib, "reps": len(samples["gloo"]),
                    "gloo_ms": statistics.median(samples["gloo"]) * 1e3, "redsrv_ms": statistics.median(samples["redsrv"]) * 1e3,
-                   "ratio": statistics.median(ratios),
+                   "ratio": statistics.median(ratios), "control_ratio": statistics.median(control_ratios),
                    "relay_ms": statistics.median(samples["relay"]) * 1e3 if "relay" in samples else None,
                    "samples_ms": {k: [round(v * 1e3, 4) for v in vs] for k, vs in samples.items()}}
             rows.append(row)
@@ -186,6 +193,7 @@ def _worker(spec: dict[str, Any]) -> None:
         with open(spec["out"], "w") as f:
             json.dump(rows, f, indent=1)
     dist.destroy_process_group(ours)
+    dist.destroy_process_group(control)
     dist.destroy_process_group()
 
 
