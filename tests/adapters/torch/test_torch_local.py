@@ -242,7 +242,7 @@ def test_backend_refuses_what_reducers_cannot_do(redsrv_group) -> None:  # type:
     with pytest.raises(TypeError, match="BAND needs integer or bool"):
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
     with pytest.raises(ValueError, match="redsrv backend's reduce_scatter_tensor travels over peer links.*got ReduceOp.AVG"):
-        dist.reduce_scatter_tensor(torch.ones(2), torch.ones(2), op=dist.ReduceOp.AVG)
+        dist.reduce_scatter_single(torch.ones(2), torch.ones(2), op=dist.ReduceOp.AVG)
     with pytest.raises(TypeError, match="complex tensors supports SUM and AVG only, got MAX"):
         dist.reduce(torch.ones(2, dtype=torch.complex64), dst=0, op=dist.ReduceOp.MAX)
 
