@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, ReduceScatterOptions
 
+from ..core import collectives
 from ..core.client import Client, ReduceFuture
 from ..core.config import Config
 from ..core.errors import LocalProtocolError
@@ -318,10 +319,14 @@ class _Staged:
     def write(self, result: np.ndarray) -> None:
         if self.in_place and result.ctypes.data == self.tensor.data_ptr():
             return
+        self.tensor.copy_(self.unstage(result).view(self.tensor.shape))
+
+    def unstage(self, result: np.ndarray) -> torch.Tensor:
+        """The reducers' result as a flat tensor of the staged tensor's dtype."""
         reduced = _tensor(result)
         if self.tensor.is_complex():
-            reduced = torch.view_as_complex(reduced.view(-1, 2))
-        self.tensor.copy_(reduced.view(self.tensor.shape))
+            return torch.view_as_complex(reduced.view(-1, 2))
+        return reduced.to(self.tensor.dtype)
 
 
 class _Join:
@@ -384,8 +389,9 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     (the peer links): point-to-point, ``gather``, ``scatter``, ``all_to_all``, ``all_gather``
     and ``reduce_scatter`` in every form, ``monitored_barrier``; reducers would move at least as
     many bytes for these and add a hop (docs/torch_backend.md has the measurements). A group made
-    with ``peer_links=False`` needs no links between workers and refuses those operations with
-    an error that says so.
+    with ``peer_links=False`` needs no links between workers: all-gather and reduce-scatter then
+    go through the reducers too, and point-to-point, gather, scatter and all-to-all raise an
+    error that says what to use instead.
     """
 
     def __init__(self, client: Client, *, rank: int, size: int, group_name: str = "",
@@ -521,28 +527,77 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Any:
+        if self._peers is None:
+            return self._relay_gather("all_gather", output_tensors, input_tensors)
         return self._delegate("all_gather", lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor], opts: Any = None) -> Any:
+        if self._peers is None:
+            per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
+            return self._relay_gather("all_gather_coalesced", per_input, input_list)
         return self._delegate("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
             output_lists, input_list, _opts(opts, AllgatherOptions)))
 
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor``."""
+        if self._peers is None:
+            if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
+                raise ValueError(f"redsrv all_gather_into_tensor needs an output of {self.size()} x {tensor.numel()} "
+                                 f"{tensor.dtype} elements, got {output.numel()} of {output.dtype}")
+            return self._relay_gather("all_gather_into_tensor", [list(output.view(self.size(), -1))], [tensor], [output])
         return self._delegate("all_gather_into_tensor", lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)))
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
-        _peer_reduce_op(opts, "reduce_scatter")
+        if self._peers is None:
+            whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
+            return self._relay_reduce_scatter("reduce_scatter", output_tensors[0], whole, opts)
+        if opts is not None:
+            _reduce_op(opts, "reduce_scatter")  # refuses, naming redsrv, what neither path has
         return self._delegate("reduce_scatter", lambda peers: peers.reduce_scatter(
             output_tensors, input_lists, _opts(opts, ReduceScatterOptions)))
 
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor``."""
-        _peer_reduce_op(opts, "reduce_scatter_tensor")
+        if self._peers is None:
+            return self._relay_reduce_scatter("reduce_scatter_tensor", output, tensor, opts)
+        if opts is not None:
+            _reduce_op(opts, "reduce_scatter_tensor")
         return self._delegate("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
             output, tensor, _opts(opts, ReduceScatterOptions)))
+
+    # Without peer links, all-gather and reduce-scatter go through the reducers (DDP checks
+    # parameter shapes with an all-gather when it starts). They move more bytes that way than
+    # over links (docs/torch_backend.md), but need nothing besides the reducers.
+
+    def _relay_gather(self, what: str, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                      value: Any = None) -> Any:
+        for outputs, tensor in zip(output_lists, inputs, strict=True):
+            if len(outputs) != self.size() or any(o.numel() != tensor.numel() or o.dtype != tensor.dtype for o in outputs):
+                raise ValueError(f"redsrv {what} needs {self.size()} outputs of {tensor.numel()} {tensor.dtype} elements "
+                                 "each, like the input")
+        seq, join = self._join(what, len(inputs), output_lists if value is None else value)
+        for i, (outputs, tensor) in enumerate(zip(output_lists, inputs, strict=True)):
+            # Raw words: every dtype arrives bit for bit, and sizes are checked across ranks.
+            words = _words(tensor)
+            gathered = np.empty(words.size * self.size(), dtype=words.dtype)
+            reduced = collectives.allgather_into_async(self.client, words, gathered, key=("c10d", seq, i))
+            join.add(reduced, _split_words_into(outputs))
+        return join.work()
+
+    def _relay_reduce_scatter(self, what: str, output: torch.Tensor, tensor: torch.Tensor, opts: Any) -> Any:
+        op = "sum" if opts is None else _reduce_op(opts, what)
+        if tensor.numel() != output.numel() * self.size():
+            raise ValueError(f"redsrv {what} needs an input of {self.size()} x {output.numel()} elements, got {tensor.numel()}")
+        part = _Staged(tensor.detach().clone(), op, what)  # a copy: reduced in place, the input stays
+        seq, join = self._join(what, 1, output)
+
+        def keep_mine(result: np.ndarray) -> None:
+            output.copy_(part.unstage(result).view(self.size(), -1)[self.rank()].view(output.shape))
+
+        join.add(self.client.allreduce_async(part.array, op=op, key=("c10d", seq, 0), out=part.array), keep_mine)
+        return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
@@ -577,15 +632,12 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
 
 
-def _peer_reduce_op(opts: Any, what: str) -> None:
-    """Refuse, naming redsrv, the reduce ops the peer links (gloo's algorithms) do not have."""
-    if opts is None:
-        return
-    op = _reduce_op(opts, what)
-    if op not in ("sum", "min", "max", "product"):
-        raise ValueError(f"the redsrv backend's {what} travels over peer links, which reduce with SUM, MIN, MAX "
-                         f"and PRODUCT only, got ReduceOp.{_op_name(opts.reduceOp)}: use SUM and divide by the group "
-                         "size, or all_reduce (every op, through the reducers) and keep your part")
+def _split_words_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
+    def write(gathered: np.ndarray) -> None:
+        for out, words in zip(outputs, gathered.reshape(len(outputs), -1), strict=True):
+            out.copy_(_unwords(words, out))
+
+    return write
 
 
 def _opts(opts: Any, kind: Callable[[], Any]) -> Any:
@@ -607,7 +659,8 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     point-to-point, gather, scatter, all-to-all, all-gather, reduce-scatter. Workers must then
     reach each other on the interface gloo picks (``GLOO_SOCKET_IFNAME``), and every rank of a
     group must create it within the deadline. Without them the workers need only reach the
-    reducers and those operations raise an error naming what to use instead.
+    reducers: all-gather and reduce-scatter go through the reducers as well, and the other
+    operations raise an error naming what to use instead.
     """
     _torch_c10d.check()
     Config.from_env(reducers=reducers, job=job, rank=0, world_size=1, **config)  # fail now, not at init

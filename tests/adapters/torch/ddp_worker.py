@@ -347,7 +347,8 @@ OPS = ["all_reduce_max_fp32", "all_reduce_min_fp64", "all_reduce_product_fp32", 
        "all_reduce_coalesced_sum", "reduce_sum", "reduce_max", "reduce_product_int", "send_recv_tags",
        "isend_irecv_ring", "recv_any_source", "batch_isend_irecv", "scatter", "gather", "all_gather_coalesced",
        "all_gather_into_tensor_bf16", "reduce_scatter", "reduce_scatter_tensor_max", "all_to_all",
-       "all_to_all_single_splits", "monitored_barrier", "monitored_barrier_names_late_rank", "broadcast_object_list", "all_gather_object", "gather_object",
+       "relay_all_gather_into_tensor_bf16", "relay_all_gather_coalesced", "relay_reduce_scatter",
+       "relay_reduce_scatter_tensor_max", "relay_all_gather_bool", "all_to_all_single_splits", "monitored_barrier", "monitored_barrier_names_late_rank", "broadcast_object_list", "all_gather_object", "gather_object",
        "scatter_object_list", "get_future", "subgroup_ops", "new_subgroups", "ddp_refuses_no_grad_model"]
 
 
@@ -364,10 +365,10 @@ def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], re
 
     report["op_errors"] = {}
 
-    def both(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+    def both(name: str, fn, ours: dist.ProcessGroup = group) -> None:  # type: ignore[no-untyped-def]
         # One op's failure is recorded and the others still run (a failed collective may leave
         # the rest of the list out of step; the first error is the one to read).
-        for label, pg in (("gloo", None), ("redsrv", group)):
+        for label, pg in (("gloo", None), ("redsrv", ours)):
             try:
                 out[f"ops/{name}/{label}"] = _raw(fn(pg))
             except Exception:
@@ -522,6 +523,23 @@ def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], re
         return torch.cat(outs)
 
     both("all_to_all", all_to_all)
+
+    # A group without peer links: all-gather and reduce-scatter go through the reducers.
+    redsrv.torch.register_backend(spec["reducers"], job=spec["job"], peer_links=False)
+    relayed = dist.new_group(backend="redsrv")
+    redsrv.torch.register_backend(spec["reducers"], job=spec["job"])
+    both("relay_all_gather_into_tensor_bf16", into_tensor, relayed)
+    both("relay_all_gather_coalesced", gather_coalesced, relayed)
+    both("relay_reduce_scatter", reduce_scatter, relayed)
+    both("relay_reduce_scatter_tensor_max", reduce_scatter_tensor, relayed)
+
+    def all_gather_bool(pg):  # type: ignore[no-untyped-def]
+        outs = [torch.zeros(3, dtype=torch.bool) for _ in range(n)]
+        dist.all_gather(outs, torch.tensor([True, rank % 2 == 0, False]), group=pg)
+        return torch.stack(outs)
+
+    both("relay_all_gather_bool", all_gather_bool, relayed)
+    dist.destroy_process_group(relayed)
 
     def all_to_all_single(pg):  # type: ignore[no-untyped-def]
         # Rank r sends j + 1 rows to rank j, so it receives r + 1 rows from each.

@@ -11,7 +11,9 @@ redsrv group, on the same inputs. Results must agree **bitwise**, at every world
   the reducers multiply in rank order and gloo's ring in an order of its own, so those two
   get float32's rounding tolerance there (the same argument as the DDP tests: 1e-6 relative);
 * point-to-point, gather, scatter, all-to-all, all-gather and reduce-scatter travel over the
-  group's peer links, which are a gloo group: the same bytes as gloo's own.
+  group's peer links, which are a gloo group: the same bytes as gloo's own. The ``relay_*``
+  ops run on a group without peer links, where all-gather and reduce-scatter go through the
+  reducers: all-gathers bitwise, the float32 reduce-scatter SUM with the tolerance above.
 
 FSDP2 moves parameters with all-gather and gradients with reduce-scatter, which both
 travel over the peer links, so their losses and final parameters equal gloo's bitwise too.
@@ -38,7 +40,7 @@ from ddp_worker import FSDP, OPS  # noqa: E402
 #: Order-dependent float results at world size 3 (see the module docstring), and their tolerance.
 ORDER_DEPENDENT = {"all_reduce_product_fp32": (np.float32, 1e-6), "all_reduce_sum_complex64": (np.float32, 1e-6),
                    "reduce_sum": (np.float32, 1e-6), "all_reduce_coalesced_product": (np.float32, 1e-6),
-                   "all_reduce_coalesced_sum": (np.float32, 1e-6)}
+                   "all_reduce_coalesced_sum": (np.float32, 1e-6), "relay_reduce_scatter": (np.float32, 1e-6)}
 #: DDP over the redsrv group with gradient accumulation (torch's suite reserves its own versions
 #: of these for backends it names); checked like the other DDP configurations.
 DDP_CONFIGS = ["backend_ddp_no_sync", "backend_ddp_no_sync_grad_view", "backend_ddp_allreduce_hook"]
