@@ -108,18 +108,19 @@ def translate(exc: BaseException, what: str, timeout: float) -> BaseException:
 
     text = str(exc)
     lowered = text.lower()
+    translated: BaseException = exc
     if "timed out" in lowered or "timeout" in lowered:
-        return PeerTimeoutError(f"{what}: {text}", phase="peer links", timeout=timeout)
-    if any(word in lowered for word in ("connection closed", "connection reset", "broken pipe", "connection refused",
-                                        "socket closed", "closed by peer")):
-        return PeerLostError(f"{what}: {text}", phase="peer links", timeout=timeout)
-    return exc
+        translated = PeerTimeoutError(f"{what}: {text}", phase="peer links", timeout=timeout)
+    elif any(word in lowered for word in ("connection closed", "connection reset", "broken pipe", "connection refused",
+                                          "socket closed", "closed by peer")):
+        translated = PeerLostError(f"{what}: {text}", phase="peer links", timeout=timeout)
+    return translated
 
 
 def peer_group(spec: GroupSpec, timeout: float, what: str) -> Any:
     """A gloo backend connecting every rank of the group to every other, rendezvousing through
     the group's own store (under a prefix of ours, so its keys never meet c10d's)."""
-    store = dist.PrefixStore("redsrv-peers/", spec.store)
+    store = dist.PrefixStore("redsrv-peers/", spec.store)  # type: ignore[attr-defined]
     try:
         return dist.ProcessGroupGloo(store, spec.rank, spec.size, timedelta(seconds=timeout))
     except RuntimeError as exc:
@@ -162,7 +163,7 @@ class DelegatedWork(dist.Work):
             try:
                 outer.set_result(done.value())
             except RuntimeError as exc:
-                outer.set_exception(translate(exc, self._what, self._timeout))  # type: ignore[arg-type]
+                outer.set_exception(translate(exc, self._what, self._timeout))
 
         inner.add_done_callback(relay)
         return settle(outer)

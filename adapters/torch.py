@@ -34,7 +34,11 @@ import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions, ReduceScatterOptions
+from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
+    AllgatherOptions,
+    AllToAllOptions,
+    ReduceScatterOptions,
+)
 
 from ..core import collectives
 from ..core.client import Client, ReduceFuture
@@ -415,7 +419,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         # c10d names every group after creating it; torch's own getter would ask a C++ backend
         # that a Python group does not have.
         self._group_name = name
-        super()._set_group_name(name)
+        super()._set_group_name(name)  # type: ignore[arg-type]  # torch's stub says GroupName, a str
 
     def _join(self, what: str, parts: int, value: Any) -> tuple[int, "_Join"]:
         # DDP issues collectives from the autograd thread while user code may use the main
@@ -498,13 +502,13 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return _torch_c10d.DelegatedWork(call(peers), f"redsrv {what} over peer links (job {cfg.job!r}, rank {cfg.rank})",
                                          cfg.op_timeout)
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:  # type: ignore[override]
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         return self._delegate("send", lambda peers: peers.send(tensors, dst, tag))
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:  # type: ignore[override]
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
         return self._delegate("recv", lambda peers: peers.recv(tensors, src, tag))
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:  # type: ignore[override]
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         return self._delegate("recv", lambda peers: peers.recv_anysource(tensors, tag))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
@@ -515,7 +519,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return self._delegate("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts),
                               "use broadcast, which the reducers can do without links, and take your part")
 
-    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self._delegate("all_to_all", lambda peers: peers.alltoall(output_tensors, input_tensors, _opts(opts, AllToAllOptions)))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002 - c10d's name
@@ -523,7 +527,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return self._delegate("all_to_all_single", lambda peers: peers.alltoall_base(
             output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)))
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # the name gloo's backend uses
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Any:
