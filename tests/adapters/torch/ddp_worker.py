@@ -665,6 +665,19 @@ def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], re
 
     both("ddp_refuses_no_grad_model", no_grad_model)
 
+    # A peer-link operation that cannot complete fails at the group's deadline with redsrv's
+    # typed error (gloo's own words kept in the message), on a group of its own.
+    short = dist.new_group(backend="redsrv", timeout=timedelta(seconds=1))
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            dist.recv(torch.zeros(1), src=1, group=short)  # rank 1 never sends
+            report["peer_timeout"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - reported for the test to name
+            report["peer_timeout"] = f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}"
+    dist.barrier()
+    dist.destroy_process_group(short)
+
     # Contributions that disagree across ranks fail on every rank with the redsrv error.
     mismatch = torch.ones(3 + rank)
     try:

@@ -89,6 +89,14 @@ def test_mismatched_contributions_fail_on_every_rank(run: Run) -> None:
         assert report["mismatch"].startswith("ContributionMismatchError"), f"rank {rank}: {report['mismatch']}"
 
 
+def test_peer_link_timeout_is_a_redsrv_error(run: Run) -> None:
+    _checked(run, "ops")
+    outcome = run.reports[0]["peer_timeout"]
+    assert outcome.startswith("PeerTimeoutError after "), outcome
+    assert "redsrv recv over peer links" in outcome and "timeout=1.000s" in outcome, outcome
+    assert float(outcome.split()[2].rstrip("s:")) < 1.0 + 3.0, outcome
+
+
 @pytest.mark.parametrize("config", FSDP)
 def test_fsdp_trains_like_gloo(run: Run, config: str) -> None:
     _checked(run, config)

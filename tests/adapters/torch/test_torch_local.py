@@ -247,6 +247,15 @@ def test_backend_refuses_what_reducers_cannot_do(redsrv_group) -> None:  # type:
         dist.reduce(torch.ones(2, dtype=torch.complex64), dst=0, op=dist.ReduceOp.MAX)
 
 
+def test_peer_link_errors_become_redsrv_errors() -> None:
+    timed_out = _torch_c10d.translate(RuntimeError("[gloo] Timed out waiting 1000ms for recv operation"), "redsrv recv", 1.0)
+    assert isinstance(timed_out, redsrv.PeerTimeoutError) and "redsrv recv: [gloo] Timed out" in str(timed_out)
+    lost = _torch_c10d.translate(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242"), "redsrv send", 1.0)
+    assert isinstance(lost, redsrv.PeerLostError) and "4242" in str(lost)
+    other = RuntimeError("ProcessGroupGloo::alltoall: invalid tensor size at index 1")
+    assert _torch_c10d.translate(other, "redsrv all_to_all", 1.0) is other
+
+
 def test_backend_without_peer_links_names_what_to_use(redsrv_group) -> None:  # type: ignore[no-untyped-def]
     redsrv_group(peer_links=False)
     assert "peer_links=False" in repr(dist.group.WORLD)
