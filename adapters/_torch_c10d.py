@@ -9,6 +9,10 @@ PyTorch has no stable API for out-of-tree c10d backends written in Python. The p
   trampoline ``PyProcessGroup``): torch then uses that object as the group itself
   (``_new_process_group_helper``: "defaults to the old behavior for PythonProcessGroups"). The
   C++ ``Backend`` base cannot be constructed from Python, so this is the only route.
+* ``torch.distributed.ProcessGroupGloo(store, rank, size, timeout)`` and ``PrefixStore``: the
+  peer links are a gloo backend object built from the store c10d hands the creator, used
+  directly (not registered as a group), and its ``Work`` objects, whose ``_source_rank()``
+  answers ``recv`` from any source.
 * A Python subclass of ``torch.distributed.Work`` (trampoline ``PyWork``, which forwards
   ``wait`` and ``get_future`` only). We use it instead of the private
   ``_create_work_from_future`` because that ``Work``'s ``wait()`` never raises: a failed
@@ -28,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroupBase", "FutureWork", "GroupSpec", "register", "check", "settle", "TESTED_TORCH"]
+__all__ = ["ProcessGroupBase", "FutureWork", "DelegatedWork", "GroupSpec", "register", "check", "settle", "peer_group",
+           "translate", "TESTED_TORCH"]
 
 #: The torch release these private names were checked against.
 TESTED_TORCH = "2.13"
@@ -95,6 +100,82 @@ class FutureWork(dist.Work):
         return bool(self._raw.done())
 
 
+def translate(exc: BaseException, what: str, timeout: float) -> BaseException:
+    """gloo's error as redsrv's typed one: expired deadlines and lost peers keep their meaning
+    (``PeerTimeoutError``, ``PeerLostError``) and the message names the operation; anything
+    else is returned as it is."""
+    from ..core.errors import PeerLostError, PeerTimeoutError
+
+    text = str(exc)
+    lowered = text.lower()
+    translated: BaseException = exc
+    if "timed out" in lowered or "timeout" in lowered:
+        translated = PeerTimeoutError(f"{what}: {text}", phase="peer links", timeout=timeout)
+    elif any(word in lowered for word in ("connection closed", "connection reset", "broken pipe", "connection refused",
+                                          "socket closed", "closed by peer")):
+        translated = PeerLostError(f"{what}: {text}", phase="peer links", timeout=timeout)
+    return translated
+
+
+def peer_group(spec: GroupSpec, timeout: float, what: str) -> Any:
+    """A gloo backend connecting every rank of the group to every other, rendezvousing through
+    the group's own store (under a prefix of ours, so its keys never meet c10d's)."""
+    store = dist.PrefixStore("redsrv-peers/", spec.store)  # type: ignore[attr-defined]
+    try:
+        return dist.ProcessGroupGloo(store, spec.rank, spec.size, timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        translated = translate(exc, what, timeout)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+
+class DelegatedWork(dist.Work):
+    """A gloo ``Work`` whose failures surface as redsrv's typed errors."""
+
+    def __init__(self, inner: Any, what: str, timeout: float) -> None:
+        super().__init__()
+        self._inner = inner
+        self._what = what
+        self._timeout = timeout
+
+    def _raise(self, exc: RuntimeError) -> None:
+        translated = translate(exc, self._what, self._timeout)
+        if translated is exc:
+            raise
+        raise translated from exc
+
+    def wait(self, timeout: Any = None) -> bool:
+        try:
+            if timeout is None:
+                self._inner.wait()
+            else:
+                self._inner.wait(timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            self._raise(exc)
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        inner = self._inner.get_future()
+        outer: torch.futures.Future[Any] = torch.futures.Future()
+
+        def relay(done: torch.futures.Future[Any]) -> None:
+            try:
+                outer.set_result(done.value())
+            except RuntimeError as exc:
+                outer.set_exception(translate(exc, self._what, self._timeout))
+
+        inner.add_done_callback(relay)
+        return settle(outer)
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())
+
+    def _source_rank(self) -> int:
+        """The sender of a ``recv`` from any source (c10d's ``dist.recv(src=None)`` asks)."""
+        return int(self._inner._source_rank())
+
+
 def register(name: str, create: Callable[[GroupSpec], ProcessGroupBase]) -> None:
     """Register ``create`` as the c10d backend ``name`` for CPU tensors."""
 
@@ -131,7 +212,7 @@ def check() -> None:
     for attr in ("register_backend",):
         if not hasattr(dist.Backend, attr):
             problems.append(f"torch.distributed.Backend.{attr}")
-    for cls in ("ProcessGroup", "Work"):
+    for cls in ("ProcessGroup", "Work", "ProcessGroupGloo", "PrefixStore"):
         if not isinstance(getattr(dist, cls, None), type):
             problems.append(f"torch.distributed.{cls} (a class to subclass)")
     if problems:

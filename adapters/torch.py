@@ -8,9 +8,9 @@ The hook is the one-line switch for an existing DDP job::
     # or, 16-bit floats on the wire (sums still accumulate in float32 on the reducers):
     ddp.register_comm_hook(state, redsrv.torch.bf16_compress_wrapper(redsrv.torch.redsrv_hook))
 
-The backend sends every collective of a process group to the reducers, so plain DDP (and
-``dist.all_reduce``, ``broadcast``, ``all_gather``, ``barrier``) needs no hook and no links
-between workers::
+The backend runs every c10d operation gloo runs on CPU: reductions (every op), broadcast and
+barrier through the reducers, so plain DDP needs no hook; point-to-point, gather, scatter,
+all-to-all, all-gather and reduce-scatter over links between the workers (docs/torch_backend.md)::
 
     redsrv.torch.register_backend()
     dist.init_process_group("redsrv")
@@ -27,13 +27,20 @@ Errors are redsrv's typed exceptions; through DDP they reach the training loop a
 import itertools
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
+    AllgatherOptions,
+    AllToAllOptions,
+    ReduceScatterOptions,
+)
 
+from ..core import collectives
 from ..core.client import Client, ReduceFuture
 from ..core.config import Config
 from ..core.errors import LocalProtocolError
@@ -53,9 +60,9 @@ __all__ = [
 BACKEND_NAME = "redsrv"
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-#: torch dtypes the core sums natively (bf16 is handed over as ml_dtypes.bfloat16).
-_NATIVE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64)
-_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: torch dtypes the reducers take as they are (bf16 is handed over as ml_dtypes.bfloat16).
+_ON_WIRE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
+            torch.uint8, torch.bool)
 
 
 # --- tensors <-> NumPy --------------------------------------------------------------------
@@ -104,12 +111,6 @@ def _unwords(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     nbytes = like.numel() * like.element_size()
     raw = torch.from_numpy(np.ascontiguousarray(words).view(np.uint8)[:nbytes])
     return raw.view(like.dtype).view(like.shape)
-
-
-def _check_dtype(tensor: torch.Tensor, what: str) -> None:
-    if tensor.dtype not in _NATIVE:
-        names = ", ".join(str(d).removeprefix("torch.") for d in _NATIVE)
-        raise TypeError(f"redsrv {what} supports {names}; got a {str(tensor.dtype).removeprefix('torch.')} tensor")
 
 
 # --- DDP communication hook ---------------------------------------------------------------
@@ -285,6 +286,68 @@ def bf16_compress_wrapper(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 # --- c10d backend -------------------------------------------------------------------------
 
+#: c10d reduce ops and the reducers' names for them.
+_OPS = {
+    dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.PRODUCT: "product", dist.ReduceOp.BAND: "band", dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor",
+}
+_BITWISE = ("band", "bor", "bxor")
+#: Integer dtypes the wire lacks, carried in a wider one: sums, products and bitwise results
+#: wrap the same way modulo the narrow width, and comparisons are exact.
+_WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _op_name(op: Any) -> str:
+    return str(getattr(op, "op", op)).rpartition(".")[2]
+
+
+def _reduce_op(opts: Any, what: str) -> str:
+    op = opts.reduceOp
+    for c10d_op, name in _OPS.items():
+        if op == c10d_op:
+            return name
+    raise ValueError(f"the redsrv backend's {what} does not support ReduceOp.{_op_name(op)}: scale the tensor "
+                     "yourself and use ReduceOp.SUM (reducers combine with SUM, AVG, MAX, MIN, PRODUCT, BAND, BOR, BXOR)")
+
+
+class _Staged:
+    """A tensor as the reducers see it: a flat NumPy array of a wire dtype, and how to write a
+    result back. A view of the tensor's memory when it is already CPU, contiguous and of a wire
+    dtype; a converted copy otherwise (complex sums as their real pairs, int16 widened)."""
+
+    def __init__(self, tensor: torch.Tensor, op: str, what: str) -> None:
+        self.tensor = tensor
+        host = _host(tensor)
+        if tensor.is_complex():
+            if op not in ("sum", "mean"):
+                raise TypeError(f"redsrv {what} of complex tensors supports SUM and AVG only, got {op.upper()}")
+            host = torch.view_as_real(host).view(-1)
+        elif tensor.dtype in _WIDENED:
+            host = host.to(_WIDENED[tensor.dtype])
+        elif tensor.dtype not in _ON_WIRE:
+            names = ", ".join(str(d).removeprefix("torch.") for d in (*_ON_WIRE, *_WIDENED, torch.complex64, torch.complex128))
+            raise TypeError(f"redsrv {what} supports {names}; got a {str(tensor.dtype).removeprefix('torch.')} tensor")
+        if op == "mean" and not (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"redsrv {what} with ReduceOp.AVG needs floating-point tensors, got {tensor.dtype}")
+        if op in _BITWISE and (tensor.is_floating_point() or tensor.is_complex()):
+            raise TypeError(f"redsrv {what} with ReduceOp.{op.upper()} needs integer or bool tensors, got {tensor.dtype}")
+        self.host = host
+        self.array = _numpy(host)
+        #: Whether the reducers' result lands straight in the tensor's memory.
+        self.in_place = host.data_ptr() == tensor.data_ptr() and host.dtype == tensor.dtype
+
+    def write(self, result: np.ndarray) -> None:
+        if self.in_place and result.ctypes.data == self.tensor.data_ptr():
+            return
+        self.tensor.copy_(self.unstage(result).view(self.tensor.shape))
+
+    def unstage(self, result: np.ndarray) -> torch.Tensor:
+        """The reducers' result as a flat tensor of the staged tensor's dtype."""
+        reduced = _tensor(result)
+        if self.tensor.is_complex():
+            return torch.view_as_complex(reduced.view(-1, 2))
+        return reduced.to(self.tensor.dtype)
+
 
 class _Join:
     """Completes one torch future once every part of a collective finished (or one failed)."""
@@ -299,8 +362,8 @@ class _Join:
         if parts == 0:
             self.future.set_result(value)
 
-    def add(self, reduced: ReduceFuture, write: Callable[[np.ndarray], None]) -> None:
-        def done(finished: ReduceFuture) -> None:
+    def add(self, reduced: Any, write: Callable[[Any], None]) -> None:
+        def done(finished: Any) -> None:
             try:
                 write(finished.result())
             except BaseException as exc:
@@ -321,13 +384,6 @@ class _Join:
         return _torch_c10d.FutureWork(self.future, lambda: self.what)
 
 
-def _copy_into(tensor: torch.Tensor) -> Callable[[np.ndarray], None]:
-    def write(result: np.ndarray) -> None:
-        tensor.copy_(_tensor(result).view(tensor.shape))
-
-    return write
-
-
 def _copy_words_into(tensor: torch.Tensor) -> Callable[[np.ndarray], None]:
     def write(result: np.ndarray) -> None:
         tensor.copy_(_unwords(result, tensor))
@@ -335,40 +391,51 @@ def _copy_words_into(tensor: torch.Tensor) -> Callable[[np.ndarray], None]:
     return write
 
 
-def _ignore(_result: np.ndarray) -> None:
+def _ignore(_result: Any) -> None:
     pass
 
 
-def _reduce_op(opts: Any) -> str:
-    op = opts.reduceOp
-    if op == dist.ReduceOp.SUM:
-        return "sum"
-    if op == dist.ReduceOp.AVG:
-        return "mean"
-    name = str(getattr(op, "op", op)).rpartition(".")[2]
-    raise ValueError(f"the redsrv backend reduces with SUM or AVG only, got {name}: reducers add, they do not compare")
-
-
 class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
-    """A c10d process group whose collectives go through the reducers.
+    """A c10d process group whose reductions go through the reducers.
 
     Made by ``dist.init_process_group("redsrv")`` / ``dist.new_group(backend="redsrv")`` after
     :func:`register_backend`. Each group is its own redsrv job (``<job>.pg<group name>``) with
     its own client; operations are keyed by a per-group sequence number, which c10d's rule that
     every rank issues a group's collectives in the same order makes identical across ranks.
-    All collectives are in place and asynchronous: the returned ``Work`` completes from the
-    transport thread. Supported: ``allreduce`` (SUM, AVG), ``allreduce_coalesced``,
-    ``broadcast``, ``allgather``, ``all_gather_single`` (``all_gather_into_tensor``), ``barrier``.
+
+    Through the reducers (every reduce op, bitwise identical on every rank): ``all_reduce``,
+    ``all_reduce_coalesced``, ``reduce``, ``broadcast``, ``barrier``. Through direct links
+    between the workers, a gloo group built from the same store when the group is created
+    (the peer links): point-to-point, ``gather``, ``scatter``, ``all_to_all``, ``all_gather``
+    and ``reduce_scatter`` in every form, ``monitored_barrier``; reducers would move at least as
+    many bytes for these and add a hop (docs/torch_backend.md has the measurements). A group made
+    with ``peer_links=False`` needs no links between workers: all-gather and reduce-scatter then
+    go through the reducers too, and point-to-point, gather, scatter and all-to-all raise an
+    error that says what to use instead.
     """
 
-    def __init__(self, client: Client, *, rank: int, size: int) -> None:
+    def __init__(self, client: Client, *, rank: int, size: int, group_name: str = "",
+                 peers: Any = None) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python trampoline's constructor
         self.client = client
+        self._peers = peers
+        self._group_name = group_name
         self._sequence = itertools.count()
         self._sequence_lock = threading.Lock()
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        """The c10d name of this group (``dist.destroy_process_group(group)`` and FSDP look it up)."""
+        return self._group_name
+
+    def _set_group_name(self, name: str) -> None:
+        # c10d names every group after creating it; torch's own getter would ask a C++ backend
+        # that a Python group does not have.
+        self._group_name = name
+        super()._set_group_name(name)  # type: ignore[arg-type]  # torch's stub says GroupName, a str
 
     def _join(self, what: str, parts: int, value: Any) -> tuple[int, "_Join"]:
         # DDP issues collectives from the autograd thread while user code may use the main
@@ -378,94 +445,231 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         cfg = self.client.config
         return seq, _Join(f"redsrv {what} #{seq} (job {cfg.job!r}, rank {cfg.rank})", parts, value)
 
+    # --- through the reducers
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:  # type: ignore[override]
-        op = "sum" if opts is None else _reduce_op(opts)
-        for tensor in tensors:
-            _check_dtype(tensor, "all_reduce")
-            if op == "mean" and tensor.dtype not in _FLOATS:
-                raise TypeError(f"ReduceOp.AVG needs floating-point tensors, got {tensor.dtype}")
-        seq, join = self._join("all_reduce", len(tensors), tensors)
-        for i, tensor in enumerate(tensors):
-            join.add(self.client.allreduce_async(_numpy(_host(tensor)), op=op, key=("c10d", seq, i)), _copy_into(tensor))
+        op = "sum" if opts is None else _reduce_op(opts, "all_reduce")
+        if any(tensor.is_sparse for tensor in tensors):
+            # Sparse sums exchange indices, not fixed-length arrays: nothing for the reducers to add.
+            return self._delegate("sparse all_reduce", lambda peers: peers.allreduce(tensors, opts),
+                                  "densify the tensor (tensor.to_dense()) to reduce it through the reducers")
+        staged = [_Staged(tensor, op, "all_reduce") for tensor in tensors]
+        seq, join = self._join("all_reduce", len(staged), tensors)
+        for i, part in enumerate(staged):
+            out = part.array if part.in_place else None
+            join.add(self.client.allreduce_async(part.array, op=op, key=("c10d", seq, i), out=out), part.write)
         return join.work()
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         return self.allreduce(tensors, opts)
 
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
+        """``dist.reduce``: an all-reduce of which only the root keeps the result (the reducers
+        return it to every rank; others' tensors are left as they were)."""
+        op = _reduce_op(opts, "reduce")
+        root = int(opts.rootRank)
+        if not 0 <= root < self.size():
+            raise ValueError(f"redsrv reduce: root {root} is not a rank of this {self.size()}-rank group")
+        staged = [_Staged(tensor, op, "reduce") for tensor in tensors]
+        seq, join = self._join("reduce", len(staged), tensors)
+        for i, part in enumerate(staged):
+            # Non-roots must not see the result: reduce into a scratch copy there.
+            out = part.array if part.in_place and self.rank() == root else None
+            reduced = self.client.allreduce_async(part.array, op=op, key=("c10d", seq, i), out=out)
+            join.add(reduced, part.write if self.rank() == root else _ignore)
+        return join.work()
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
         root = int(opts.rootRank)
+        if not 0 <= root < self.size():
+            raise ValueError(f"redsrv broadcast: root {root} is not a rank of this {self.size()}-rank group")
         seq, join = self._join("broadcast", len(tensors), tensors)
         for i, tensor in enumerate(tensors):
             # Dtypes the core knows travel as themselves (checked across ranks); others as raw words.
-            native = tensor.dtype in _NATIVE
+            native = tensor.dtype in _ON_WIRE
             data = _numpy(_host(tensor)) if native else _words(tensor)
-            reduced = self.client.broadcast_async(data, root=root, key=("c10d", seq, i))
             if self.rank() == root:
-                join.add(reduced, _ignore)
+                join.add(self.client.broadcast_async(data, root=root, key=("c10d", seq, i)), _ignore)
+            elif native:
+                part = _Staged(tensor, "sum", "broadcast")
+                out = part.array if part.in_place else None
+                join.add(self.client.broadcast_async(part.array, root=root, key=("c10d", seq, i), out=out), part.write)
             else:
-                join.add(reduced, _copy_into(tensor) if native else _copy_words_into(tensor))
+                join.add(self.client.broadcast_async(data, root=root, key=("c10d", seq, i)), _copy_words_into(tensor))
         return join.work()
-
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
-                  opts: Any = None) -> Any:
-        for outputs, tensor in zip(output_tensors, input_tensors, strict=True):
-            if len(outputs) != self.size():
-                raise ValueError(f"all_gather needs {self.size()} output tensors, got {len(outputs)}")
-            for out in outputs:
-                if out.dtype != tensor.dtype or out.numel() != tensor.numel():
-                    raise ValueError(f"all_gather output {tuple(out.shape)} {out.dtype} does not match input "
-                                     f"{tuple(tensor.shape)} {tensor.dtype}")
-        seq, join = self._join("all_gather", len(input_tensors), output_tensors)
-        for i, (outputs, tensor) in enumerate(zip(output_tensors, input_tensors, strict=True)):
-            join.add(self._gather_words(tensor, ("c10d", seq, i)), _split_into(outputs))
-        return join.work()
-
-    def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
-        """``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13)."""
-        if output.dtype != tensor.dtype or output.numel() != tensor.numel() * self.size() or not output.is_contiguous():
-            raise ValueError(f"all_gather_single needs a contiguous {tensor.dtype} output of "
-                             f"{tensor.numel() * self.size()} elements, got {output.dtype} with {output.numel()}")
-        seq, join = self._join("all_gather_single", 1, [output])
-        join.add(self._gather_words(tensor, ("c10d", seq, 0)), _split_into(list(output.view(self.size(), -1))))
-        return join.work()
-
-    _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
-
-    def _gather_words(self, tensor: torch.Tensor, key: Any) -> ReduceFuture:
-        # A sum to which every other rank contributes zeros gathers exactly: each rank's words
-        # sit in its own slot (one operation instead of world_size broadcasts).
-        words = _words(tensor)
-        slots = np.zeros(self.size() * words.size, dtype=np.int32)
-        slots[self.rank() * words.size : (self.rank() + 1) * words.size] = words
-        return self.client.allreduce_async(slots, key=key)
 
     def barrier(self, opts: Any = None) -> Any:
         seq, join = self._join("barrier", 1, [])
         join.add(self.client.allreduce_async(np.ones(1, dtype=np.int32), key=("c10d", seq, 0)), _ignore)
         return join.work()
 
+    # --- through the peer links
+
+    def _peer(self, what: str, instead: str) -> Any:
+        if self._peers is None:
+            raise LocalProtocolError(
+                f"the redsrv backend's {what} needs links between the workers, and this group was created "
+                f"without them (register_backend(peer_links=False)); {instead}")
+        return self._peers
+
+    def _delegate(self, what: str, call: Callable[[Any], Any], instead: str = "") -> Any:
+        peers = self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+        cfg = self.client.config
+        return _torch_c10d.DelegatedWork(call(peers), f"redsrv {what} over peer links (job {cfg.job!r}, rank {cfg.rank})",
+                                         cfg.op_timeout)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        return self._delegate("send", lambda peers: peers.send(tensors, dst, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        return self._delegate("recv", lambda peers: peers.recv(tensors, src, tag))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        return self._delegate("recv", lambda peers: peers.recv_anysource(tensors, tag))
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
+        return self._delegate("gather", lambda peers: peers.gather(output_tensors, input_tensors, opts),
+                              "use all_gather, which the reducers can do without links")
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Any:  # type: ignore[override]
+        return self._delegate("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts),
+                              "use broadcast, which the reducers can do without links, and take your part")
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._delegate("all_to_all",
+                              lambda peers: peers.alltoall(output_tensors, input_tensors, _opts(opts, AllToAllOptions)))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002 - c10d's name
+                          input_split_sizes: list[int], opts: Any = None) -> Any:
+        return self._delegate("all_to_all_single", lambda peers: peers.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)))
+
+    alltoall_base = all_to_all_single  # type: ignore[assignment]  # the name gloo's backend uses
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
+                  opts: Any = None) -> Any:
+        if self._peers is None:
+            return self._relay_gather("all_gather", output_tensors, input_tensors)
+        return self._delegate("all_gather",
+                              lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts: Any = None) -> Any:
+        if self._peers is None:
+            per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
+            return self._relay_gather("all_gather_coalesced", per_input, input_list)
+        return self._delegate("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
+            output_lists, input_list, _opts(opts, AllgatherOptions)))
+
+    def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
+        """``dist.all_gather_into_tensor``."""
+        if self._peers is None:
+            if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
+                raise ValueError(f"redsrv all_gather_into_tensor needs an output of {self.size()} x {tensor.numel()} "
+                                 f"{tensor.dtype} elements, got {output.numel()} of {output.dtype}")
+            return self._relay_gather("all_gather_into_tensor", [list(output.view(self.size(), -1))], [tensor], [output])
+        return self._delegate("all_gather_into_tensor",
+                              lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)))
+
+    _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
+        if self._peers is None:
+            whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
+            return self._relay_reduce_scatter("reduce_scatter", output_tensors[0], whole, opts)
+        if opts is not None:
+            _reduce_op(opts, "reduce_scatter")  # refuses, naming redsrv, what neither path has
+        return self._delegate("reduce_scatter", lambda peers: peers.reduce_scatter(
+            output_tensors, input_lists, _opts(opts, ReduceScatterOptions)))
+
+    def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
+        """``dist.reduce_scatter_tensor``."""
+        if self._peers is None:
+            return self._relay_reduce_scatter("reduce_scatter_tensor", output, tensor, opts)
+        if opts is not None:
+            _reduce_op(opts, "reduce_scatter_tensor")
+        return self._delegate("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
+            output, tensor, _opts(opts, ReduceScatterOptions)))
+
+    # Without peer links, all-gather and reduce-scatter go through the reducers (DDP checks
+    # parameter shapes with an all-gather when it starts). They move more bytes that way than
+    # over links (docs/torch_backend.md), but need nothing besides the reducers.
+
+    def _relay_gather(self, what: str, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                      value: Any = None) -> Any:
+        for outputs, tensor in zip(output_lists, inputs, strict=True):
+            if len(outputs) != self.size() or any(o.numel() != tensor.numel() or o.dtype != tensor.dtype for o in outputs):
+                raise ValueError(f"redsrv {what} needs {self.size()} outputs of {tensor.numel()} {tensor.dtype} elements "
+                                 "each, like the input")
+        seq, join = self._join(what, len(inputs), output_lists if value is None else value)
+        for i, (outputs, tensor) in enumerate(zip(output_lists, inputs, strict=True)):
+            # Raw words: every dtype arrives bit for bit, and sizes are checked across ranks.
+            words = _words(tensor)
+            gathered = np.empty(words.size * self.size(), dtype=words.dtype)
+            reduced = collectives.allgather_into_async(self.client, words, gathered, key=("c10d", seq, i))
+            join.add(reduced, _split_words_into(outputs))
+        return join.work()
+
+    def _relay_reduce_scatter(self, what: str, output: torch.Tensor, tensor: torch.Tensor, opts: Any) -> Any:
+        op = "sum" if opts is None else _reduce_op(opts, what)
+        if tensor.numel() != output.numel() * self.size():
+            raise ValueError(f"redsrv {what} needs an input of {self.size()} x {output.numel()} elements, got {tensor.numel()}")
+        part = _Staged(tensor.detach().clone(), op, what)  # a copy: reduced in place, the input stays
+        seq, join = self._join(what, 1, output)
+
+        def keep_mine(result: np.ndarray) -> None:
+            output.copy_(part.unstage(result).view(self.size(), -1)[self.rank()].view(output.shape))
+
+        join.add(self.client.allreduce_async(part.array, op=op, key=("c10d", seq, 0), out=part.array), keep_mine)
+        return join.work()
+
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+
+    def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
+        """gloo's barrier that names the ranks that did not arrive. ``dist.monitored_barrier``
+        refuses every backend but gloo by name; call this method on the group instead."""
+        peers = self._peer("monitored_barrier", "use barrier(), which goes through the reducers")
+        bound = timeout if timeout is not None else timedelta(seconds=self.client.config.op_timeout)
+        try:
+            peers.monitored_barrier(bound, wait_all_ranks)
+        except RuntimeError as exc:
+            raise _torch_c10d.translate(exc, "redsrv monitored_barrier", bound.total_seconds()) from exc
+
+    # --- lifetime
+
     def shutdown(self) -> None:
-        """Called by ``dist.destroy_process_group()``: close the client."""
+        """Called by ``dist.destroy_process_group()``: close the client and the peer links."""
         self.client.close()
+        if self._peers is not None:
+            self._peers.shutdown()
+            self._peers = None
 
     def abort(self) -> None:
         self.client.close()
+        if self._peers is not None:
+            self._peers.abort()
+            self._peers = None
 
     def __repr__(self) -> str:
         cfg = self.client.config
-        return f"RedsrvProcessGroup(job={cfg.job!r}, rank={self.rank()}, size={self.size()}, reducers={len(cfg.reducers)})"
+        return (f"RedsrvProcessGroup(job={cfg.job!r}, rank={self.rank()}, size={self.size()}, "
+                f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
 
 
-def _split_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
-    def write(result: np.ndarray) -> None:
-        per_rank = result.size // len(outputs)
-        for r, out in enumerate(outputs):
-            out.copy_(_unwords(result[r * per_rank : (r + 1) * per_rank], out))
+def _split_words_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
+    def write(gathered: np.ndarray) -> None:
+        for out, words in zip(outputs, gathered.reshape(len(outputs), -1), strict=True):
+            out.copy_(_unwords(words, out))
 
     return write
 
 
-def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | None = None, **config: Any) -> None:
+def _opts(opts: Any, kind: Callable[[], Any]) -> Any:
+    return kind() if opts is None else opts
+
+
+def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | None = None, peer_links: bool = True,
+                     **config: Any) -> None:
     """Register the ``"redsrv"`` c10d backend (CPU tensors).
 
     Settings not given here come from the environment when a group is created (see
@@ -473,6 +677,14 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     ``<job>.pg<group name>``, so a hook and the backend can share one ``REDSRV_JOB``. The
     per-operation deadline is the stricter of redsrv's ``op_timeout`` and the group's
     ``timeout=``. Calling it again replaces the settings for groups created afterwards.
+
+    ``peer_links``: also connect the workers of each group to each other (a gloo group over the
+    group's store, made when the group is), for the operations that are not reductions:
+    point-to-point, gather, scatter, all-to-all, all-gather, reduce-scatter. Workers must then
+    reach each other on the interface gloo picks (``GLOO_SOCKET_IFNAME``), and every rank of a
+    group must create it within the deadline. Without them the workers need only reach the
+    reducers: all-gather and reduce-scatter go through the reducers as well, and the other
+    operations raise an error naming what to use instead.
     """
     _torch_c10d.check()
     Config.from_env(reducers=reducers, job=job, rank=0, world_size=1, **config)  # fail now, not at init
@@ -483,6 +695,13 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         if spec.timeout is not None and spec.timeout.total_seconds() > 0:
             op_timeout = min(op_timeout, spec.timeout.total_seconds())
         settings = base.replace(job=f"{base.job}.pg{spec.group_name}", op_timeout=op_timeout)
-        return RedsrvProcessGroup(Client(config=settings), rank=spec.rank, size=spec.size)
+        client = Client(config=settings)
+        try:
+            peers = _torch_c10d.peer_group(spec, op_timeout, f"redsrv peer links (job {settings.job!r}, rank {spec.rank})") \
+                if peer_links else None
+        except BaseException:
+            client.close()
+            raise
+        return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers)
 
     _torch_c10d.register(BACKEND_NAME, create)

@@ -82,8 +82,9 @@ def train_worker(*, rank: int, world_size: int, reducers: list[str] | None, job:
     # single-process reference.
     torch.set_num_threads(1)
     if backend == "redsrv":
-        redsrv.torch.register_backend(reducers, job=job)
-        # Nothing to rendezvous: every collective of this group goes through the reducers.
+        # DDP needs only reductions and broadcasts: no peer links, so nothing to rendezvous and
+        # every collective of this group goes through the reducers.
+        redsrv.torch.register_backend(reducers, job=job, peer_links=False)
         dist.init_process_group("redsrv", store=dist.HashStore(), rank=rank, world_size=world_size)  # type: ignore[attr-defined]
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size)

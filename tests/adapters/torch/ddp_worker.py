@@ -20,6 +20,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -64,6 +65,11 @@ CONFIGS = {
     "backend_ddp": Case(ddp=SMALL, hook="none"),
     "backend_ddp_unused": Case(ddp={**SMALL, "find_unused_parameters": True}, hook="none", unused=True),
     "backend_ddp_buffers": Case(ddp=SMALL, hook="none", batchnorm=True),
+    # DDP over the redsrv group with gradient accumulation, alone and with torch's own
+    # allreduce hook (which chains on the group's Work.get_future()).
+    "backend_ddp_no_sync": Case(ddp=SMALL, hook="none", no_sync=True),
+    "backend_ddp_no_sync_grad_view": Case(ddp={**SMALL, "gradient_as_bucket_view": True}, hook="none", no_sync=True),
+    "backend_ddp_allreduce_hook": Case(ddp=SMALL, hook="torch_allreduce", no_sync=True),
 }
 
 
@@ -151,13 +157,17 @@ def run_case(name: str, case_index: int, spec: dict, client: redsrv.Client, grou
     ddp = DDP(reference, **case.ddp)
     if case.hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif case.hook == "torch_allreduce":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     elif case.hook == "bf16":
         ddp.register_comm_hook(None, bf16_reference_hook)
     train(reference, ddp, case, case_index, rank, steps)
 
     model = build(case)
-    if case.hook == "none":
+    if case.hook in ("none", "torch_allreduce"):
         ddp = DDP(model, process_group=group, **case.ddp)
+        if case.hook == "torch_allreduce":
+            ddp.register_comm_hook(group, default_hooks.allreduce_hook)
     else:
         ddp = DDP(model, **case.ddp)
         state = redsrv.torch.HookState(client=client, key_prefix=name)
@@ -166,7 +176,7 @@ def run_case(name: str, case_index: int, spec: dict, client: redsrv.Client, grou
                 "bf16": redsrv.torch.bf16_compress_wrapper(redsrv.torch.redsrv_hook)}[case.hook]
         ddp.register_comm_hook(state, hook)
     train(model, ddp, case, case_index, rank, steps)
-    if case.hook != "none":
+    if case.hook not in ("none", "torch_allreduce"):
         # One synchronised step per training step, micro-batches under no_sync() not counted.
         assert state.step == steps, f"hook counted {state.step} steps, expected {steps}"
 
@@ -308,6 +318,10 @@ def main() -> int:
             try:
                 if name == "collectives":
                     run_collectives(spec, group, out)
+                elif name == "ops":
+                    run_ops(spec, group, out, report)
+                elif name in FSDP:
+                    run_fsdp(name, spec, group, out, report)
                 else:
                     run_case(name, index, spec, client, group, out, report)
                 report["errors"][name] = None
@@ -320,6 +334,396 @@ def main() -> int:
         dist.destroy_process_group()
     save()
     return 0
+
+
+
+# --- every c10d operation, gloo against redsrv --------------------------------------------
+
+#: The ops run_ops checks; each writes "ops/<name>/<gloo|redsrv>" (raw bytes).
+OPS = ["all_reduce_max_fp32", "all_reduce_min_fp64", "all_reduce_product_fp32", "all_reduce_product_int64",
+       "all_reduce_max_int8", "all_reduce_min_uint8", "all_reduce_band_int64",
+       "all_reduce_bor_int32", "all_reduce_bxor_uint8", "all_reduce_sum_complex64", "all_reduce_sparse",
+       "all_reduce_coalesced_max", "all_reduce_coalesced_min", "all_reduce_coalesced_product",
+       "all_reduce_coalesced_sum", "reduce_sum", "reduce_max", "reduce_product_int", "send_recv_tags",
+       "isend_irecv_ring", "recv_any_source", "batch_isend_irecv", "scatter", "gather", "all_gather_coalesced",
+       "all_gather_into_tensor_bf16", "reduce_scatter", "reduce_scatter_tensor_max", "all_to_all",
+       "relay_all_gather_into_tensor_bf16", "relay_all_gather_coalesced", "relay_reduce_scatter",
+       "relay_reduce_scatter_tensor_max", "relay_all_gather_bool", "all_to_all_single_splits", "monitored_barrier",
+       "monitored_barrier_names_late_rank", "broadcast_object_list", "all_gather_object", "gather_object",
+       "scatter_object_list", "get_future", "subgroup_ops", "new_subgroups", "ddp_refuses_no_grad_model"]
+
+
+def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], report: dict) -> None:  # noqa: C901 - one case per op
+    """Every operation of the c10d API that gloo implements on CPU, through gloo (the default
+    group) and through the redsrv group, on the same inputs."""
+    import pickle
+
+    rank, n = spec["rank"], spec["world_size"]
+    g = torch.Generator().manual_seed(11 + rank)
+    x32 = torch.randn(6, 5, generator=g)
+    i64 = torch.randint(-50, 50, (13,), generator=g)
+    small = torch.randint(1, 4, (9,), generator=g)
+
+    report["op_errors"] = {}
+
+    def both(name: str, fn, ours: dist.ProcessGroup = group) -> None:  # type: ignore[no-untyped-def]
+        # One op's failure is recorded and the others still run (a failed collective may leave
+        # the rest of the list out of step; the first error is the one to read).
+        for label, pg in (("gloo", None), ("redsrv", ours)):
+            try:
+                out[f"ops/{name}/{label}"] = _raw(fn(pg))
+            except Exception:
+                report["op_errors"][f"{name}/{label}"] = traceback.format_exc()
+
+    def all_reduce(t: torch.Tensor, op):  # type: ignore[no-untyped-def]
+        def fn(pg):  # type: ignore[no-untyped-def]
+            x = t.clone()
+            dist.all_reduce(x, op=op, group=pg)
+            return x
+        return fn
+
+    R = dist.ReduceOp
+    both("all_reduce_max_fp32", all_reduce(x32, R.MAX))
+    both("all_reduce_min_fp64", all_reduce(x32.double(), R.MIN))
+    both("all_reduce_product_fp32", all_reduce(x32, R.PRODUCT))
+    both("all_reduce_product_int64", all_reduce(small, R.PRODUCT))
+    both("all_reduce_max_int8", all_reduce(i64.to(torch.int8), R.MAX))
+    both("all_reduce_min_uint8", all_reduce((i64 + 60).to(torch.uint8), R.MIN))
+    both("all_reduce_band_int64", all_reduce(i64, R.BAND))
+    both("all_reduce_bor_int32", all_reduce(i64.to(torch.int32), R.BOR))
+    both("all_reduce_bxor_uint8", all_reduce((i64 + 60).to(torch.uint8), R.BXOR))
+    both("all_reduce_sum_complex64", all_reduce(torch.complex(x32, x32 * 2), R.SUM))
+
+    def sparse(pg):  # type: ignore[no-untyped-def]
+        x = torch.sparse_coo_tensor(torch.tensor([[rank, n]]), torch.tensor([1.0 + rank, 2.0]), (n + 1,))
+        dist.all_reduce(x, group=pg)
+        return x.to_dense()
+
+    both("all_reduce_sparse", sparse)
+
+    def coalesced(op):  # type: ignore[no-untyped-def]
+        def fn(pg):  # type: ignore[no-untyped-def]
+            xs = [x32.clone(), x32[0].clone() * 2]
+            dist.all_reduce_coalesced(xs, op=op, group=pg)
+            return torch.cat([xs[0].view(-1), xs[1]])
+        return fn
+
+    both("all_reduce_coalesced_max", coalesced(R.MAX))
+    both("all_reduce_coalesced_min", coalesced(R.MIN))
+    both("all_reduce_coalesced_product", coalesced(R.PRODUCT))
+    both("all_reduce_coalesced_sum", coalesced(R.SUM))
+
+    def reduce(t: torch.Tensor, op, root: int):  # type: ignore[no-untyped-def]
+        def fn(pg):  # type: ignore[no-untyped-def]
+            x = t.clone()
+            dist.reduce(x, dst=root, op=op, group=pg)
+            return x if rank == root else torch.zeros(0)  # elsewhere torch leaves it unspecified
+        return fn
+
+    both("reduce_sum", reduce(x32, R.SUM, n - 1))
+    both("reduce_max", reduce(x32, R.MAX, 0))
+    both("reduce_product_int", reduce(small, R.PRODUCT, 1))
+
+    def send_recv(pg):  # type: ignore[no-untyped-def]
+        # Two messages with different tags on one link, received in the other order.
+        got = [torch.zeros(4), torch.zeros(4)]
+        if rank == 0:
+            # A send completes when it is received: both in flight, or this would deadlock.
+            works = [dist.isend(torch.full((4,), 1.0), dst=1, tag=7, group=pg),
+                     dist.isend(torch.full((4,), 2.0), dst=1, tag=9, group=pg)]
+            for work in works:
+                work.wait()
+        elif rank == 1:
+            dist.recv(got[1], src=0, tag=9, group=pg)
+            dist.recv(got[0], src=0, tag=7, group=pg)
+        return torch.cat(got)
+
+    both("send_recv_tags", send_recv)
+
+    def ring(pg):  # type: ignore[no-untyped-def]
+        got = torch.zeros(5, dtype=torch.float64)
+        works = [dist.isend(x32[0].double() + rank, dst=(rank + 1) % n, group=pg),
+                 dist.irecv(got, src=(rank - 1) % n, group=pg)]
+        for work in works:
+            work.wait()
+        return got
+
+    both("isend_irecv_ring", ring)
+
+    def any_source(pg):  # type: ignore[no-untyped-def]
+        if rank != 0:
+            dist.send(torch.full((2,), float(rank)), dst=0, tag=3, group=pg)
+            return torch.zeros(0)
+        received = {}
+        for _ in range(n - 1):
+            t = torch.zeros(2)
+            sender = dist.recv(t, tag=3, group=pg)
+            received[sender] = t
+        assert sorted(received) == list(range(1, n)), sorted(received)
+        return torch.cat([received[s] for s in sorted(received)])
+
+    both("recv_any_source", any_source)
+
+    def batch_p2p(pg):  # type: ignore[no-untyped-def]
+        got = torch.zeros(3, dtype=torch.int64)
+        ops = [dist.P2POp(dist.isend, i64[:3] + rank, (rank + 1) % n, group=pg, tag=4),
+               dist.P2POp(dist.irecv, got, (rank - 1) % n, group=pg, tag=4)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return got
+
+    both("batch_isend_irecv", batch_p2p)
+
+    def scatter(pg):  # type: ignore[no-untyped-def]
+        x = torch.zeros(3)
+        parts = [torch.full((3,), 10.0 * r) + x32[0, :3] for r in range(n)] if rank == 0 else None
+        dist.scatter(x, parts, src=0, group=pg)
+        return x
+
+    both("scatter", scatter)
+
+    def gather(pg):  # type: ignore[no-untyped-def]
+        outs = [torch.zeros(5) for _ in range(n)] if rank == n - 1 else None
+        dist.gather(x32[1], outs, dst=n - 1, group=pg)
+        return torch.stack(outs) if outs else torch.zeros(0)
+
+    both("gather", gather)
+
+    def gather_coalesced(pg):  # type: ignore[no-untyped-def]
+        ins = [x32[2].clone(), x32[3, :4].clone()]
+        outs = [[torch.zeros(5), torch.zeros(4)] for _ in range(n)]
+        dist.all_gather_coalesced(outs, ins, group=pg)
+        return torch.cat([t.view(torch.uint8) for pair in outs for t in pair])
+
+    both("all_gather_coalesced", gather_coalesced)
+
+    def into_tensor(pg):  # type: ignore[no-untyped-def]
+        result = torch.zeros(n * 30, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(result, x32.view(-1).bfloat16(), group=pg)
+        return result
+
+    both("all_gather_into_tensor_bf16", into_tensor)
+
+    def reduce_scatter(pg):  # type: ignore[no-untyped-def]
+        result = torch.zeros(4)
+        dist.reduce_scatter(result, [x32[0, :4] * (r + 1) for r in range(n)], group=pg)
+        return result
+
+    both("reduce_scatter", reduce_scatter)
+
+    def reduce_scatter_tensor(pg):  # type: ignore[no-untyped-def]
+        result = torch.zeros(2, 5)
+        dist.reduce_scatter_tensor(result, x32[: 2 * n].clone() if n <= 3 else None, op=R.MAX, group=pg)
+        return result
+
+    both("reduce_scatter_tensor_max", reduce_scatter_tensor)
+
+    def all_to_all(pg):  # type: ignore[no-untyped-def]
+        outs = [torch.zeros(3) for _ in range(n)]  # gloo wants every part the same size
+        dist.all_to_all(outs, [torch.full((3,), 10.0 * rank + r) for r in range(n)], group=pg)
+        return torch.cat(outs)
+
+    both("all_to_all", all_to_all)
+
+    # A group without peer links: all-gather and reduce-scatter go through the reducers.
+    redsrv.torch.register_backend(spec["reducers"], job=spec["job"], peer_links=False)
+    relayed = dist.new_group(backend="redsrv")
+    redsrv.torch.register_backend(spec["reducers"], job=spec["job"])
+    both("relay_all_gather_into_tensor_bf16", into_tensor, relayed)
+    both("relay_all_gather_coalesced", gather_coalesced, relayed)
+    both("relay_reduce_scatter", reduce_scatter, relayed)
+    both("relay_reduce_scatter_tensor_max", reduce_scatter_tensor, relayed)
+
+    def all_gather_bool(pg):  # type: ignore[no-untyped-def]
+        outs = [torch.zeros(3, dtype=torch.bool) for _ in range(n)]
+        dist.all_gather(outs, torch.tensor([True, rank % 2 == 0, False]), group=pg)
+        return torch.stack(outs)
+
+    both("relay_all_gather_bool", all_gather_bool, relayed)
+    dist.destroy_process_group(relayed)
+
+    def all_to_all_single(pg):  # type: ignore[no-untyped-def]
+        # Rank r sends j + 1 rows to rank j, so it receives r + 1 rows from each.
+        send = torch.arange(sum(j + 1 for j in range(n)) * 2, dtype=torch.float32).view(-1, 2) + 100 * rank
+        result = torch.zeros(n * (rank + 1), 2)
+        dist.all_to_all_single(result, send, output_split_sizes=[rank + 1] * n,
+                               input_split_sizes=[j + 1 for j in range(n)], group=pg)
+        return result
+
+    both("all_to_all_single_splits", all_to_all_single)
+
+    def monitored(pg):  # type: ignore[no-untyped-def]
+        # dist.monitored_barrier refuses every backend but gloo by name; redsrv groups have the method.
+        if pg is None:
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
+        else:
+            pg.monitored_barrier(timedelta(seconds=30), True)
+        return torch.ones(1)
+
+    both("monitored_barrier", monitored)
+
+    def late_rank(pg):  # type: ignore[no-untyped-def]
+        # Rank 1 never arrives: rank 0's barrier fails naming it (on a group of its own, since
+        # the missing rank leaves that group's links out of step).
+        backend = "gloo" if pg is None else "redsrv"
+        sub = dist.new_group(backend=backend)
+        message = ""
+        if rank == 0:
+            try:
+                if pg is None:
+                    dist.monitored_barrier(group=sub, timeout=timedelta(seconds=1))
+                else:
+                    sub.monitored_barrier(timedelta(seconds=1), False)
+            except RuntimeError as exc:  # gloo's error; redsrv's PeerTimeoutError is a TimeoutError
+                message = f"RuntimeError {exc}"
+            except TimeoutError as exc:
+                message = f"TimeoutError {exc}"
+            assert "Rank 1 failed to pass monitoredBarrier" in message, message
+        dist.barrier()
+        dist.destroy_process_group(sub)
+        return torch.ones(1)
+
+    both("monitored_barrier_names_late_rank", late_rank)
+
+    def as_bytes(obj: object) -> torch.Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+    def bcast_objects(pg):  # type: ignore[no-untyped-def]
+        objects = [{"rank": rank, "data": [1, 2]}, "x" * rank] if rank == 1 else [None, None]
+        dist.broadcast_object_list(objects, src=1, group=pg)
+        return as_bytes(objects)
+
+    both("broadcast_object_list", bcast_objects)
+
+    def gather_objects(pg):  # type: ignore[no-untyped-def]
+        objects = [None] * n
+        dist.all_gather_object(objects, {"rank": rank, "pad": "y" * (rank * 3)}, group=pg)
+        return as_bytes(objects)
+
+    both("all_gather_object", gather_objects)
+
+    def gather_object(pg):  # type: ignore[no-untyped-def]
+        objects = [None] * n if rank == 0 else None
+        dist.gather_object(("from", rank), objects, dst=0, group=pg)
+        return as_bytes(objects)
+
+    both("gather_object", gather_object)
+
+    def scatter_objects(pg):  # type: ignore[no-untyped-def]
+        received = [None]
+        dist.scatter_object_list(received, [{"to": r} for r in range(n)] if rank == 0 else None, src=0, group=pg)
+        return as_bytes(received)
+
+    both("scatter_object_list", scatter_objects)
+
+    def future(pg):  # type: ignore[no-untyped-def]
+        work = dist.all_reduce(x32.clone(), op=R.MAX, group=pg, async_op=True)
+        value = work.get_future().then(lambda f: f.value()[0] * 2).wait()
+        assert work.wait() and work.is_completed()
+        return value
+
+    both("get_future", future)
+
+    def subgroup(pg):  # type: ignore[no-untyped-def]
+        # A two-rank subgroup of the same backend: reduce ops, point-to-point, then destroyed.
+        backend = "gloo" if pg is None else "redsrv"
+        sub = dist.new_group([0, 1], backend=backend)
+        if rank > 1:
+            return torch.zeros(0)
+        assert isinstance(sub.group_name, str) and sub.group_name
+        x = x32[0].clone()
+        dist.all_reduce(x, op=R.MIN, group=sub)
+        got = torch.zeros(5)
+        if rank == 0:
+            dist.send(x32[1], dst=1, group=sub)
+        else:
+            dist.recv(got, src=0, group=sub)
+        dist.destroy_process_group(sub)
+        return torch.cat([x, got])
+
+    both("subgroup_ops", subgroup)
+
+    def subgroups(pg):  # type: ignore[no-untyped-def]
+        backend = "gloo" if pg is None else "redsrv"
+        mine, all_groups = dist.new_subgroups(group_size=1, backend=backend)
+        x = x32[0].clone()
+        dist.all_reduce(x, op=R.PRODUCT, group=mine)
+        for sub in all_groups:
+            dist.destroy_process_group(sub)
+        return x
+
+    both("new_subgroups", subgroups)
+
+    def no_grad_model(pg):  # type: ignore[no-untyped-def]
+        model = nn.Linear(2, 2)
+        model.requires_grad_(False)
+        try:
+            DDP(model, process_group=pg)
+        except RuntimeError as exc:
+            assert "parameter that requires a gradient" in str(exc), exc
+            return torch.ones(1)
+        return torch.zeros(1)
+
+    both("ddp_refuses_no_grad_model", no_grad_model)
+
+    # A peer-link operation that cannot complete fails at the group's deadline with redsrv's
+    # typed error (gloo's own words kept in the message), on a group of its own.
+    short = dist.new_group(backend="redsrv", timeout=timedelta(seconds=1))
+    if rank == 0:
+        started = time.monotonic()
+        try:
+            dist.recv(torch.zeros(1), src=1, group=short)  # rank 1 never sends
+            report["peer_timeout"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - reported for the test to name
+            report["peer_timeout"] = f"{type(exc).__name__} after {time.monotonic() - started:.1f}s: {exc}"
+    dist.barrier()
+    dist.destroy_process_group(short)
+
+    # Contributions that disagree across ranks fail on every rank with the redsrv error.
+    mismatch = torch.ones(3 + rank)
+    try:
+        dist.all_reduce(mismatch, op=R.MAX, group=group)
+        report["mismatch"] = "no error"
+    except redsrv.ContributionMismatchError as exc:
+        report["mismatch"] = f"ContributionMismatchError: {exc}"
+    except Exception as exc:  # noqa: BLE001 - reported for the test to name
+        report["mismatch"] = f"{type(exc).__name__}: {exc}"
+
+
+# --- FSDP, gloo against redsrv ------------------------------------------------------------
+
+#: FSDP1 (FullyShardedDataParallel) refuses to run without an accelerator in torch 2.13 ("FSDP
+#: needs a non-CPU accelerator device"), under gloo as under redsrv: FSDP2 only.
+FSDP = ["fsdp2"]
+
+
+def run_fsdp(name: str, spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], report: dict) -> None:
+    """A small model trained with FSDP2 (``fully_shard``) over gloo and over redsrv: the
+    per-step losses and the final full parameters."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, steps = spec["rank"], spec["steps"]
+    for label, pg in (("gloo", dist.group.WORLD), ("redsrv", group)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+        mesh = DeviceMesh.from_group(pg, "cpu")
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        wrapped: nn.Module = fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.05)
+        losses = []
+        for step in range(steps):
+            x, target = batch(100, rank, step, 0, torch.float32)
+            loss = nn.functional.mse_loss(wrapped(x), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        out[f"{name}/{label}/losses"] = np.array(losses)
+        full = [p.full_tensor() for p in wrapped.parameters()]
+        out[f"{name}/{label}/params"] = torch.cat([p.reshape(-1) for p in full]).detach().numpy().copy()
 
 
 if __name__ == "__main__":

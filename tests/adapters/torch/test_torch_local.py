@@ -233,16 +233,58 @@ def test_backend_collectives_on_one_rank(redsrv_group) -> None:  # type: ignore[
 
 def test_backend_refuses_what_reducers_cannot_do(redsrv_group) -> None:  # type: ignore[no-untyped-def]
     redsrv_group()
-    with pytest.raises(ValueError, match="SUM or AVG only, got MAX"):
-        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.MAX)
-    with pytest.raises(TypeError, match="int8"):
-        dist.all_reduce(torch.ones(2, dtype=torch.int8))
+    with pytest.raises(ValueError, match="redsrv backend's all_reduce does not support ReduceOp.PREMUL_SUM"):
+        dist.all_reduce(torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+    with pytest.raises(TypeError, match="redsrv all_reduce supports .*; got a uint64 tensor"):
+        dist.all_reduce(torch.ones(2, dtype=torch.uint64))
     with pytest.raises(TypeError, match="AVG needs floating-point"):
         dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG)
+    with pytest.raises(TypeError, match="BAND needs integer or bool"):
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="redsrv backend's reduce_scatter_tensor does not support ReduceOp.PREMUL_SUM"):
+        dist.reduce_scatter_single(torch.ones(2), torch.ones(2), op=dist._make_nccl_premul_sum(2.0))
+    with pytest.raises(TypeError, match="complex tensors supports SUM and AVG only, got MAX"):
+        dist.reduce(torch.ones(2, dtype=torch.complex64), dst=0, op=dist.ReduceOp.MAX)
+
+
+def test_peer_link_errors_become_redsrv_errors() -> None:
+    timed_out = _torch_c10d.translate(RuntimeError("[gloo] Timed out waiting 1000ms for recv operation"), "redsrv recv", 1.0)
+    assert isinstance(timed_out, redsrv.PeerTimeoutError) and "redsrv recv: [gloo] Timed out" in str(timed_out)
+    lost = _torch_c10d.translate(RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242"), "redsrv send", 1.0)
+    assert isinstance(lost, redsrv.PeerLostError) and "4242" in str(lost)
+    other = RuntimeError("ProcessGroupGloo::alltoall: invalid tensor size at index 1")
+    assert _torch_c10d.translate(other, "redsrv all_to_all", 1.0) is other
+
+
+def test_backend_without_peer_links_names_what_to_use(redsrv_group) -> None:  # type: ignore[no-untyped-def]
+    redsrv_group(peer_links=False)
+    assert "peer_links=False" in repr(dist.group.WORLD)
+    with pytest.raises(ValueError, match="redsrv backend's send needs links between the workers.*peer_links=False.*gloo group"):
+        dist.group.WORLD.send([torch.ones(1)], 0, 0)  # torch's dist.send refuses to send to oneself first
+    with pytest.raises(ValueError, match="redsrv backend's gather needs links.*use all_gather"):
+        dist.gather(torch.ones(1), [torch.ones(1)], dst=0)
+    # Reductions and broadcasts need only the reducers.
+    t = torch.tensor([3, 1, 2])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.PRODUCT)
+    assert t.tolist() == [3, 1, 2]
+
+
+def test_backend_group_name_and_destroying_a_subgroup(redsrv_group) -> None:  # type: ignore[no-untyped-def]
+    redsrv_group()
+    assert dist.group.WORLD.group_name == "0"
+    sub = dist.new_group([0], backend="redsrv")
+    assert sub.group_name and sub.group_name != "0"
+    t = torch.ones(2)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=sub)
+    dist.destroy_process_group(sub)
+    with pytest.raises(redsrv.ClientClosedError):
+        sub.client.check()
+    dist.all_reduce(t)  # the world group is untouched
 
 
 def test_backend_collective_raises_redsrv_error_on_timeout(redsrv_group) -> None:  # type: ignore[no-untyped-def]
-    redsrv_group(rank=0, world_size=2, op_timeout=0.5)  # rank 1 never comes
+    redsrv_group(rank=0, world_size=2, op_timeout=0.5, peer_links=False)  # rank 1 never comes
     started = time.monotonic()
     with pytest.raises(redsrv.PeerTimeoutError, match="local-2.pg0"):
         dist.all_reduce(torch.ones(3))

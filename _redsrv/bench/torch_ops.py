@@ -1,0 +1,202 @@
+"""``redsrv bench torch-ops``: every c10d operation through the redsrv backend against gloo,
+in the same run, per message size.
+
+Worker processes on 127.0.0.1 (default 2) join one gloo group and one redsrv group (reducers
+started here). For each operation and size the two groups take turns (gloo, redsrv, gloo, ...):
+per rep, a barrier, then the operation timed on every rank (below 256 KiB, the mean of a batch of
+back-to-back calls); a rep's time is the slowest rank's,
+and the table gives the median over reps and the median ratio within back-to-back samples. A
+second gloo group timed the same way (``gloo2``) is the control: its ratio to gloo shows how far
+gloo strays from itself on this machine in this run. ``relay`` rows time the alternative design for the
+data-moving operations, through the reducers (one broadcast per rank with the core's
+``allgather_into_async``), to show why the backend sends them over its peer links instead.
+
+Loopback measures CPU and memory copies on shared cores, not a network: ratios near 1 say the
+backend adds no cost of its own, not that either wins on a cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from redsrv.examples.launcher import start_reducers, stop_processes
+
+OPS = ("send_recv", "broadcast", "gather", "scatter", "all_to_all_single", "all_gather_into_tensor",
+       "reduce_scatter_tensor", "all_reduce")
+#: Operations whose alternative through the reducers is timed too.
+RELAYED = ("all_gather_into_tensor",)
+SIZES_KIB = (4, 64, 1024, 16 * 1024, 64 * 1024)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    b = subparsers.add_parser(
+        "torch-ops", help="every c10d op: the redsrv backend against gloo, same run, 4 KiB to 64 MiB",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    b.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
+    b.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_KIB),
+                   help="per-rank sizes in KiB (default 4 64 1024 16384 65536)")
+    b.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, help="operations (default all)")
+    b.add_argument("--rounds", type=int, default=3, help="alternations of gloo and redsrv per size (default 3)")
+    b.add_argument("--json", help="write every measurement to this JSON file")
+    b.set_defaults(func=lambda a: run(workers=a.workers, reducers=a.reducers, sizes_kib=a.sizes, ops=a.ops,
+                                      rounds=a.rounds, json_path=a.json))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(*, workers: int, reducers: int, sizes_kib: list[int], ops: list[str], rounds: int, json_path: str | None) -> int:
+    fleet = start_reducers(reducers)
+    procs: list[subprocess.Popen[bytes]] = []
+    out_path = json_path or os.path.join(os.getcwd(), f".torch-ops-{os.getpid()}.json")
+    try:
+        spec = {"reducers": fleet.addresses, "world_size": workers, "store": f"tcp://127.0.0.1:{_free_port()}",
+                "sizes_kib": sizes_kib, "ops": ops, "rounds": rounds, "out": out_path}
+        for rank in range(workers):
+            procs.append(subprocess.Popen([sys.executable, "-m", "redsrv.bench.torch_ops", json.dumps({**spec, "rank": rank})]))
+        codes = [p.wait(timeout=1800) for p in procs]
+        if any(codes):
+            print(f"workers exited with {codes}", file=sys.stderr)
+            return 1
+        with open(out_path) as f:
+            results = json.load(f)
+        print_table(results)
+        if json_path is None:
+            os.remove(out_path)
+        return 0
+    finally:
+        stop_processes(procs)
+        stop_processes(fleet.procs)
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"{'op':<24} {'size':>8} {'gloo ms':>10} {'redsrv ms':>10} {'redsrv/gloo':>12} {'gloo2/gloo':>11} {'relay ms':>10}")
+    # Ratios: the median over reps of the ratio within back-to-back samples; gloo2 is a second
+    # gloo group, the control (gloo against itself).
+    for row in results:
+        size = row["kib"]
+        label = f"{size // 1024} MiB" if size >= 1024 else f"{size} KiB"
+        relay = f"{row['relay_ms']:10.3f}" if row.get("relay_ms") is not None else f"{'':>10}"
+        print(f"{row['op']:<24} {label:>8} {row['gloo_ms']:10.3f} {row['redsrv_ms']:10.3f} "
+              f"{row['ratio']:12.3f} {row['control_ratio']:11.3f} {relay}")
+
+
+# --- one worker ---------------------------------------------------------------------------
+
+
+def _reps(kib: int) -> int:
+    # Enough reps for a stable median at small sizes, few at 64 MiB (each is tens of ms).
+    return max(3, min(15, 65536 // (kib * 16) + 3))
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import redsrv.torch
+    from redsrv.core import collectives
+
+    rank, n = spec["rank"], spec["world_size"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=spec["store"], rank=rank, world_size=n)
+    redsrv.torch.register_backend(spec["reducers"], job=f"torch-ops-{os.getppid()}")
+    ours = dist.new_group(backend="redsrv")
+    # A second gloo group, timed like the others: how far gloo strays from itself in this run.
+    control = dist.new_group(backend="gloo")
+    rows = []
+    key = iter(range(1 << 62))
+
+    def one_op(op: str, pg: Any, x: torch.Tensor, bufs: dict[str, Any]) -> None:
+        if op == "send_recv":
+            # Rank 0 to rank 1, one way; the other ranks only wait at the barrier.
+            if rank == 0:
+                dist.send(x, dst=1, group=pg)
+            elif rank == 1:
+                dist.recv(bufs["recv"], src=0, group=pg)
+        elif op == "broadcast":
+            dist.broadcast(x, src=0, group=pg)
+        elif op == "gather":
+            dist.gather(x, bufs["list"] if rank == 0 else None, dst=0, group=pg)
+        elif op == "scatter":
+            dist.scatter(bufs["recv"], bufs["list"] if rank == 0 else None, src=0, group=pg)
+        elif op == "all_to_all_single":
+            dist.all_to_all_single(bufs["cat"], bufs["cat_in"], group=pg)
+        elif op == "all_gather_into_tensor":
+            dist.all_gather_into_tensor(bufs["cat"], x, group=pg)
+        elif op == "reduce_scatter_tensor":
+            dist.reduce_scatter_tensor(x, bufs["cat_in"], group=pg)
+        elif op == "all_reduce":
+            dist.all_reduce(x, group=pg)
+        elif op == "relay":
+            client = ours.client  # the same reducers and job as the redsrv group
+            collectives.allgather_into_async(client, x.numpy(), bufs["cat"].numpy(), key=("bench-relay", next(key))).result()
+
+    def timed(op: str, pg: Any, x: torch.Tensor, bufs: dict[str, Any], reps: int, batch: int) -> list[float]:
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(batch):
+                one_op(op, pg, x, bufs)
+            elapsed = torch.tensor([(time.perf_counter() - started) / batch], dtype=torch.float64)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+            times.append(float(elapsed))
+        return times
+
+    for op in spec["ops"]:
+        for kib in spec["sizes_kib"]:
+            numel = kib * 1024 // 4
+            x = torch.ones(numel)
+            bufs = {"recv": torch.empty(numel), "list": [torch.empty(numel) for _ in range(n)],
+                    "cat": torch.empty(numel * n), "cat_in": torch.ones(numel * n)}
+            reps = _reps(kib)
+            # Small operations are timed in batches (one sample: the mean of ``batch`` back to
+            # back) so that one descheduling on a busy machine does not decide a sample.
+            batch = max(1, 256 // kib)
+            variants = {"gloo": None, "redsrv": ours, "control": control}
+            if op in RELAYED:
+                variants["relay"] = "relay"
+            samples: dict[str, list[float]] = {name: [] for name in variants}
+            for name, pg in variants.items():  # warm-up: connections, buffers, first-use costs
+                timed("relay" if name == "relay" else op, pg if name != "relay" else ours, x, bufs, 2, batch)
+            # Paired reps: gloo and redsrv back to back, so that load from elsewhere on the
+            # machine (which changes over seconds) hits both alike; the ratio is the median of
+            # the per-pair ratios.
+            order = list(variants.items())
+            for rep in range(spec["rounds"] * reps):
+                # Rotate which goes first, so that none always follows another's traffic.
+                shift = rep % len(order)
+                for name, pg in order[shift:] + order[:shift]:
+                    samples[name] += timed("relay" if name == "relay" else op, pg if name != "relay" else ours, x, bufs, 1, batch)
+            ratios = [r / g for r, g in zip(samples["redsrv"], samples["gloo"], strict=True)]
+            control_ratios = [c / g for c, g in zip(samples["control"], samples["gloo"], strict=True)]
+            row = {"op": op, "kib": kib, "reps": len(samples["gloo"]),
+                   "gloo_ms": statistics.median(samples["gloo"]) * 1e3, "redsrv_ms": statistics.median(samples["redsrv"]) * 1e3,
+                   "ratio": statistics.median(ratios), "control_ratio": statistics.median(control_ratios),
+                   "relay_ms": statistics.median(samples["relay"]) * 1e3 if "relay" in samples else None,
+                   "samples_ms": {k: [round(v * 1e3, 4) for v in vs] for k, vs in samples.items()}}
+            rows.append(row)
+            if rank == 0:
+                print(f"{op} {kib} KiB: gloo {row['gloo_ms']:.3f} ms, redsrv {row['redsrv_ms']:.3f} ms", flush=True)
+    if rank == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(rows, f, indent=1)
+    dist.destroy_process_group(ours)
+    dist.destroy_process_group(control)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(json.loads(sys.argv[1]))

@@ -1,0 +1,34 @@
+"""Smoke run of ``redsrv bench torch-ops`` (the per-operation comparison with gloo in
+docs/torch_backend.md): it runs, every requested cell is measured, and the JSON holds the
+samples the table's medians come from."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_bench_torch_ops_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from conftest import child_env
+
+    out = tmp_path / "ops.json"
+    done = subprocess.run([sys.executable, "-m", "redsrv", "bench", "torch-ops", "--sizes", "4", "64",
+                           "--ops", "send_recv", "all_gather_into_tensor", "--rounds", "1", "--json", str(out)],
+                          env=child_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["kib"]) for r in rows] == [("send_recv", 4), ("send_recv", 64),
+                                                   ("all_gather_into_tensor", 4), ("all_gather_into_tensor", 64)]
+    for row in rows:
+        assert row["gloo_ms"] > 0 and row["redsrv_ms"] > 0 and row["ratio"] > 0 and row["control_ratio"] > 0, row
+        assert len(row["samples_ms"]["redsrv"]) == len(row["samples_ms"]["gloo"]) == row["reps"], row
+    assert rows[2]["relay_ms"] is not None and rows[0]["relay_ms"] is None  # the relayed design, all-gather only
+    table = done.stdout.splitlines()
+    assert any(line.startswith("all_gather_into_tensor") and "64 KiB" in line for line in table), done.stdout
