@@ -155,13 +155,18 @@ class _Stream:
                                   data_frame=wire.FrameType.RESULT, sender="a reducer",
                                   on_header=functools.partial(client._on_result_header, self),
                                   on_payload=functools.partial(client._on_payload, self),
-                                  on_error=functools.partial(client._on_error, self))
+                                  on_error=functools.partial(client._on_error, self),
+                                  on_count=functools.partial(client._on_count, self))
         self.writer = FrameWriter(sock, now)
         self.events = 0  # what the loop's selector watches
         self.want_write = False  # the writer holds frames the socket did not take (guarded by the I/O lock)
         self.dead = False
         self.frames_received = 0  # RESULT frames read (or skipped) whole: what ACK frames report
         self.frames_acked = 0
+        # Copies of whole results, kept until the reducer says every rank has them (wire.Safe),
+        # to give a restarted reducer the results it lost (R22): (key, chunk index) -> copy.
+        self.copies: dict[tuple[int, int], _Copy] = {}
+        self.partial_copies: dict[tuple[int, int], _Copy] = {}
         # The result frame being received (see Client._on_result_header).
         self.result: _Incoming | None = None
         self.bitmap = bytearray(0)
@@ -174,6 +179,20 @@ class _Stream:
             setattr(self, name, buf)
         view: np.ndarray = buf[:nbytes]
         return view
+
+
+@dataclass
+class _Copy:
+    """A chunk's result as it came off the wire (wire dtype, before any mean is taken), with what
+    it takes to push it as ReduceOp.SETTLED."""
+
+    key: int
+    total: int
+    offset: int
+    index: int
+    dtype: wire.DType
+    data: np.ndarray
+    frame: int = 0  # the stream's RESULT frame count once the chunk was whole
 
 
 @dataclass
@@ -231,6 +250,8 @@ class Client:
         self._recovering: dict[int, float] = {}
         self._reconnector: threading.Thread | None = None
         self._reconnected: collections.deque[tuple[int, list[_Stream]]] = collections.deque()
+        # Keep each result until every rank has it, for a reducer that restarts before they do.
+        self._keep_copies = config.reconnect_window > 0 and config.mode is wire.StragglerMode.ALL
         self._stop = threading.Event()
         self.bytes_pushed = 0
         self.bytes_pulled = 0
@@ -589,6 +610,8 @@ class Client:
         target = op.out[incoming.start : incoming.stop]
         if op.wire_dtype != op.out.dtype:
             np.copyto(target, stream.take_scratch(incoming.data_len).view(op.wire_dtype), casting="unsafe")
+        if self._keep_copies:
+            self._copy_piece(stream, incoming, target)
         if op.mean and contributors > 1:
             np.divide(target, contributors, out=target, casting="unsafe")
         self.bytes_pulled += incoming.data_len
@@ -596,6 +619,10 @@ class Client:
         whole = incoming.stop == chunk.stop
         if whole:
             op.received.pop(place, None)
+            kept = stream.partial_copies.pop((op.key, chunk_index), None)
+            if kept is not None:
+                kept.frame = stream.frames_received
+                stream.copies[(op.key, chunk_index)] = kept
         else:  # more pieces of this chunk to come
             op.received[place] = (incoming.stop - chunk.start, incoming.arrived)
         if whole and self._timeline is not None:
@@ -629,6 +656,27 @@ class Client:
                 op.min_count, op.max_count, tuple(r for r in range(self.world_size) if op.all_ranks >> r & 1))
             if op.future.set_running_or_notify_cancel():
                 op.future.set_result(op.out.reshape(op.shape) if op.given_out is None else op.given_out)
+
+    def _copy_piece(self, stream: _Stream, incoming: _Incoming, target: np.ndarray) -> None:
+        """Keep this piece of a result as it came off the wire (before a mean is taken)."""
+        op, chunk = incoming.op, incoming.chunk
+        place = (op.key, chunk.index)
+        kept = stream.partial_copies.get(place)
+        if kept is None:
+            kept = stream.partial_copies[place] = _Copy(op.key, op.out.size, chunk.start, chunk.index,
+                                                        wire.dtype_code(op.wire_dtype), np.empty(chunk.count, op.wire_dtype))
+        piece = kept.data[incoming.start - chunk.start : incoming.stop - chunk.start]
+        if op.wire_dtype != op.out.dtype:
+            np.copyto(piece, stream.take_scratch(incoming.data_len).view(op.wire_dtype))
+        else:
+            np.copyto(piece, target)
+
+    def _on_count(self, stream: _Stream, frame_type: wire.FrameType, frames: int) -> None:
+        """A SAFE from the reducer: every rank has the results up to ``frames``; drop their copies."""
+        if frame_type is not wire.FrameType.SAFE:
+            raise ConnectionBroken("protocol", f"unexpected {frame_type.name} frame from a reducer")
+        for place in [place for place, kept in stream.copies.items() if kept.frame <= frames]:
+            del stream.copies[place]
 
     def _on_error_frame(self, stream: _Stream, frame: wire.Error) -> None:
         if frame.code is wire.ErrorCode.SHUTDOWN and self.config.reconnect_window > 0:
@@ -783,6 +831,17 @@ class Client:
                 self._set_events(stream, selectors.EVENT_READ)
             restarted = streams[0].incarnation != self._incarnations[reducer]
             self._incarnations[reducer] = streams[0].incarnation
+            copies = [kept for stream in old for kept in stream.copies.values()]
+            for stream in old:
+                stream.copies.clear()
+                stream.partial_copies.clear()
+            if restarted:  # it lost what it had: give it the results some ranks may still lack
+                for i, kept in enumerate(copies):
+                    target = streams[i % len(streams)]
+                    header = wire.push_header(wire.Push(kept.key, target.incarnation, kept.total, kept.offset,
+                                                        kept.data.size, kept.index, kept.dtype, wire.ReduceOp.SETTLED),
+                                              kept.data.nbytes)
+                    self._send_frame(target, [memoryview(header), kept.data.view(np.uint8).data], None)
             with self._lock:
                 ops = list(self._ops.values())
             with self._dispatch_lock:
@@ -799,8 +858,9 @@ class Client:
                 resend.sort(key=lambda p: (p.op.started, p.chunk.index))
                 self._pending.extendleft(reversed(resend))
                 del self._recovering[reducer]
-            log.warning("rank %d: reconnected to reducer %s (%s); resending %d chunk(s)", self.rank,
-                        self.config.reducers[reducer], "restarted" if restarted else "same incarnation", len(resend))
+            log.warning("rank %d: reconnected to reducer %s (%s); resending %d chunk(s)%s", self.rank,
+                        self.config.reducers[reducer], "restarted" if restarted else "same incarnation", len(resend),
+                        f" and {len(copies)} result(s) it may have lost" if restarted else "")
             self._dispatch()
 
     def _break(self, error: BaseException) -> None:
@@ -912,6 +972,11 @@ class Client:
                 except ConnectionBroken as exc:
                     self._stream_broken(stream, exc, "pull")
                     continue
+                if stream.partial_copies:  # pieces of results whose operation failed meanwhile
+                    with self._lock:
+                        gone = [place for place in stream.partial_copies if place[0] not in self._ops]
+                    for place in gone:
+                        del stream.partial_copies[place]
                 if stream.frames_received != stream.frames_acked and self.config.reconnect_window > 0:
                     # The reducer keeps each result until it hears we have it (R22).
                     stream.frames_acked = stream.frames_received

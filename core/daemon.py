@@ -40,7 +40,7 @@ from . import wire
 from .config import DaemonSettings
 from .errors import ConfigError
 from .handshake import HandshakeState, ServerHandshake
-from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult
+from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult, SendSafe
 from .transport import (
     SKIP,
     WAIT,
@@ -95,7 +95,7 @@ class _Conn:
                                   on_header=functools.partial(daemon._begin_push, self),
                                   on_payload=functools.partial(daemon._on_payload, self),
                                   on_error=functools.partial(daemon._on_error, self),
-                                  on_ack=functools.partial(daemon._on_ack, self))
+                                  on_count=functools.partial(daemon._on_count, self))
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
         self.skip_left = 0  # bytes of the current (resent) push still to read and drop
@@ -477,9 +477,12 @@ class ReducerDaemon:
         self._execute(actions)
         return None
 
-    def _on_ack(self, conn: _Conn, frames: int) -> None:
+    def _on_count(self, conn: _Conn, frame_type: wire.FrameType, value: int) -> None:
+        if frame_type is not wire.FrameType.ACK:
+            raise ConnectionBroken("protocol", f"unexpected {frame_type.name} frame from a worker")
         with self._lock:
-            self.core.ack(conn.id, frames)
+            actions = self.core.ack(conn.id, value)
+        self._execute(actions)
 
     def _on_error(self, conn: _Conn, frame: wire.Error) -> None:
         raise _Rejected(f"worker reported: {frame.message}")
@@ -692,6 +695,10 @@ class ReducerDaemon:
                     self._close(conn, action.frame.message, wire.encode(action.frame))
                 else:
                     self._send(conn, [memoryview(wire.encode(action.frame))], None)
+            elif isinstance(action, SendSafe):
+                conn = self._conns.get(action.conn)
+                if conn is not None:
+                    self._send(conn, [memoryview(wire.encode(wire.Safe(action.frames)))], None)
             elif isinstance(action, CloseConnection):
                 conn = self._conns.get(action.conn)
                 if conn is not None:

@@ -47,6 +47,7 @@ __all__ = [
     "SendError",
     "SendResult",
     "CloseConnection",
+    "SendSafe",
     "Log",
     "PushTicket",
     "JobParams",
@@ -102,12 +103,21 @@ class CloseConnection:
 
 
 @dataclass
+class SendSafe:
+    """Tell the worker on ``conn`` that every rank has the results of its first ``frames``
+    RESULT frames (wire.Safe)."""
+
+    conn: int
+    frames: int
+
+
+@dataclass
 class Log:
     level: str  # "info", "warning", "error"
     message: str
 
 
-Action = SendError | SendResult | CloseConnection | Log
+Action = SendError | SendResult | CloseConnection | SendSafe | Log
 
 
 # --- buffers --------------------------------------------------------------------------------
@@ -228,6 +238,14 @@ class _Member:
 
 
 @dataclass
+class _AckGroup:
+    """The deliveries of one chunk's result, one per rank: once none is outstanding, every rank
+    has the result, and the copies workers keep of it may go (wire.Safe)."""
+
+    outstanding: int
+
+
+@dataclass
 class _Delivery:
     """A chunk's whole result sent to a rank and not yet acknowledged (wire.Ack). Kept, with a
     reference on its buffer, so that a rank whose connection broke can be answered again (R22)."""
@@ -237,6 +255,15 @@ class _Delivery:
     header: bytes  # a RESULT header for the whole chunk
     data: memoryview
     shared: _SharedBuffer
+    group: _AckGroup
+    finished: bool = False
+
+    def done(self) -> None:
+        """The rank has the result (it acknowledged it), or will never need it (it is gone)."""
+        if not self.finished:
+            self.finished = True
+            self.group.outstanding -= 1
+            self.shared.release()
 
 
 @dataclass(frozen=True)
@@ -352,6 +379,7 @@ class PushTicket:
     # ``buffer`` and are read and dropped; the rest is received at ``buffer[skip:]``.
     skip: int = 0
     resent: bool = False  # a whole contribution the chunk already has: read and dropped
+    settled: bool = False  # the payload is the chunk's known result (ReduceOp.SETTLED)
     replay: list[Action] = field(default_factory=list)  # to run when the ticket is handed out
 
 
@@ -362,6 +390,10 @@ class _Conn:
     session: int
     frames_sent: int = 0  # RESULT frames sent on this connection, counted as the client counts them
     unacked: deque[_Delivery] = field(default_factory=deque)
+    # Deliveries on this connection, in frame order, until every rank of their chunk has them;
+    # ``safe_frames``: the frame count the worker was last told is safe (wire.Safe).
+    safe_pending: deque[_Delivery] = field(default_factory=deque)
+    safe_frames: int = 0
 
 
 class ReducerCore:
@@ -444,15 +476,33 @@ class ReducerCore:
         self._conns[conn] = _Conn(hello.job, hello.rank, hello.session)
         return actions
 
-    def ack(self, conn: int, frames: int) -> None:
+    def ack(self, conn: int, frames: int) -> list[Action]:
         """The worker on ``conn`` has the first ``frames`` RESULT frames sent on it: the whole
-        results among them need not be kept any longer."""
+        results among them need not be kept any longer. Returns a SAFE for every connection of
+        the job whose results every rank now has."""
         info = self._conns.get(conn)
         if info is None:
-            return
+            return []
         unacked = info.unacked
         while unacked and unacked[0].last_frame <= frames:
-            unacked.popleft().shared.release()
+            unacked.popleft().done()
+        job = self._jobs.get(info.job)
+        if job is None:
+            return []
+        actions: list[Action] = []
+        for member in job.members.values():
+            for other in member.conns:
+                other_info = self._conns.get(other)
+                if other_info is None:
+                    continue
+                pending = other_info.safe_pending
+                safe = other_info.safe_frames
+                while pending and pending[0].group.outstanding <= 0:
+                    safe = pending.popleft().last_frame
+                if safe > other_info.safe_frames:
+                    other_info.safe_frames = safe
+                    actions.append(SendSafe(other, safe))
+        return actions
 
     def leave(self, conn: int, reason: str, now: float) -> list[Action]:
         """A connection closed or failed. A rank whose client reconnects (its HELLO gave a
@@ -475,7 +525,7 @@ class ReducerCore:
             for delivery in info.unacked:
                 kept = undelivered.pop(delivery.chunk_key, None)
                 if kept is not None:
-                    kept.shared.release()
+                    kept.done()
                 undelivered[delivery.chunk_key] = delivery
             info.unacked.clear()
             if member.conns or member.left_at is not None:
@@ -496,7 +546,7 @@ class ReducerCore:
     @staticmethod
     def _release_unacked(info: _Conn) -> None:
         while info.unacked:
-            info.unacked.popleft().shared.release()
+            info.unacked.popleft().done()
 
     def _lose(self, job: _Job, rank: int, why: str, now: float) -> list[Action]:
         """Rank ``rank`` is gone for good: fail what needed it, drop what was kept for it."""
@@ -507,7 +557,7 @@ class ReducerCore:
                 if info is not None:
                     self._release_unacked(info)
         for delivery in job.undelivered.pop(rank, {}).values():
-            delivery.shared.release()
+            delivery.done()
         for chunk in job.open.values():  # contributions of the old session that never finished
             part = chunk.parts.get(rank) if chunk.parts is not None else None
             if chunk.parts is not None and part is not None and not part.writing and part.received < part.shared.buffer.nbytes:
@@ -550,7 +600,7 @@ class ReducerCore:
             self._free_chunk(job, chunk)
         for kept in job.undelivered.values():
             for delivery in kept.values():
-                delivery.shared.release()
+                delivery.done()
         job.undelivered.clear()
         for closed in job.retained:
             if closed.result is not None:
@@ -573,6 +623,11 @@ class ReducerCore:
             stats = self.stats(job.name)
             stats.rejected[reject.code.name] = stats.rejected.get(reject.code.name, 0) + 1
             return [SendError(conn, reject)]
+        if push.op is ReduceOp.SETTLED:
+            if job.params.mode is not StragglerMode.ALL:
+                return [SendError(conn, Error(ErrorCode.PROTOCOL, False, "a settled result is only for jobs where every "
+                                                                          "rank contributes", push.key, push.chunk))]
+            return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), settled=True)
         closed = job.closed.get(chunk_key)
         if closed is not None:
             return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), late=True)
@@ -657,6 +712,51 @@ class ReducerCore:
             return PushTicket(conn, job.name, rank, push, None, skip=payload_len, resent=True)
         return None
 
+    def _settle(self, job: _Job | None, ticket: PushTicket, now: float) -> list[Action]:
+        """A worker pushes a chunk's result it already has to a reducer that restarted before
+        every rank had it (ReduceOp.SETTLED, R22): the chunk closes with that result, the ranks
+        waiting in it are answered, and the ranks that push later are answered from it. Results
+        are bitwise the same on every rank, so any rank's copy is the result."""
+        push, buffer = ticket.push, ticket.buffer
+        chunk_key = (push.key, push.chunk)
+        if job is None or buffer is None or chunk_key in job.closed or ticket.conn not in self._conns:
+            self._give(job, buffer)
+            return []
+        chunk = job.open.get(chunk_key)
+        shape = (push.total, push.offset, push.count, push.dtype)
+        if chunk is not None and (chunk.shape.total, chunk.shape.offset, chunk.shape.count, chunk.shape.dtype) != shape:
+            self._give(job, buffer)
+            return self._fail(job, chunk_key, ErrorCode.CONTRIBUTION_MISMATCH,
+                              f"rank {ticket.rank}'s settled result does not fit {chunk.shape.describe()}", now)
+        world = job.params.world_size
+        everyone = bitmap_from_ranks((1 << world) - 1, world)
+        item = numpy_dtype(push.dtype).itemsize
+        shared = _SharedBuffer(buffer, self.pool, 1, self._freer(job))  # this function's reference
+        data = buffer.data
+        header = result_header(Result(push.key, push.offset, push.count, push.chunk, push.dtype, world, everyone), len(data))
+        closed = _Closed(answered=1 << ticket.rank)
+        actions: list[Action] = []
+        if chunk is not None:
+            del job.open[chunk_key]
+            targets = self._answer_to(chunk)
+            done = chunk.forwarded  # the ranks in the chunk have its sums up to here, in pieces
+            if targets and done < len(data):
+                rest = Result(push.key, push.offset + done // item, push.count - done // item, push.chunk, push.dtype,
+                              world, everyone)
+                actions.append(self._send_to(targets, result_header(rest, len(data) - done), data[done:], shared))
+            for rank, conn in chunk.conns.items():
+                if conn in targets:
+                    closed.answered |= 1 << rank
+            self._track(job, chunk, header, data, shared)
+            self._free_chunk(job, chunk)
+        shared.retain(1)  # kept for the ranks that push later
+        closed.result, closed.header, closed.data = shared, header, data
+        closed.expires_at = now + job.params.op_timeout_ms / 1000
+        job.retained.append(closed)
+        self._remember(job, chunk_key, closed)
+        shared.release()
+        return actions
+
     def _send_to(self, targets: list[int], header: bytes, data: memoryview, shared: _SharedBuffer) -> SendResult:
         """One RESULT frame to each connection in ``targets``, counted per connection (the count
         that ACK frames acknowledge); takes a reference on ``shared`` for each."""
@@ -670,20 +770,22 @@ class ReducerCore:
         reconnects, until that rank acknowledges it, or for the rank's return when its
         connection is already gone."""
         chunk_key = (chunk.key, chunk.chunk)
-        for rank, conn in chunk.conns.items():
-            member = job.members.get(rank)
-            if member is None or member.grace <= 0:
-                continue
+        ranks = [(rank, conn) for rank, conn in chunk.conns.items()
+                 if (member := job.members.get(rank)) is not None and member.grace > 0]
+        group = _AckGroup(len(ranks))
+        for rank, conn in ranks:
             shared.retain(1)
             info = self._conns.get(conn)
             if info is not None:
-                info.unacked.append(_Delivery(info.frames_sent, chunk_key, header, data, shared))
+                delivery = _Delivery(info.frames_sent, chunk_key, header, data, shared, group)
+                info.unacked.append(delivery)
+                info.safe_pending.append(delivery)
                 continue
             undelivered = job.undelivered.setdefault(rank, {})
             kept = undelivered.pop(chunk_key, None)
             if kept is not None:
-                kept.shared.release()
-            undelivered[chunk_key] = _Delivery(0, chunk_key, header, data, shared)
+                kept.done()
+            undelivered[chunk_key] = _Delivery(0, chunk_key, header, data, shared, group)
 
     def report_piece_bytes(self, mode: StragglerMode) -> int:
         """How much of a push's payload the daemon should let arrive between :meth:`progress`
@@ -813,6 +915,8 @@ class ReducerCore:
             return self._finish_part(job, ticket, now)
         if ticket.resent:
             return []  # the chunk had this contribution; its answer now goes to this connection
+        if ticket.settled:
+            return self._settle(job, ticket, now)
         if job is None or ticket.conn not in self._conns:
             self._give(job, ticket.buffer)
             return []
@@ -1016,6 +1120,7 @@ class ReducerCore:
             info = self._conns[conn]
             delivery.last_frame = info.frames_sent
             info.unacked.append(delivery)  # its reference moves with it
+            info.safe_pending.append(delivery)
             return [action]
         if closed.error is not None:
             return [SendError(conn, closed.error)]

@@ -139,7 +139,8 @@ class FrameReader:
     call stopped, straight into the buffers its owner names.
 
     Heartbeats are read and dropped here, an ERROR frame is parsed whole and handed to
-    ``on_error``, and an ACK's count to ``on_ack`` (where given); any type other than these and
+    ``on_error``, and the count an ACK or SAFE frame carries to ``on_count`` (where given); any type
+    other than these and
     ``data_frame`` (PUSH for the reducer, RESULT for
     the client) is a protocol error from ``sender``. For each data frame the owner's callbacks
     decide where the payload goes: ``on_header(header)`` returns ``(view, what)`` to receive it
@@ -156,18 +157,19 @@ class FrameReader:
     """
 
     __slots__ = ("sock", "peer", "max_payload", "data_frame", "sender", "on_header", "on_payload", "on_error", "head",
-                 "on_ack", "stage", "target", "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat",
+                 "on_count", "stage", "target", "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat",
                  "max_lowat", "last_recv", "stopped", "_waiting")
 
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
                  on_payload: Callable[[], tuple[memoryview, str] | None],
-                 on_error: Callable[[wire.Error], None], on_ack: Callable[[int], None] | None = None) -> None:
+                 on_error: Callable[[wire.Error], None],
+                 on_count: Callable[[wire.FrameType, int], None] | None = None) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
         self.max_payload = max_payload
         self.data_frame, self.sender = data_frame, sender
-        self.on_header, self.on_payload, self.on_error, self.on_ack = on_header, on_payload, on_error, on_ack
+        self.on_header, self.on_payload, self.on_error, self.on_count = on_header, on_payload, on_error, on_count
         self.head = memoryview(bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE))
         self.stage = _PREFIX
         self.target: memoryview = self.head[: wire.PREFIX.size]
@@ -222,7 +224,7 @@ class FrameReader:
         self.stopped = True
         self.target = self.head = memoryview(b"")
         self.on_header = self.on_payload = self.on_error = _closed_callback  # type: ignore[assignment]
-        self.on_ack = None
+        self.on_count = None
 
     def expect_at_least(self, nbytes: int) -> None:
         """Called from ``on_payload``: the owner knows that at least ``nbytes`` more will come
@@ -278,8 +280,8 @@ class FrameReader:
                         step = self.on_header(header)
                     elif t is wire.FrameType.HEARTBEAT:
                         step = SKIP
-                    elif t is wire.FrameType.ACK and self.on_ack is not None:
-                        self.on_ack(header.fields[0])
+                    elif t in (wire.FrameType.ACK, wire.FrameType.SAFE) and self.on_count is not None:
+                        self.on_count(t, header.fields[0])
                         step = SKIP
                     else:
                         raise ConnectionBroken("protocol", f"unexpected {t.name} frame from {self.sender}")

@@ -55,6 +55,7 @@ __all__ = [
     "Error",
     "Heartbeat",
     "Ack",
+    "Safe",
     "Frame",
     "FrameHeader",
     "encode",
@@ -85,6 +86,7 @@ class FrameType(enum.IntEnum):
     ERROR = 7  # either way: what went wrong; fatal errors close the connection
     HEARTBEAT = 8  # either way: I am alive (sent when a direction is idle)
     ACK = 9  # worker -> reducer: how many whole chunk results this connection delivered
+    SAFE = 10  # reducer -> worker: every rank has the results up to this frame of this connection
 
 
 class DType(enum.IntEnum):
@@ -143,10 +145,13 @@ class ReduceOp(enum.IntEnum):
     BAND = 5  # bitwise and, or, xor: integer and bool data only
     BOR = 6
     BXOR = 7
+    # A chunk's known result, pushed by a worker that has it to a reducer that restarted before
+    # every rank had it (RELIABILITY R22); the reducer answers the other ranks with it.
+    SETTLED = 8
 
 
-#: The ops that combine every rank's data element-wise (all but BROADCAST).
-COMBINING_OPS = frozenset(op for op in ReduceOp if op is not ReduceOp.BROADCAST)
+#: The ops that combine every rank's data element-wise.
+COMBINING_OPS = frozenset(op for op in ReduceOp if op not in (ReduceOp.BROADCAST, ReduceOp.SETTLED))
 #: The bitwise ops, which are defined only for integer and bool dtypes.
 BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 #: The dtypes the bitwise ops accept.
@@ -258,7 +263,15 @@ class Ack:
     results: int
 
 
-Frame = Hello | Challenge | Proof | Welcome | Push | Result | Error | Heartbeat | Ack
+@dataclass(frozen=True)
+class Safe:
+    """Every rank of the job has the whole results of the first ``frames`` RESULT frames sent on
+    this connection: the worker may drop the copies it keeps of them (R22)."""
+
+    frames: int
+
+
+Frame = Hello | Challenge | Proof | Welcome | Push | Result | Error | Heartbeat | Ack | Safe
 
 PREFIX = struct.Struct("<4sBBHI")
 
@@ -279,6 +292,7 @@ _HEADER_STRUCTS: dict[FrameType, struct.Struct] = {
     FrameType.ERROR: struct.Struct("<HBxQI"),
     FrameType.HEARTBEAT: struct.Struct("<"),
     FrameType.ACK: struct.Struct("<Q"),  # results
+    FrameType.SAFE: struct.Struct("<Q"),  # frames
 }
 
 #: Largest type header, for preallocated receive buffers.
@@ -353,6 +367,8 @@ def _encode_parts(frame: Frame) -> tuple[FrameType, bytes, bytes | memoryview]:
         return FrameType.HEARTBEAT, b"", b""
     if isinstance(frame, Ack):
         return FrameType.ACK, _HEADER_STRUCTS[FrameType.ACK].pack(_u(frame.results, 64, "results")), b""
+    if isinstance(frame, Safe):
+        return FrameType.SAFE, _HEADER_STRUCTS[FrameType.SAFE].pack(_u(frame.frames, 64, "frames")), b""
     raise LocalProtocolError(f"cannot encode {type(frame).__name__}")
 
 
@@ -493,6 +509,8 @@ def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
         return Error(ErrorCode(f[0]), bool(f[1]), message, f[2], f[3])
     if t is FrameType.ACK:
         return Ack(f[0])
+    if t is FrameType.SAFE:
+        return Safe(f[0])
     return Heartbeat()
 
 

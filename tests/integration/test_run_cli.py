@@ -21,6 +21,12 @@ env = os.environ
 print("pid", os.getpid(), "rank", env["RANK"], "of", env["WORLD_SIZE"], "local", env["LOCAL_RANK"],
       "reducers", len(env["REDSRV_REDUCERS"].split(",")), "job", env["REDSRV_JOB"],
       "secret", len(env.get("REDSRV_SECRET", "")), flush=True)
+if "RUNTEST_DIR" in env:  # say it is up; rank 1 fails only once every rank is (a poll with a deadline)
+    import time
+    open(os.path.join(env["RUNTEST_DIR"], env["RANK"]), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(env["RUNTEST_DIR"])) < int(env["WORLD_SIZE"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
 if env["RANK"] == "1" and "RUNTEST_EXIT" in env:
     sys.exit(int(env["RUNTEST_EXIT"]))
 if "RUNTEST_BLOCK" in env:
@@ -59,7 +65,8 @@ def assert_gone(pids: list[int]) -> None:
 
 def test_workers_get_their_placement_and_a_failure_stops_the_rest(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     log = str(tmp_path / "run.log")
-    env = child_env({"RUNTEST_EXIT": "3", "RUNTEST_BLOCK": "1"})
+    (tmp_path / "up").mkdir()
+    env = child_env({"RUNTEST_EXIT": "3", "RUNTEST_BLOCK": "1", "RUNTEST_DIR": str(tmp_path / "up")})
     with open(log, "w") as out:
         proc = procs.popen([*RUN, "-np", "3", "--reducers", "2", sys.executable, "-c", WORKER], env=env, stdout=out,
                            stderr=subprocess.STDOUT, stdin=subprocess.PIPE)

@@ -646,3 +646,35 @@ def test_the_pool_releases_sizes_nobody_used_for_a_while_even_those_given_back_l
     for _ in range(20):
         pool.give(np.empty(1024, np.uint8))
     assert pool.free_bytes == 10 * 1024, "the free list is capped in bytes"
+
+
+def test_safe_is_sent_once_every_rank_acknowledged_a_result() -> None:
+    from redsrv.core.reducer import SendSafe
+
+    core = recovering_core(2, piece_bytes=0)
+    assert push(core, 0, np.ones(8, np.float32)) == []
+    assert [a for a in push(core, 1, np.ones(8, np.float32)) if isinstance(a, SendResult)]
+    assert core.ack(conn_id("j", 0), 1) == [], "rank 1 has not said it has the result yet"
+    safes = core.ack(conn_id("j", 1), 1)
+    assert sorted((a.conn, a.frames) for a in safes if isinstance(a, SendSafe)) == sorted(
+        [(conn_id("j", 0), 1), (conn_id("j", 1), 1)])
+    assert core.ack(conn_id("j", 1), 1) == [], "said once"
+
+
+def test_a_restarted_reducer_answers_every_rank_from_a_result_one_rank_settles() -> None:
+    """After a restart the reducer has nothing; a rank that already had a chunk's result pushes it
+    as SETTLED, and the ranks that lacked it are answered with it, bitwise, whether they pushed
+    their contribution before or after."""
+    core = recovering_core(3, piece_bytes=0)
+    result = (np.arange(16, dtype=np.float32) * 3).view(np.uint8)
+    assert push(core, 1, np.arange(16, dtype=np.float32)) == []  # rank 1 lacks the result: it pushes again
+    settled = wire.Push(1, INC, 16, 0, 16, 0, wire.DType.FLOAT32, wire.ReduceOp.SETTLED)
+    ticket = core.begin_push(conn_id("j", 0), settled, result.nbytes, 0.0)
+    assert isinstance(ticket, PushTicket) and ticket.buffer is not None
+    ticket.buffer[:] = result
+    answered = [a for a in core.finish_push(ticket, 0.0) if isinstance(a, SendResult)]
+    assert answered and answered[0].conns == [conn_id("j", 1)] and bytes(answered[0].data) == result.tobytes()
+    late = [a for a in push(core, 2, np.arange(16, dtype=np.float32)) if isinstance(a, SendResult)]
+    assert late and late[0].conns == [conn_id("j", 2)] and bytes(late[0].data) == result.tobytes()
+    again = errors(push(core, 1, np.arange(16, dtype=np.float32)))
+    assert again and again[0].frame.code is wire.ErrorCode.STALE, "a rank answered once is not answered twice"

@@ -28,6 +28,11 @@ FRAMES = [
     wire.Error(wire.ErrorCode.CONTRIBUTION_MISMATCH, False, "rank 0 sent float32[4], rank 1 sent float16[4]", 7, 2),
     wire.Error(wire.ErrorCode.PROTOCOL, True, ""),
     wire.Heartbeat(),
+    wire.Hello("recovering", 1, 3, 5, NONCE, reconnect_window_ms=120_000),
+    wire.Push(8, 0x1234, 4, 0, 4, 0, wire.DType.INT8, wire.ReduceOp.SETTLED, 0, bytes(4)),
+    wire.Push(9, 0x1234, 2, 0, 2, 0, wire.DType.BOOL, wire.ReduceOp.BXOR, 0, bytes(2)),
+    wire.Ack(2**40),
+    wire.Safe(17),
 ]
 
 
