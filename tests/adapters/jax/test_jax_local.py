@@ -28,7 +28,9 @@ import redsrv.jax as rjax  # noqa: E402
 pytestmark = pytest.mark.jax
 
 AXIS = "i"
-FAST = {"op_timeout": 10.0, "heartbeat_interval": 0.2, "close_timeout": 3.0, "connect_timeout": 5.0}
+# reconnect_window=0: the error tests check that a lost reducer is raised, not ridden through (R22).
+FAST = {"op_timeout": 10.0, "heartbeat_interval": 0.2, "close_timeout": 3.0, "connect_timeout": 5.0,
+        "reconnect_window": 0.0}
 
 
 @pytest.fixture(autouse=True)

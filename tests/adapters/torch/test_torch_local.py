@@ -54,7 +54,8 @@ class FakeBucket:
         return self._last
 
 
-FAST = {"op_timeout": 2.0, "heartbeat_interval": 0.2, "close_timeout": 3.0}
+# reconnect_window=0: the error tests check that a lost reducer is raised, not ridden through (R22).
+FAST = {"op_timeout": 2.0, "heartbeat_interval": 0.2, "close_timeout": 3.0, "reconnect_window": 0.0}
 
 
 def test_redsrv_torch_is_the_adapter_module() -> None:
