@@ -640,6 +640,11 @@ class ReducerCore:
         # results kept for stragglers) drains. Pushes to open chunks always proceed: they are
         # what closes chunks and frees memory.
         if chunk is None and job.bytes_held > 0 and job.bytes_held + payload_len > self.job_budget_bytes:
+            self._evict_deliveries([job], lambda: job.bytes_held + payload_len <= self.job_budget_bytes)
+        if chunk is None and self.bytes_held_total + payload_len > self.memory_budget_bytes:
+            self._evict_deliveries(list(self._jobs.values()),
+                                   lambda: self.bytes_held_total + payload_len <= self.memory_budget_bytes)
+        if chunk is None and job.bytes_held > 0 and job.bytes_held + payload_len > self.job_budget_bytes:
             self.waiting_for = f"job {job.name!r} holds {job.bytes_held} bytes of its budget of {self.job_budget_bytes}"
             self.waiting_for_reducer = False
             return None
@@ -756,6 +761,19 @@ class ReducerCore:
         self._remember(job, chunk_key, closed)
         shared.release()
         return actions
+
+    def _evict_deliveries(self, jobs: list[_Job], enough: Callable[[], bool]) -> None:
+        """Memory is short: drop the results kept for workers that have not acknowledged them yet,
+        oldest first, until ``enough()``. They are only insurance for a reconnect (R22), and a
+        worker's acknowledgement may be queued behind the very push that waits for this memory."""
+        for job in jobs:
+            for member in job.members.values():
+                for conn in member.conns:
+                    info = self._conns.get(conn)
+                    while info is not None and info.unacked and not enough():
+                        info.unacked.popleft().done()
+            if enough():
+                return
 
     def _send_to(self, targets: list[int], header: bytes, data: memoryview, shared: _SharedBuffer) -> SendResult:
         """One RESULT frame to each connection in ``targets``, counted per connection (the count

@@ -678,3 +678,16 @@ def test_a_restarted_reducer_answers_every_rank_from_a_result_one_rank_settles()
     assert late and late[0].conns == [conn_id("j", 2)] and bytes(late[0].data) == result.tobytes()
     again = errors(push(core, 1, np.arange(16, dtype=np.float32)))
     assert again and again[0].frame.code is wire.ErrorCode.STALE, "a rank answered once is not answered twice"
+
+
+def test_results_kept_for_a_reconnect_give_way_when_a_new_chunk_needs_the_budget() -> None:
+    """A worker's ACK can be queued behind the very push that waits for memory: the results kept
+    for it are insurance, and must not block the job."""
+    core = ReducerCore(INC, job_budget_bytes=1000, piece_bytes=0, rejoin_grace=5.0)
+    core.join(conn_id("j", 0), hello(0, 1, **RECONNECT))
+    for key in range(3):  # each result (800 B) is kept until acknowledged, and nobody acknowledges
+        actions = push(core, 0, np.ones(200, np.float32), key=key + 1)
+        for result in (a for a in actions if isinstance(a, SendResult)):
+            for _ in result.conns:
+                result.release()  # the daemon sent it
+    assert core.bytes_held("j") <= 1000
