@@ -239,6 +239,9 @@ def measure_data_path(total_bytes: int = 256 << 20, *, timeout: float = 120.0) -
             worker_cpu, reducer_cpu = time.process_time() - cpu_before, cpu_seconds(reducer_pid) - reducer_before
     finally:
         stop_processes(fleet.procs)
+        for proc in fleet.procs:
+            if proc.stdout is not None:
+                proc.stdout.close()  # the pipe start_reducers read the listening address from
     return DataPathMeasurement(ops * x.nbytes, seconds, worker_cpu, reducer_cpu)
 
 
