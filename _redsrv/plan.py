@@ -307,7 +307,8 @@ def _main(args: argparse.Namespace) -> int:
         ("reducers x NIC x cores", f"{p.reducers} x {p.reducer_gbps:g} Gbit/s x {p.reducer_cores}"
          + ("  (recommended)" if args.reducers is None else "")),
         ("reducer processes per host", f"{p.reducer_processes} x {p.reducer_io_gbps:.2f} GB/s each way "
-         f"({p.reducers * p.reducer_processes} addresses to list)" + ("  (recommended)" if args.reducer_processes is None else "")),
+         f"({p.reducers * p.reducer_processes} addresses to list)"
+         + ("  (recommended)" if args.reducer_processes is None else "")),
         ("reduce throughput per core", f"{p.core_gbps:.2f} GB/s"),
         ("bottleneck", p.bottleneck),
         ("predicted algbw (redsrv)", f"{p.algbw_gbps:.3f} GB/s = {p.line_rate_fraction:.0%} of the worker line rate"),

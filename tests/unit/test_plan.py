@@ -6,8 +6,7 @@ import json
 
 import pytest
 
-from redsrv.plan import (DEFAULT_IO_THREAD_GBPS, REDUCER_IO, WORKER_IO, WORKER_NIC, measure_core_gbps, measure_data_path,
-                         plan)
+from redsrv.plan import DEFAULT_IO_THREAD_GBPS, REDUCER_IO, WORKER_IO, WORKER_NIC, measure_core_gbps, measure_data_path, plan
 
 #: A data path far above any NIC here, for the tests of the network terms alone.
 FAST_PATH = {"worker_io_gbps": 1000.0, "reducer_io_gbps": 1000.0}
