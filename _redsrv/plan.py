@@ -101,11 +101,9 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     r = reducer_gbit / 8
     worker_path = CLIENT_IO_THREADS * worker_io_gbps
     host_cpu = reducer_cores * core_gbps
-    if reducer_processes is None:
-        # Enough event loops to fill the NIC (or the cores' summing rate), one core each at most.
-        p = min(reducer_cores, max(1, math.ceil(min(r, host_cpu) / reducer_io_gbps - 1e-9)))
-    else:
-        p = reducer_processes
+    # Enough event loops to fill the NIC (or the cores' summing rate), one core each at most.
+    enough_processes = min(reducer_cores, max(1, math.ceil(min(r, host_cpu) / reducer_io_gbps - 1e-9)))
+    p = reducer_processes if reducer_processes is not None else enough_processes
     loops = min(p, reducer_cores) * reducer_io_gbps  # processes beyond the cores share them
     per_reducer = min(r, loops, host_cpu)  # what one reducer host takes in per second
     # No more reducers than the workers can feed: a CPU-bound worker sends below its line rate.
@@ -126,10 +124,10 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
                         f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck")
     if loops < min(r, host_cpu):
-        need = min(reducer_cores, math.ceil(min(r, host_cpu) / reducer_io_gbps - 1e-9))
+        lift = (f"run {enough_processes} `redsrv reducer` processes per host, each on its own port, and list every address"
+                if p < enough_processes else "one per core already: add reducer hosts or faster cores")
         warnings.append(f"{p} reducer process(es) per host move at most {loops:.2f} GB/s each way, below the host's "
-                        f"{min(r, host_cpu):.2f}: run {need} `redsrv reducer` processes per host, each on its own port, "
-                        f"and list every address")
+                        f"{min(r, host_cpu):.2f}: {lift}")
     if m * host_cpu < workers * min(w, worker_path):
         warnings.append(f"{m} reducer(s) x {reducer_cores} cores cannot sum at the workers' rate: add cores or reducers")
     if algbw <= ring:

@@ -114,3 +114,12 @@ def test_doctest() -> None:
     import redsrv.plan
 
     assert doctest.testmod(redsrv.plan).failed == 0
+
+
+def test_reducer_processes_are_capped_by_the_cores() -> None:
+    # A 100 Gbit/s host with two fast cores: two event loops move 4.88 GB/s, and no more fit.
+    p = plan(workers=4, worker_gbit=100, reducer_gbit=100, reducer_cores=2, core_gbps=10.0, reducers=4,
+             worker_io_gbps=1000.0)
+    assert p.reducer_processes == 2 and p.bottleneck == REDUCER_IO
+    assert p.algbw_gbps == pytest.approx(2 * DEFAULT_IO_THREAD_GBPS)
+    assert any("one per core already" in w for w in p.warnings)
