@@ -36,8 +36,8 @@ DEFAULT_CORE_GBPS = 0.85
 #: GB/s one I/O thread moves each way (sending G and receiving G at once), for the worker's client
 #: and for a reducer process, when not measured: one worker and one reducer on loopback reached
 #: 2.44 GB/s each way on the project's 2-vCPU VM (`redsrv bench local --workers 1 --reducers 1
-#: --sizes 64 256`, an idle machine), each end about one core busy. A faster core or NIC offloads
-#: do better; a busy machine worse (`redsrv plan --measure` reads it on yours).
+#: --sizes 64 256`), about 20 Gbit/s. Both ends shared two cores there, so a host with a core for
+#: each may do better, and a busy one worse: `redsrv plan --measure` reads it on yours.
 DEFAULT_IO_THREAD_GBPS = 2.44
 
 #: The worker's client moves all its bytes on one I/O thread (``core/client.py``: one selector
