@@ -1,15 +1,20 @@
 """``redsrv plan``: how many reducers a job needs, and what it gains over ring all-reduce.
 
 The model: in one all-reduce of G bytes every worker sends and receives G (ring: 2(n-1)/n G), and
-each of m reducers receives and sends n·G/m and sums n·G/m. The all-reduce takes as long as the
-slowest of the worker NIC, the reducer NIC and the reducer CPU:
+each of m reducer hosts receives and sends n·G/m and sums n·G/m. The all-reduce takes as long as
+the slowest of the worker's NIC and data path, and the reducer hosts' NIC, data path and cores:
 
-    T_redsrv = max(G / W,  n·G / (m·R),  n·G / (m·c·S))      T_ring = 2(n-1)/n · G / W
+    T_redsrv = max(G / min(W, t·D_w),  n·G / (m·min(R, p·D_r, c·S)))   T_ring = 2(n-1)/n · G / W
 
-with W and R the worker and reducer NIC bandwidths, c the cores per reducer and S the bytes of
-contributions one core reduces per second (network stack included). The rule every vendor
-states and nobody automates: aggregate reducer bandwidth m·R must reach aggregate worker
-bandwidth n·W, or the reducers become the bottleneck.
+with W and R the worker and reducer NIC bandwidths; D_w and D_r the bytes per second one I/O
+thread of the worker's client and of a reducer process moves each way (kernel copies and TCP
+included: a core's ceiling, not the network's); t the client's I/O threads (one today); p the
+reducer processes per host (each one event loop, on its own port, listed as its own address);
+c the cores per reducer host and S the bytes of contributions one core reduces per second. Above
+t·D_w the worker's CPU, not its NIC, limits it. The rule every vendor states and nobody
+automates: aggregate reducer bandwidth m·R must reach aggregate worker bandwidth n·W, or the
+reducers become the bottleneck. The ring figure assumes ring all-reduce reaches the worker line
+rate; its own CPU ceiling is not modelled.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -27,6 +33,22 @@ import numpy as np
 #: ends' copies on the same cores), i.e. ~0.85 GB/s per core; servers with real NICs do better.
 DEFAULT_CORE_GBPS = 0.85
 
+#: GB/s one I/O thread moves each way (sending G and receiving G at once), for the worker's client
+#: and for a reducer process, when not measured: one worker and one reducer on loopback reached
+#: 2.44 GB/s each way on the project's 2-vCPU VM (`redsrv bench local --workers 1 --reducers 1
+#: --sizes 64 256`), about 20 Gbit/s. Both ends shared two cores there, so a host with a core for
+#: each may do better, and a busy one worse: `redsrv plan --measure` reads it on yours.
+DEFAULT_IO_THREAD_GBPS = 2.44
+
+#: The worker's client moves all its bytes on one I/O thread (``core/client.py``: one selector
+#: loop per client). There is no setting for more yet.
+CLIENT_IO_THREADS = 1
+
+#: Bottleneck names, in the order ties are broken (the network first: a NIC at its line rate is
+#: the outcome the plan aims for).
+WORKER_NIC, WORKER_IO, REDUCER_NIC, REDUCER_IO, REDUCER_CPU = (
+    "worker NIC", "worker I/O thread (CPU)", "reducer NIC", "reducer processes (CPU)", "reducer CPU")
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -35,7 +57,7 @@ class Plan:
     reducer_gbps: float
     reducer_cores: int
     core_gbps: float
-    reducers: int
+    reducers: int  # reducer hosts
     bottleneck: str
     algbw_gbps: float  # gigabytes per second of gradient per worker
     line_rate_fraction: float
@@ -44,39 +66,78 @@ class Plan:
     theory_max_speedup: float
     warnings: tuple[str, ...]
     reducer_cost_fraction: float | None
+    worker_io_gbps: float = DEFAULT_IO_THREAD_GBPS  # per I/O thread, each way
+    worker_io_threads: int = CLIENT_IO_THREADS
+    reducer_io_gbps: float = DEFAULT_IO_THREAD_GBPS  # per reducer process, each way
+    reducer_processes: int = 1  # per reducer host
+
+    @property
+    def worker_cpu_bound(self) -> bool:
+        """The worker's own data path, not its NIC, caps it."""
+        return self.worker_io_threads * self.worker_io_gbps < self.worker_gbps / 8
 
 
 def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores: int, core_gbps: float = DEFAULT_CORE_GBPS,
-         reducers: int | None = None, worker_price: float | None = None, reducer_price: float | None = None) -> Plan:
-    """Recommend a reducer count (or evaluate ``reducers``) for ``workers`` workers.
+         worker_io_gbps: float = DEFAULT_IO_THREAD_GBPS, reducer_io_gbps: float = DEFAULT_IO_THREAD_GBPS,
+         reducer_processes: int | None = None, reducers: int | None = None, worker_price: float | None = None,
+         reducer_price: float | None = None) -> Plan:
+    """Recommend reducer hosts and processes per host (or evaluate ``reducers`` /
+    ``reducer_processes``) for ``workers`` workers.
 
-    >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32)
+    >>> p = plan(workers=8, worker_gbit=10, reducer_gbit=10, reducer_cores=32)
     >>> p.reducers, p.bottleneck, round(p.speedup, 2)
     (8, 'worker NIC', 1.75)
+    >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32)
+    >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers, p.reducer_processes
+    ('worker I/O thread (CPU)', '20%', 2, 6)
     """
     if workers < 2 or worker_gbit <= 0 or reducer_gbit <= 0 or reducer_cores < 1 or core_gbps <= 0:
         raise ValueError("need workers >= 2 and positive bandwidths, cores and core throughput")
+    if worker_io_gbps <= 0 or reducer_io_gbps <= 0:
+        raise ValueError("need positive data-path ceilings (GB/s per I/O thread)")
+    if (reducer_processes is not None and reducer_processes < 1) or (reducers is not None and reducers < 1):
+        raise ValueError("need at least one reducer and one reducer process per host")
     w = worker_gbit / 8  # GB/s
     r = reducer_gbit / 8
-    per_reducer = min(r, reducer_cores * core_gbps)  # what one reducer can take in per second
-    m = reducers if reducers is not None else max(1, math.ceil(workers * w / per_reducer - 1e-9))
-    limits = {"worker NIC": w, "reducer NIC": m * r / workers, "reducer CPU": m * reducer_cores * core_gbps / workers}
+    worker_path = CLIENT_IO_THREADS * worker_io_gbps
+    host_cpu = reducer_cores * core_gbps
+    # Enough event loops to fill the NIC (or the cores' summing rate), one core each at most.
+    enough_processes = min(reducer_cores, max(1, math.ceil(min(r, host_cpu) / reducer_io_gbps - 1e-9)))
+    p = reducer_processes if reducer_processes is not None else enough_processes
+    loops = min(p, reducer_cores) * reducer_io_gbps  # processes beyond the cores share them
+    per_reducer = min(r, loops, host_cpu)  # what one reducer host takes in per second
+    # No more reducers than the workers can feed: a CPU-bound worker sends below its line rate.
+    m = reducers if reducers is not None else max(1, math.ceil(workers * min(w, worker_path) / per_reducer - 1e-9))
+    limits = {WORKER_NIC: w, WORKER_IO: worker_path, REDUCER_NIC: m * r / workers, REDUCER_IO: m * loops / workers,
+              REDUCER_CPU: m * host_cpu / workers}
     bottleneck = min(limits, key=lambda k: limits[k])
     algbw = limits[bottleneck]
     ring = w * workers / (2 * (workers - 1))
     warnings = []
-    if m * r < workers * w:
+    if worker_path < w:
+        warnings.append(
+            f"a worker's client moves at most {worker_path:.2f} GB/s each way ({worker_path * 8:.1f} Gbit/s) on its "
+            f"{CLIENT_IO_THREADS} I/O thread: above that NIC speed the worker's CPU, not its {worker_gbit:g} Gbit/s NIC, "
+            f"is the bottleneck ({worker_path / w:.0%} of its line rate). The client has one I/O thread today; no setting "
+            f"gives it more, and more reducers do not help")
+    if m * r < workers * min(w, worker_path):
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
-                        f"{workers * worker_gbit:g} Gbit/s: the reducers are the bottleneck")
-    if m * reducer_cores * core_gbps < workers * w:
-        warnings.append(f"{m} reducer(s) x {reducer_cores} cores cannot sum at the workers' line rate: add cores or reducers")
+                        f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck")
+    if loops < min(r, host_cpu):
+        lift = (f"run {enough_processes} `redsrv reducer` processes per host, each on its own port, and list every address"
+                if p < enough_processes else "one per core already: add reducer hosts or faster cores")
+        warnings.append(f"{p} reducer process(es) per host move at most {loops:.2f} GB/s each way, below the host's "
+                        f"{min(r, host_cpu):.2f}: {lift}")
+    if m * host_cpu < workers * min(w, worker_path):
+        warnings.append(f"{m} reducer(s) x {reducer_cores} cores cannot sum at the workers' rate: add cores or reducers")
     if algbw <= ring:
-        warnings.append("with this fleet ring all-reduce is as fast or faster")
+        warnings.append("with this fleet ring all-reduce is as fast or faster (if ring reaches the worker line rate)")
     cost = None
     if worker_price is not None and reducer_price is not None and worker_price > 0:
         cost = m * reducer_price / (workers * worker_price)
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
-                algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost)
+                algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, CLIENT_IO_THREADS,
+                reducer_io_gbps, p)
 
 
 def measure_core_gbps(seconds: float = 1.0, workers: int = 4, chunk_bytes: int = 512 * 1024) -> float:
@@ -108,6 +169,80 @@ def measure_core_gbps(seconds: float = 1.0, workers: int = 4, chunk_bytes: int =
     return done / (time.perf_counter() - started) / 1e9
 
 
+#: Below this many CPU seconds the kernel's tick-counted CPU times are too coarse to divide by.
+_MIN_CPU_SECONDS = 0.05
+#: Largest single operation of the data-path probe: 64 MiB keeps what a reducer holds for the
+#: probe's job well inside its default per-job budget (128 MiB).
+_PROBE_OP_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class DataPathMeasurement:
+    """One worker client and one reducer process on loopback: bytes each way, wall-clock and the
+    CPU seconds of each end."""
+
+    bytes_each_way: int
+    seconds: float
+    worker_cpu_s: float  # the whole worker process: its I/O thread does nearly all of it
+    reducer_cpu_s: float
+
+    @property
+    def wall_gbps(self) -> float:
+        """GB/s each way with both ends on this machine's cores at once."""
+        return self.bytes_each_way / self.seconds / 1e9
+
+    def _per_core(self, cpu_s: float) -> float:
+        # Bytes per CPU-second: what the end moves on a core of its own. On loopback the kernel
+        # bills a receive's TCP work to the sending process; each end sends and receives the
+        # same bytes, so the two bills even out. Too little CPU to read: the wall-clock rate,
+        # a lower bound (one thread is busy at most the whole run).
+        return self.bytes_each_way / cpu_s / 1e9 if cpu_s >= _MIN_CPU_SECONDS else self.wall_gbps
+
+    @property
+    def worker_gbps_per_core(self) -> float:
+        return self._per_core(self.worker_cpu_s)
+
+    @property
+    def reducer_gbps_per_core(self) -> float:
+        return self._per_core(self.reducer_cpu_s)
+
+
+def measure_data_path(total_bytes: int = 256 << 20, *, timeout: float = 120.0) -> DataPathMeasurement:
+    """Push ``total_bytes`` of float32 through a :class:`redsrv.Client` (world size 1) and a
+    ``redsrv reducer`` process on 127.0.0.1, in operations of at most 64 MiB after one warm-up,
+    and read the wall-clock time and each end's CPU seconds. With one rank the reducer sums
+    nothing: this is the data path alone (framing, kernel copies, TCP), each way."""
+    import os
+
+    import redsrv
+    from redsrv.bench.local import cpu_seconds
+    from redsrv.examples.launcher import start_reducers, stop_processes
+
+    if total_bytes < 4:
+        raise ValueError(f"total_bytes must be at least one float32 (4 bytes), got {total_bytes}")
+    op_elements = min(total_bytes, _PROBE_OP_BYTES) // 4
+    ops = max(1, total_bytes // (op_elements * 4))
+    x = np.ones(op_elements, np.float32)
+    fleet = start_reducers(1)
+    try:
+        reducer_pid = fleet.procs[0].pid
+        with redsrv.Client(fleet.addresses, rank=0, world_size=1, job=f"plan-probe-{os.getpid()}",
+                           op_timeout=timeout) as client:
+            client.allreduce(x, out=x)  # warm-up: connections, the reducer's buffer pool, page faults
+            cpu_before, reducer_before = time.process_time(), cpu_seconds(reducer_pid)
+            started = time.perf_counter()
+            for _ in range(ops):
+                client.allreduce(x, out=x)
+            seconds = time.perf_counter() - started
+            worker_cpu, reducer_cpu = time.process_time() - cpu_before, cpu_seconds(reducer_pid) - reducer_before
+    finally:
+        stop_processes(fleet.procs)
+        for proc in fleet.procs:
+            if proc.stdout is not None:
+                proc.stdout.close()  # the pipe start_reducers read the listening address from
+    return DataPathMeasurement(ops * x.nbytes, seconds, worker_cpu, reducer_cpu)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser("plan", help="recommend the number of reducers and predict the speed-up over ring all-reduce",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,9 +250,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--worker-gbit", type=float, required=True, help="worker NIC bandwidth, Gbit/s")
     p.add_argument("--reducer-gbit", type=float, required=True, help="reducer NIC bandwidth, Gbit/s")
     p.add_argument("--reducer-cores", type=int, default=8, help="cores per reducer host (default 8)")
-    p.add_argument("--reducers", type=int, help="evaluate this many reducers instead of recommending")
+    p.add_argument("--reducers", type=int, help="evaluate this many reducer hosts instead of recommending")
+    p.add_argument("--reducer-processes", type=int,
+                   help="evaluate this many `redsrv reducer` processes per reducer host instead of recommending")
     p.add_argument("--core-gbps", type=float, help=f"GB/s of contributions one core reduces (default {DEFAULT_CORE_GBPS})")
-    p.add_argument("--measure", action="store_true", help="measure this machine's reduce throughput per core first")
+    p.add_argument("--worker-io-gbps", type=float,
+                   help=f"GB/s the worker's client I/O thread moves each way (default {DEFAULT_IO_THREAD_GBPS})")
+    p.add_argument("--reducer-io-gbps", type=float,
+                   help=f"GB/s one reducer process moves each way (default {DEFAULT_IO_THREAD_GBPS})")
+    p.add_argument("--measure", action="store_true",
+                   help="measure this machine first: reduce throughput per core, and the data path of one worker client "
+                        "and one reducer process on loopback (flags given explicitly win over the measurement)")
+    p.add_argument("--measure-mib", type=float, default=256,
+                   help="MiB each way for the data-path measurement (default 256)")
     p.add_argument("--worker-price", type=float, help="price of a worker per hour (any currency)")
     p.add_argument("--reducer-price", type=float, help="price of a reducer per hour (same currency)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -125,26 +270,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 
 
 def _main(args: argparse.Namespace) -> int:
-    core_gbps = args.core_gbps
+    core_gbps, worker_io, reducer_io = args.core_gbps, args.worker_io_gbps, args.reducer_io_gbps
+    measured = None
     if args.measure:
-        measured = measure_core_gbps()
-        print(f"measured: one core moves {measured:.2f} GB/s of contributions through the reducer state machine "
-              f"(TCP excluded; planning with {measured / 2:.2f}, half of it, to leave room for the network stack)")
-        core_gbps = measured / 2
+        # With --json the measurement goes into the JSON; its prose to stderr, keeping stdout parseable.
+        say = sys.stderr if args.json else sys.stdout
+        core = measure_core_gbps()
+        print(f"measured: one core moves {core:.2f} GB/s of contributions through the reducer state machine "
+              f"(TCP excluded; planning with {core / 2:.2f}, half of it, to leave room for the network stack)", file=say)
+        path = measure_data_path(int(args.measure_mib * 2**20))
+        print(f"measured: one worker client and one reducer process on 127.0.0.1 moved {path.bytes_each_way / 2**20:g} MiB "
+              f"each way in {path.seconds:.3f} s = {path.wall_gbps:.2f} GB/s each way (both ends on this machine's cores); "
+              f"CPU seconds: worker {path.worker_cpu_s:.3f}, reducer {path.reducer_cpu_s:.3f}; per core each way: "
+              f"worker {path.worker_gbps_per_core:.2f} GB/s, reducer process {path.reducer_gbps_per_core:.2f} GB/s", file=say)
+        measured = {"core_gbps": core, **asdict(path), "wall_gbps": path.wall_gbps,
+                    "worker_gbps_per_core": path.worker_gbps_per_core, "reducer_gbps_per_core": path.reducer_gbps_per_core}
+        core_gbps = core_gbps or core / 2
+        worker_io = worker_io or path.worker_gbps_per_core
+        reducer_io = reducer_io or path.reducer_gbps_per_core
     p = plan(workers=args.workers, worker_gbit=args.worker_gbit, reducer_gbit=args.reducer_gbit,
-             reducer_cores=args.reducer_cores, core_gbps=core_gbps or DEFAULT_CORE_GBPS, reducers=args.reducers,
+             reducer_cores=args.reducer_cores, core_gbps=core_gbps or DEFAULT_CORE_GBPS,
+             worker_io_gbps=worker_io or DEFAULT_IO_THREAD_GBPS, reducer_io_gbps=reducer_io or DEFAULT_IO_THREAD_GBPS,
+             reducer_processes=args.reducer_processes, reducers=args.reducers,
              worker_price=args.worker_price, reducer_price=args.reducer_price)
     if args.json:
-        print(json.dumps(asdict(p), indent=1))
+        print(json.dumps({**asdict(p), "worker_cpu_bound": p.worker_cpu_bound,
+                          **({"measured": measured} if measured else {})}, indent=1))
         return 0
+    worker_path = p.worker_io_threads * p.worker_io_gbps
     rows = [
         ("workers x NIC", f"{p.workers} x {p.worker_gbps:g} Gbit/s"),
+        ("worker data path", f"{worker_path:.2f} GB/s each way = {worker_path * 8:.1f} Gbit/s "
+         f"({p.worker_io_threads} I/O thread x {p.worker_io_gbps:.2f} GB/s)"),
         ("reducers x NIC x cores", f"{p.reducers} x {p.reducer_gbps:g} Gbit/s x {p.reducer_cores}"
          + ("  (recommended)" if args.reducers is None else "")),
+        ("reducer processes per host", f"{p.reducer_processes} x {p.reducer_io_gbps:.2f} GB/s each way "
+         f"({p.reducers * p.reducer_processes} addresses to list)"
+         + ("  (recommended)" if args.reducer_processes is None else "")),
         ("reduce throughput per core", f"{p.core_gbps:.2f} GB/s"),
         ("bottleneck", p.bottleneck),
         ("predicted algbw (redsrv)", f"{p.algbw_gbps:.3f} GB/s = {p.line_rate_fraction:.0%} of the worker line rate"),
-        ("ring all-reduce algbw", f"{p.ring_algbw_gbps:.3f} GB/s"),
+        ("ring all-reduce algbw", f"{p.ring_algbw_gbps:.3f} GB/s (at the worker line rate)"),
         ("predicted speed-up", f"{p.speedup:.2f}x (at most {p.theory_max_speedup:.2f}x for {p.workers} workers)"),
     ]
     if p.reducer_cost_fraction is not None:

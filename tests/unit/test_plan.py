@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from redsrv.plan import measure_core_gbps, plan
+from redsrv.plan import DEFAULT_IO_THREAD_GBPS, REDUCER_IO, WORKER_IO, WORKER_NIC, measure_core_gbps, measure_data_path, plan
+
+#: A data path far above any NIC here, for the tests of the network terms alone.
+FAST_PATH = {"worker_io_gbps": 1000.0, "reducer_io_gbps": 1000.0}
 
 
 def test_recommends_matching_aggregate_bandwidth() -> None:
-    p = plan(workers=16, worker_gbit=100, reducer_gbit=50, reducer_cores=64)
-    assert p.reducers == 32 and p.bottleneck == "worker NIC" and not p.warnings
+    p = plan(workers=16, worker_gbit=100, reducer_gbit=50, reducer_cores=64, **FAST_PATH)
+    assert p.reducers == 32 and p.bottleneck == WORKER_NIC and not p.warnings
     assert p.speedup == pytest.approx(2 * 15 / 16)
 
 
@@ -21,18 +26,86 @@ def test_too_few_reducers_warns_and_predicts_the_loss() -> None:
 
 
 def test_cpu_bound_reducers_need_more_of_them() -> None:
-    p = plan(workers=8, worker_gbit=200, reducer_gbit=200, reducer_cores=4, core_gbps=1.0)
+    p = plan(workers=8, worker_gbit=200, reducer_gbit=200, reducer_cores=4, core_gbps=1.0, **FAST_PATH)
     assert p.reducers == 50  # 8 x 25 GB/s of input over 4 GB/s per reducer
-    assert p.bottleneck in ("reducer CPU", "worker NIC")
+    assert p.bottleneck in ("reducer CPU", WORKER_NIC)
+
+
+def test_network_bound_worker_below_its_data_path_reaches_line_rate() -> None:
+    # 16 Gbit/s = 2.0 GB/s, under one I/O thread's 2.44 GB/s: the NIC is the limit.
+    p = plan(workers=8, worker_gbit=16, reducer_gbit=16, reducer_cores=8)
+    assert p.bottleneck == WORKER_NIC and not p.worker_cpu_bound
+    assert p.algbw_gbps == pytest.approx(2.0) and p.line_rate_fraction == pytest.approx(1.0)
+    assert p.speedup == pytest.approx(2 * 7 / 8)
+
+
+def test_a_100_gbit_worker_is_cpu_bound_on_one_io_thread() -> None:
+    p = plan(workers=64, worker_gbit=100, reducer_gbit=32, reducer_cores=8)
+    assert p.bottleneck == WORKER_IO and p.worker_cpu_bound
+    assert p.algbw_gbps == pytest.approx(DEFAULT_IO_THREAD_GBPS)
+    assert p.line_rate_fraction == pytest.approx(DEFAULT_IO_THREAD_GBPS / 12.5)  # 20%, not 100%
+    # Reducers sized for what the workers can send (64 x 2.44 GB/s over 4 GB/s per host), not for
+    # their line rate (which would be 200), with two processes to fill each 32 Gbit/s NIC.
+    assert (p.reducers, p.reducer_processes) == (40, 2)
+    assert p.speedup == pytest.approx(DEFAULT_IO_THREAD_GBPS / (12.5 * 64 / 126))
+    assert any("one I/O thread today" in w for w in p.warnings)
+
+
+def test_worker_ceiling_scales_the_cpu_bound_prediction() -> None:
+    slow = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, worker_io_gbps=1.0)
+    fast = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, worker_io_gbps=2.0)
+    assert slow.algbw_gbps == pytest.approx(1.0) and fast.algbw_gbps == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("ceiling", [1.0, 2.44, 5.0])
+def test_crossover_from_network_to_cpu_at_eight_times_the_ceiling(ceiling: float) -> None:
+    crossover_gbit = ceiling * 8
+    below = plan(workers=4, worker_gbit=crossover_gbit * 0.99, reducer_gbit=1000, reducer_cores=64, worker_io_gbps=ceiling)
+    above = plan(workers=4, worker_gbit=crossover_gbit * 1.01, reducer_gbit=1000, reducer_cores=64, worker_io_gbps=ceiling)
+    assert below.bottleneck == WORKER_NIC and below.line_rate_fraction == pytest.approx(1.0)
+    assert above.bottleneck == WORKER_IO and above.algbw_gbps == pytest.approx(ceiling)
+    assert above.line_rate_fraction == pytest.approx(1 / 1.01)
+
+
+def test_one_reducer_process_caps_a_fast_reducer_host_and_more_lift_it() -> None:
+    capped = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, reducers=8, reducer_processes=1,
+                  worker_io_gbps=1000.0)
+    assert capped.bottleneck == REDUCER_IO and capped.algbw_gbps == pytest.approx(DEFAULT_IO_THREAD_GBPS)
+    assert any("6 `redsrv reducer` processes per host" in w for w in capped.warnings)  # ceil(12.5 / 2.44)
+    lifted = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, reducers=8, worker_io_gbps=1000.0)
+    assert lifted.reducer_processes == 6 and lifted.bottleneck == WORKER_NIC
 
 
 def test_invalid_inputs() -> None:
     with pytest.raises(ValueError):
         plan(workers=1, worker_gbit=1, reducer_gbit=1, reducer_cores=1)
+    with pytest.raises(ValueError):
+        plan(workers=2, worker_gbit=1, reducer_gbit=1, reducer_cores=1, worker_io_gbps=0)
+    with pytest.raises(ValueError):
+        plan(workers=2, worker_gbit=1, reducer_gbit=1, reducer_cores=1, reducer_processes=0)
 
 
 def test_measure_runs_the_real_state_machine() -> None:
     assert measure_core_gbps(seconds=0.2) > 0.05
+
+
+def test_measure_data_path_over_a_real_reducer() -> None:
+    m = measure_data_path(4 << 20, timeout=30)
+    assert m.bytes_each_way == 4 << 20 and m.seconds > 0 and m.wall_gbps > 0
+    assert m.worker_gbps_per_core >= m.wall_gbps * 0.99 and m.reducer_gbps_per_core > 0
+
+
+def test_cli_measure_plans_with_what_it_measured(capsys: pytest.CaptureFixture[str]) -> None:
+    from redsrv.cli import main
+
+    assert main(["plan", "--workers", "4", "--worker-gbit", "100", "--reducer-gbit", "100", "--measure",
+                 "--measure-mib", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    measured = out["measured"]
+    assert measured["bytes_each_way"] == 2 << 20 and measured["reducer_cpu_s"] >= 0
+    assert out["worker_io_gbps"] == measured["worker_gbps_per_core"] > 0
+    assert out["reducer_io_gbps"] == measured["reducer_gbps_per_core"] > 0
+    assert out["core_gbps"] == pytest.approx(measured["core_gbps"] / 2)
 
 
 def test_doctest() -> None:
@@ -41,3 +114,12 @@ def test_doctest() -> None:
     import redsrv.plan
 
     assert doctest.testmod(redsrv.plan).failed == 0
+
+
+def test_reducer_processes_are_capped_by_the_cores() -> None:
+    # A 100 Gbit/s host with two fast cores: two event loops move 4.88 GB/s, and no more fit.
+    p = plan(workers=4, worker_gbit=100, reducer_gbit=100, reducer_cores=2, core_gbps=10.0, reducers=4,
+             worker_io_gbps=1000.0)
+    assert p.reducer_processes == 2 and p.bottleneck == REDUCER_IO
+    assert p.algbw_gbps == pytest.approx(2 * DEFAULT_IO_THREAD_GBPS)
+    assert any("one per core already" in w for w in p.warnings)
