@@ -81,4 +81,7 @@ def test_the_fleet_is_sized_by_the_bandwidth_rule(manifests) -> None:  # type: i
     cores = int(manifests["sts"]["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"])
     assert replicas * reducer_gbit >= workers * worker_gbit
     recommended = plan(workers=workers, worker_gbit=worker_gbit, reducer_gbit=reducer_gbit, reducer_cores=cores)
-    assert recommended.reducers <= replicas and not recommended.warnings
+    assert recommended.reducers <= replicas
+    # At 25 Gbit/s a worker's single I/O thread, not the network, is the limit (redsrv plan says so);
+    # nothing else may be wrong with the manifest's sizing.
+    assert [w for w in recommended.warnings if "I/O thread" not in w] == [], recommended.warnings
