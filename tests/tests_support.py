@@ -17,7 +17,7 @@ from redsrv.core import wire
 
 from worker_main import make_input
 
-__all__ = ["make_input", "rank_order_sum", "read_frames", "wait_for_open_operations", "why_no_namespaces"]
+__all__ = ["make_input", "poll", "rank_order_sum", "read_frames", "rss_bytes", "wait_for_open_operations", "why_no_namespaces"]
 
 _STALL_WARNING = re.compile(r"key (0x[0-9a-f]+) chunk \d+ open for")
 
@@ -83,3 +83,25 @@ def why_no_namespaces() -> str | None:
         return f"`ip netns add` failed here: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
     return None
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def poll(predicate, timeout: float, what: str, every: float = 0.05):  # type: ignore[no-untyped-def]
+    """Wait until ``predicate()`` is truthy and return its value; fail naming ``what`` after
+    ``timeout`` seconds (a poll with a deadline, never a bare sleep)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.1f}s: {what} (last value {value!r})")
+        time.sleep(every)

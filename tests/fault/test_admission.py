@@ -17,30 +17,12 @@ from redsrv.core import auth, wire
 from redsrv.core.constants import MAGIC
 from redsrv.core.handshake import ClientHandshake, HandshakeState
 
+from tests_support import poll, rss_bytes
+
 pytestmark = pytest.mark.timeout(120)
 
 MIB = 1 << 20
 SECRET = b"admission-test-secret-0123456789"
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
-def poll(predicate, timeout: float, what: str, every: float = 0.05):  # type: ignore[no-untyped-def]
-    """Wait until ``predicate()`` is truthy (returns it), failing after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.1f}s: {what} (last value {value!r})")
-        time.sleep(every)
 
 
 def sample_max(measure, seconds: float) -> int:  # type: ignore[no-untyped-def]

@@ -16,21 +16,13 @@ import redsrv
 from redsrv.core import auth, wire
 
 from conftest import child_env
-from tests_support import read_frames, wait_for_open_operations
+from tests_support import read_frames, rss_bytes, wait_for_open_operations
 
 pytestmark = pytest.mark.timeout(120)
 
 FAST = dict(heartbeat_interval=0.2, heartbeat_misses=5, op_timeout=20.0, close_timeout=3.0, connect_timeout=5.0,
             reconnect_window=0.0)
 MIB = 1 << 20
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def handshake(sock: socket.socket, job: str, rank: int, world: int, secret: bytes | None = None) -> tuple[wire.Challenge, bytes]:

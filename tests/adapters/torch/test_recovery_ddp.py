@@ -47,11 +47,16 @@ def train_through(procs, tmp_path, fault) -> list[dict]:  # type: ignore[no-unty
         workers.append(procs.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(), stdout=log,
                                    stderr=subprocess.STDOUT))
         prefixes.append(prefix)
+    from tests_support import poll
+
     deadline = time.monotonic() + 150
-    while (progress(prefixes[0]) or ("", -1))[1] < 5 or progress(prefixes[0])[0] != "faulted":  # type: ignore[index]
+
+    def faulted_run_under_way() -> bool:
         assert all(w.poll() is None for w in workers), [open(p + ".log").read()[-2000:] for p in prefixes]
-        assert time.monotonic() < deadline, "training did not get going"
-        time.sleep(0.05)
+        run, step = progress(prefixes[0]) or ("", -1)
+        return run == "faulted" and step >= 5
+
+    poll(faulted_run_under_way, 150, "rank 0 at step 5 of the faulted run")
     fault(procs, reducers)
     for worker in workers:
         worker.wait(timeout=max(1.0, deadline - time.monotonic()))
