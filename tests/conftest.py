@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import psutil
 import pytest
 
-from redsrv.examples.launcher import readline_within
+from redsrv.cli.fleet import readline_within
 
 LISTEN_RE = re.compile(r"listening on (\S+):(\d+) incarnation=(0x[0-9a-f]+)")
 

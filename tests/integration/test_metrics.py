@@ -71,7 +71,7 @@ def test_reducer_metrics_count_bytes_chunks_rejections_and_stragglers(procs) -> 
 
 
 def test_worker_metrics(fleet) -> None:  # type: ignore[no-untyped-def]
-    from redsrv.metrics import serve_worker_metrics
+    from redsrv.cli.metrics import serve_worker_metrics
 
     (reducer,) = fleet(1)
     port = free_port()

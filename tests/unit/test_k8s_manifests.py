@@ -71,7 +71,7 @@ def test_the_secret_is_mounted_where_both_sides_read_it(manifests) -> None:  # t
 
 
 def test_the_fleet_is_sized_by_the_bandwidth_rule(manifests) -> None:  # type: ignore[no-untyped-def]
-    from redsrv.plan import plan
+    from redsrv.cli.plan import plan
 
     specs = manifests["job"]["spec"]["pytorchReplicaSpecs"]
     workers = sum(s["replicas"] for s in specs.values())

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from redsrv.plan import DEFAULT_IO_THREAD_GBPS, REDUCER_IO, WORKER_IO, WORKER_NIC, measure_core_gbps, measure_data_path, plan
+from redsrv.cli.plan import DEFAULT_IO_THREAD_GBPS, REDUCER_IO, WORKER_IO, WORKER_NIC, measure_core_gbps, measure_data_path, plan
 
 #: A data path far above any NIC here, for the tests of the network terms alone.
 FAST_PATH = {"worker_io_gbps": 1000.0, "reducer_io_gbps": 1000.0}
@@ -111,9 +111,9 @@ def test_cli_measure_plans_with_what_it_measured(capsys: pytest.CaptureFixture[s
 def test_doctest() -> None:
     import doctest
 
-    import redsrv.plan
+    import redsrv.cli.plan
 
-    assert doctest.testmod(redsrv.plan).failed == 0
+    assert doctest.testmod(redsrv.cli.plan).failed == 0
 
 
 def test_reducer_processes_are_capped_by_the_cores() -> None:

@@ -18,8 +18,8 @@ import uuid
 from collections.abc import Sequence
 from typing import IO, Any
 
+from redsrv.cli.fleet import start_reducers, stop_processes
 from redsrv.core.config import Config
-from redsrv.examples.launcher import start_reducers, stop_processes
 
 __all__ = ["add_parser", "run"]
 

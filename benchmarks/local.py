@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from redsrv.examples.launcher import start_reducers, stop_processes
+from redsrv.cli.fleet import start_reducers, stop_processes
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

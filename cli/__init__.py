@@ -70,7 +70,7 @@ def _reducer(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     host, port = daemon.start()
     if args.metrics_port is not None:
-        from redsrv.metrics import serve_reducer_metrics
+        from redsrv.cli.metrics import serve_reducer_metrics
 
         serve_reducer_metrics(daemon, args.metrics_port, host=args.metrics_host or host)
     shown = f"[{host}]" if ":" in host else host
@@ -118,7 +118,7 @@ def _force_exit(close_timeout: float) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from redsrv.examples.launcher import run_demo
+    from redsrv.cli.demo import run_demo
 
     return run_demo(workers=args.workers, reducers=args.reducers, steps=args.steps, framework=args.framework,
                     wire_dtype=args.wire_dtype)
@@ -176,10 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress gradients on the wire")
     p.set_defaults(func=_demo)
 
-    importlib.import_module("redsrv.run").add_parser(sub)
-    importlib.import_module("redsrv.soak").add_parser(sub)
-    importlib.import_module("redsrv.plan").add_parser(sub)
-    importlib.import_module("redsrv.timeline_cmd").add_parser(sub)
+    importlib.import_module("redsrv.cli.run").add_parser(sub)
+    importlib.import_module("redsrv.cli.soak").add_parser(sub)
+    importlib.import_module("redsrv.cli.plan").add_parser(sub)
+    importlib.import_module("redsrv.cli.timeline").add_parser(sub)
 
     p = sub.add_parser("bench", help="benchmarks", description="Benchmarks of the reduction server.")
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="KIND")

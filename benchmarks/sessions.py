@@ -29,8 +29,8 @@ import time
 import numpy as np
 
 import redsrv
+from redsrv.cli.fleet import readline_within, stop_processes
 from redsrv.core import wire
-from redsrv.examples.launcher import readline_within, stop_processes
 
 _LISTEN = re.compile(r"listening on (\S+):(\d+) incarnation")
 MIB = 1 << 20

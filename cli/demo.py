@@ -1,4 +1,4 @@
-"""Local launcher behind ``redsrv demo``: a reducer fleet and worker processes on this machine.
+"""``redsrv demo``: a reducer fleet and worker processes on this machine.
 
 Starts ``reducers`` reducer processes on free loopback ports, ``workers`` worker processes that
 train through them, compares the trained weights with a single-process reference, prints a
@@ -11,19 +11,15 @@ import argparse
 import importlib
 import importlib.util
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 
-_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+from redsrv.cli.fleet import start_reducers, stop_processes
 
 #: Framework -> module with train_worker(...) and train_reference(...).
 FRAMEWORKS = {"numpy": "redsrv.examples.numpy_sgd", "torch": "redsrv.examples.torch_ddp", "jax": "redsrv.examples.jax_optax",
@@ -33,56 +29,6 @@ FRAMEWORKS = {"numpy": "redsrv.examples.numpy_sgd", "torch": "redsrv.examples.to
 #: largest weight. float32 on the wire sums in the same order as the reference (rank order), so
 #: only library-level differences remain; 16-bit wire formats round every gradient.
 TOLERANCE = {None: 1e-5, "bf16": 3e-2, "fp16": 5e-3}
-
-
-@dataclass
-class _Fleet:
-    procs: list[subprocess.Popen]  # type: ignore[type-arg]
-    addresses: list[str]
-
-
-def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None = None) -> _Fleet:
-    """Start ``count`` reducers on free loopback ports; returns once every one listens."""
-    fleet = _Fleet([], [])
-    try:
-        for _ in range(count):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "redsrv", "reducer", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
-                stdout=subprocess.PIPE, stderr=None, text=True, env=env,
-            )
-            fleet.procs.append(proc)
-            line = readline_within(proc, timeout)
-            match = _LISTEN.search(line)
-            if not match:
-                raise RuntimeError(f"reducer failed to start (printed {line!r}, exit code {proc.poll()})")
-            fleet.addresses.append(f"{match.group(1)}:{match.group(2)}")
-    except BaseException:
-        stop_processes(fleet.procs)
-        raise
-    return fleet
-
-
-def readline_within(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
-    """The first line ``proc`` prints, or "" if none within ``timeout`` seconds."""
-    box: list[str] = []
-    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
-    t.start()
-    t.join(timeout)
-    return box[0] if box else ""
-
-
-def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:  # type: ignore[type-arg]
-    """SIGTERM, then SIGKILL after ``timeout``; by pid, never by name."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def pick_framework(requested: str) -> str:
@@ -108,7 +54,7 @@ def run_demo(*, workers: int = 3, reducers: int = 2, steps: int = 60, framework:
         with tempfile.TemporaryDirectory(prefix="redsrv-demo-") as tmp:
             outs = [os.path.join(tmp, f"rank{r}.npz") for r in range(workers)]
             for r in range(workers):
-                cmd = [sys.executable, "-m", "redsrv.examples.launcher", "worker", "--framework", framework,
+                cmd = [sys.executable, "-m", "redsrv.cli.demo", "worker", "--framework", framework,
                        "--rank", str(r), "--world-size", str(workers), "--reducers", ",".join(fleet.addresses),
                        "--job", job, "--steps", str(steps), "--out", outs[r]]
                 if wire_dtype:
@@ -153,7 +99,7 @@ def run_demo(*, workers: int = 3, reducers: int = 2, steps: int = 60, framework:
 
 
 def _worker_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="redsrv.examples.launcher worker")
+    parser = argparse.ArgumentParser(prog="redsrv.cli.demo worker")
     parser.add_argument("--framework", choices=sorted(FRAMEWORKS), required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)

@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-from redsrv.examples.launcher import start_reducers, stop_processes
+from redsrv.cli.fleet import start_reducers, stop_processes
 
 OPS = ("send_recv", "broadcast", "gather", "scatter", "all_to_all_single", "all_gather_into_tensor",
        "reduce_scatter_tensor", "all_reduce")

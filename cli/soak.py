@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from redsrv.examples.launcher import readline_within, start_reducers, stop_processes
+from redsrv.cli.fleet import readline_within, start_reducers, stop_processes
 
 #: Element counts the workers cycle through (4 KiB .. 4 MiB of float32).
 SIZES = (1024, 16_384, 262_144, 1_048_576)
@@ -92,7 +92,7 @@ def run_soak(*, duration: float, workers: int, reducers: int, steps_per_round: i
     env = {**os.environ, **SOAK_ENV}
     fleet = start_reducers(reducers, env=env)
     ports = [int(a.rsplit(":", 1)[1]) for a in fleet.addresses]
-    worker_procs = [subprocess.Popen([sys.executable, "-m", "redsrv.soak", "worker", str(r), str(workers),
+    worker_procs = [subprocess.Popen([sys.executable, "-m", "redsrv.cli.soak", "worker", str(r), str(workers),
                                       ",".join(fleet.addresses)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for r in range(workers)]
     totals = _Totals()

@@ -216,7 +216,7 @@ def measure_data_path(total_bytes: int = 256 << 20, *, timeout: float = 120.0) -
 
     import redsrv
     from redsrv.bench.local import cpu_seconds
-    from redsrv.examples.launcher import start_reducers, stop_processes
+    from redsrv.cli.fleet import start_reducers, stop_processes
 
     if total_bytes < 4:
         raise ValueError(f"total_bytes must be at least one float32 (4 bytes), got {total_bytes}")

@@ -31,7 +31,7 @@ import numpy as np
 
 from redsrv.bench.local import cpu_seconds
 from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, our_namespaces, remove_namespaces, signals_deferred
-from redsrv.examples.launcher import readline_within, stop_processes
+from redsrv.cli.fleet import readline_within, stop_processes
 
 __all__ = ["MARK", "GLOO_PORT", "Terminated", "raise_on_signals", "say", "add_run_arguments", "run_command", "cleanup",
            "write_secret", "child_env", "start_reducers", "spawn_workers", "terminate_and_drain", "collect", "RankGather",

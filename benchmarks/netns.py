@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from redsrv.examples.launcher import readline_within, stop_processes
+from redsrv.cli.fleet import readline_within, stop_processes
 
 __all__ = ["Cluster", "Host", "EmulationError", "parse_rate", "format_rate", "tcp_goodput_bps", "our_namespaces",
            "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET", "close_pipes", "signals_deferred"]

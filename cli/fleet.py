@@ -1,0 +1,67 @@
+"""A local reducer fleet: start reducer processes on free loopback ports and stop processes by pid.
+
+Used by ``redsrv demo``, ``redsrv run``, ``redsrv soak``, ``redsrv plan --measure`` and the
+benchmarks, which all start reducers on this machine.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+
+
+@dataclass
+class _Fleet:
+    procs: list[subprocess.Popen]  # type: ignore[type-arg]
+    addresses: list[str]
+
+
+def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None = None) -> _Fleet:
+    """Start ``count`` reducers on free loopback ports; returns once every one listens."""
+    fleet = _Fleet([], [])
+    try:
+        for _ in range(count):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "redsrv", "reducer", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+                stdout=subprocess.PIPE, stderr=None, text=True, env=env,
+            )
+            fleet.procs.append(proc)
+            line = readline_within(proc, timeout)
+            match = _LISTEN.search(line)
+            if not match:
+                raise RuntimeError(f"reducer failed to start (printed {line!r}, exit code {proc.poll()})")
+            fleet.addresses.append(f"{match.group(1)}:{match.group(2)}")
+    except BaseException:
+        stop_processes(fleet.procs)
+        raise
+    return fleet
+
+
+def readline_within(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]
+    """The first line ``proc`` prints, or "" if none within ``timeout`` seconds."""
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    t.start()
+    t.join(timeout)
+    return box[0] if box else ""
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None:  # type: ignore[type-arg]
+    """SIGTERM, then SIGKILL after ``timeout``; by pid, never by name."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
