@@ -58,6 +58,12 @@ def _reducer(args: argparse.Namespace) -> int:
     )
     if args.require_secret and settings.secret is None:
         raise ConfigError("--require-secret given but no secret: pass --secret-file or set REDSRV_SECRET_FILE")
+    if args.processes != 1:
+        from redsrv.cli.processes import supervise
+
+        return supervise(settings, args.processes, secret_file=args.secret_file, require_secret=args.require_secret,
+                         metrics_port=args.metrics_port, metrics_host=args.metrics_host, log_level=args.log_level,
+                         log_format=args.log_format)
     daemon = ReducerDaemon(settings)
     stop = threading.Event()
     received: list[str] = []
@@ -157,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None,
                    help="bytes of contributions and results held over every job together, e.g. 2GiB (default "
                         f"{C.DEFAULT_MEMORY_BUDGET_BYTES // 2**20} MiB; REDSRV_MEMORY_BUDGET_BYTES)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="run this many reducer processes on ports PORT..PORT+k-1, one event loop (about one core) each; "
+                        "list them as host:PORT-LAST. The memory budget is split between them; one that exits is "
+                        "restarted on its port (default 1; `redsrv plan` recommends k)")
     p.add_argument("--max-op-timeout", type=float, default=None,
                    help=f"cap on the operation timeout a worker may ask for, seconds (default {C.DEFAULT_MAX_OP_TIMEOUT_S:g})")
     _add_log_level(p)

@@ -14,7 +14,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-_LISTEN = re.compile(r"listening on (\S+):(\d+)")
+#: What a reducer prints once it listens; group 2 is the port.
+LISTEN_LINE = re.compile(r"listening on (\S+):(\d+)")
 
 
 @dataclass
@@ -34,7 +35,7 @@ def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None
             )
             fleet.procs.append(proc)
             line = readline_within(proc, timeout)
-            match = _LISTEN.search(line)
+            match = LISTEN_LINE.search(line)
             if not match:
                 raise RuntimeError(f"reducer failed to start (printed {line!r}, exit code {proc.poll()})")
             fleet.addresses.append(f"{match.group(1)}:{match.group(2)}")

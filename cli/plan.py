@@ -9,7 +9,8 @@ the slowest of the worker's NIC and data path, and the reducer hosts' NIC, data 
 with W and R the worker and reducer NIC bandwidths; D_w and D_r the bytes per second one I/O
 thread of the worker's client and of a reducer process moves each way (kernel copies and TCP
 included: a core's ceiling, not the network's); t the client's I/O threads (one today); p the
-reducer processes per host (each one event loop, on its own port, listed as its own address);
+reducer processes per host (each one event loop on its own port: `redsrv reducer --processes p`,
+listed as ``host:P-Q``);
 c the cores per reducer host and S the bytes of contributions one core reduces per second. Above
 t·D_w the worker's CPU, not its NIC, limits it. The rule every vendor states and nobody
 automates: aggregate reducer bandwidth m·R must reach aggregate worker bandwidth n·W, or the
@@ -124,7 +125,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
                         f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck")
     if loops < min(r, host_cpu):
-        lift = (f"run {enough_processes} `redsrv reducer` processes per host, each on its own port, and list every address"
+        lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
                 if p < enough_processes else "one per core already: add reducer hosts or faster cores")
         warnings.append(f"{p} reducer process(es) per host move at most {loops:.2f} GB/s each way, below the host's "
                         f"{min(r, host_cpu):.2f}: {lift}")
@@ -138,6 +139,11 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
                 algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, CLIENT_IO_THREADS,
                 reducer_io_gbps, p)
+
+
+def _listed(processes: int) -> str:
+    """How a worker lists one reducer host running ``processes`` reducer processes."""
+    return "host:PORT" if processes == 1 else f"host:PORT-PORT+{processes - 1}"
 
 
 def measure_core_gbps(seconds: float = 1.0, workers: int = 4, chunk_bytes: int = 512 * 1024) -> float:
@@ -305,7 +311,7 @@ def _main(args: argparse.Namespace) -> int:
         ("reducers x NIC x cores", f"{p.reducers} x {p.reducer_gbps:g} Gbit/s x {p.reducer_cores}"
          + ("  (recommended)" if args.reducers is None else "")),
         ("reducer processes per host", f"{p.reducer_processes} x {p.reducer_io_gbps:.2f} GB/s each way "
-         f"({p.reducers * p.reducer_processes} addresses to list)"
+         f"(redsrv reducer --processes {p.reducer_processes}; list each host as {_listed(p.reducer_processes)})"
          + ("  (recommended)" if args.reducer_processes is None else "")),
         ("reduce throughput per core", f"{p.core_gbps:.2f} GB/s"),
         ("bottleneck", p.bottleneck),

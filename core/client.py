@@ -1177,6 +1177,10 @@ class Client:
         self._stop.set()
         with self._dispatch_lock:
             self._pending.clear()
+        with self._io_lock:
+            for streams in self._streams:
+                for s in streams:
+                    _say_goodbye(s)
         for streams in self._streams:
             for s in streams:
                 _shutdown(s.sock)
@@ -1286,6 +1290,22 @@ def _set_exception(future: concurrent.futures.Future, error: BaseException) -> N
         if future.set_running_or_notify_cancel():
             future.set_exception(error)
     except (concurrent.futures.InvalidStateError, RuntimeError):
+        pass
+
+
+_GOODBYE = wire.encode(wire.Error(wire.ErrorCode.CLOSED, True, "the client was closed"))
+
+
+def _say_goodbye(stream: _Stream) -> None:
+    """Tell the reducer this client is closing, so that it keeps no place for a reconnect (a new
+    client for the rank would otherwise look like a restarted worker and void what the job's
+    other new clients already sent). Best effort, without blocking: only between whole frames,
+    and a reducer that does not get it keeps the rank's place for its rejoin grace instead."""
+    if stream.dead or stream.writer.out:
+        return
+    try:
+        stream.sock.send(_GOODBYE, socket.MSG_DONTWAIT)
+    except OSError:
         pass
 
 

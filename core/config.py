@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,8 +20,8 @@ from .errors import ConfigError
 from .wire import StragglerMode
 
 __all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address",
-           "require_positive", "congestion_setting", "check_secret", "read_secret_file", "launcher_variables", "ENV_PREFIX",
-           "WIRE_DTYPES", "STRAGGLER_MODES"]
+           "expand_reducers", "require_positive", "congestion_setting", "check_secret", "read_secret_file",
+           "launcher_variables", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -58,6 +58,41 @@ def parse_address(text: str, default_port: int = C.DEFAULT_PORT) -> tuple[str, i
     if not 0 < port < 65536 or not host:
         raise ConfigError(f"reducer address {text!r}: need host:port with port in 1..65535")
     return host, port
+
+
+def expand_reducers(entries: Sequence[str] | str) -> tuple[str, ...]:
+    """Reducer addresses, with a port range ``host:P-Q`` standing for ``host:P`` .. ``host:Q``:
+    the processes ``redsrv reducer --processes k --port P`` starts on one host.
+
+    >>> expand_reducers("10.0.0.5:29600-29602,10.0.0.6:29600")
+    ('10.0.0.5:29600', '10.0.0.5:29601', '10.0.0.5:29602', '10.0.0.6:29600')
+    >>> expand_reducers(["[::1]:7000-7001"])
+    ('[::1]:7000', '[::1]:7001')
+    """
+    if isinstance(entries, str):
+        entries = entries.split(",")
+    out: list[str] = []
+    for entry in (e.strip() for e in entries):
+        if not entry:
+            continue
+        host_part, sep, ports = entry.rpartition(":")
+        first, dash, last = ports.partition("-")
+        if not (sep and dash and host_part):
+            parse_address(entry)
+            out.append(entry)
+            continue
+        if not (first.isdigit() and last.isdigit()):
+            raise ConfigError(f"reducer address {entry!r}: a port range is two numbers, such as host:29600-29607")
+        low, high = int(first), int(last)
+        if not 0 < low <= high < 65536:
+            raise ConfigError(f"reducer address {entry!r}: need a port range low-high within 1..65535, low <= high")
+        if high - low >= C.MAX_PROCESSES_PER_REDUCER_HOST:
+            raise ConfigError(f"reducer address {entry!r}: at most {C.MAX_PROCESSES_PER_REDUCER_HOST} ports in a range")
+        for port in range(low, high + 1):
+            address = f"{host_part}:{port}"
+            parse_address(address)
+            out.append(address)
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -263,12 +298,7 @@ class Config:
     timeline: str | None = None  # Chrome-trace file; "{rank}" is replaced by the rank
 
     def __post_init__(self) -> None:
-        if isinstance(self.reducers, str):
-            object.__setattr__(self, "reducers", tuple(a for a in self.reducers.split(",") if a.strip()))
-        else:
-            object.__setattr__(self, "reducers", tuple(self.reducers))
-        for address in self.reducers:
-            parse_address(address)
+        object.__setattr__(self, "reducers", expand_reducers(self.reducers))
         if isinstance(self.secret, str):
             object.__setattr__(self, "secret", self.secret.encode("utf-8"))
         check_secret(self.secret)

@@ -197,3 +197,15 @@ DEFAULT_RECONNECT_WINDOW_S = 120.0
 #: CONNECT_BACKOFF_MAX_S) plus a handshake; a worker that died is declared lost after it, so the
 #: rest of its job hears of it this much later than without reconnects.
 DEFAULT_REJOIN_GRACE_S = 2 * CONNECT_BACKOFF_MAX_S
+
+#: Most reducer processes one ``redsrv reducer --processes`` starts, and most ports in one
+#: ``host:P-Q`` range of a reducer list: one event loop per core, and no host this project has
+#: met has more than 256 cores; a larger range is more likely a typo than a plan.
+MAX_PROCESSES_PER_REDUCER_HOST = 256
+
+#: How long ``redsrv reducer --processes`` waits before restarting a child that exited on its
+#: own, doubling up to the maximum while it keeps failing: a child that dies at start-up (its
+#: port taken) must not spin. The workers ride through the restart within their reconnect
+#: window (docs/reliability.md), so a second here costs them a second.
+PROCESS_RESTART_BACKOFF_S = 0.5
+PROCESS_RESTART_BACKOFF_MAX_S = 10.0

@@ -250,6 +250,9 @@ class ReducerDaemon:
         one connection, never the daemon."""
         if isinstance(exc, ConnectionBroken):
             self._broken(conn, exc)
+        elif isinstance(exc, _Closed):
+            log.info("connection %s ended: the worker closed its client", conn.label)
+            self._close(conn, "the worker closed its client", for_good=True)
         elif isinstance(exc, _Rejected):
             log.warning("connection %s rejected: %s", conn.label, exc)
             self._close(conn, str(exc), None if exc.code is None else wire.encode(wire.Error(exc.code, True, str(exc))))
@@ -485,6 +488,8 @@ class ReducerDaemon:
         self._execute(actions)
 
     def _on_error(self, conn: _Conn, frame: wire.Error) -> None:
+        if frame.code is wire.ErrorCode.CLOSED:
+            raise _Closed(frame.message)
         raise _Rejected(f"worker reported: {frame.message}")
 
     def _begin_push(self, conn: _Conn, header: wire.FrameHeader) -> HeaderStep:
@@ -590,8 +595,9 @@ class ReducerDaemon:
 
     # --- closing ---
 
-    def _close(self, conn: _Conn, reason: str, final: bytes | None = None) -> None:
-        """Leave the job now; let ``final`` (and anything queued before it) out within a second
+    def _close(self, conn: _Conn, reason: str, final: bytes | None = None, *, for_good: bool = False) -> None:
+        """Leave the job now (``for_good``: the worker said its client closed, so its rank keeps no
+        place for a reconnect); let ``final`` (and anything queued before it) out within a second
         at most, then close. Idempotent."""
         if conn.closed or conn.closing_until is not None:
             return
@@ -602,7 +608,7 @@ class ReducerDaemon:
             if conn.ticket is not None:
                 self.core.abort_push(conn.ticket)
                 conn.ticket = None
-            actions = self.core.leave(conn.id, reason, self._now) if conn.joined else []
+            actions = self.core.leave(conn.id, reason, self._now, for_good=for_good) if conn.joined else []
         conn.joined = False
         conn.reader.stopped = True
         conn.closing_until = self._now + min(1.0, self.settings.close_timeout)
@@ -725,6 +731,10 @@ _MALLOC_TRIM = _load_malloc_trim()
 def _ignore_ok(release: Callable[[], None]) -> Callable[[bool], None]:
     """A ``done(ok)`` callback that releases a shared result buffer either way."""
     return lambda _ok: release()
+
+
+class _Closed(Exception):
+    """The worker said its client closed (wire.ErrorCode.CLOSED): a goodbye, not a failure."""
 
 
 class _Rejected(Exception):

@@ -504,12 +504,14 @@ class ReducerCore:
                     actions.append(SendSafe(other, safe))
         return actions
 
-    def leave(self, conn: int, reason: str, now: float) -> list[Action]:
+    def leave(self, conn: int, reason: str, now: float, *, for_good: bool = False) -> list[Action]:
         """A connection closed or failed. A rank whose client reconnects (its HELLO gave a
         reconnect window) keeps its place for the rejoin grace: its open contributions stay, and
-        the results it did not acknowledge are kept for it. Otherwise, when a rank loses its
-        last connection, the job's open chunks that still need it fail, naming the rank (modes
-        that tolerate stragglers carry on as long as a quorum can still form)."""
+        the results it did not acknowledge are kept for it; unless the worker said its client
+        closed (``for_good``): nothing will reconnect, and a new client for the rank must not
+        look like a restarted worker. Otherwise, when a rank loses its last connection, the
+        job's open chunks that still need it fail, naming the rank (modes that tolerate
+        stragglers carry on as long as a quorum can still form)."""
         info = self._conns.pop(conn, None)
         if info is None:
             return []
@@ -520,7 +522,7 @@ class ReducerCore:
             return []
         member.conns.discard(conn)
         why = f"rank {info.rank} of job {info.job!r} disconnected ({reason})"
-        if member.grace > 0:
+        if member.grace > 0 and not for_good:
             undelivered = job.undelivered.setdefault(info.rank, {})
             for delivery in info.unacked:
                 kept = undelivered.pop(delivery.chunk_key, None)

@@ -169,6 +169,7 @@ class ErrorCode(enum.IntEnum):
     SHUTDOWN = 8  # the reducer is stopping
     OVERLOADED = 9  # job budget or connection limit exceeded
     DUPLICATE = 10  # a rank contributed twice to one chunk
+    CLOSED = 11  # worker -> reducer: the client was closed; its rank leaves the job now, keeping no place
 
 
 # --- frames ---------------------------------------------------------------------------------

@@ -133,3 +133,25 @@ def test_past_the_window_every_rank_raises_peer_lost_within_the_window_plus_two_
         assert "reconnect window" in str(exc) and reducers[0].address in str(exc)
         assert at - killed <= window + 2.0 + 1.0, f"rank {rank} raised {at - killed:.2f}s after the kill"  # +1: detection
     assert training.wrong == []
+
+
+def test_clients_closed_and_made_again_for_the_same_job_keep_no_place_for_a_reconnect(procs) -> None:  # type: ignore[no-untyped-def]
+    """A closed client says goodbye (wire.ErrorCode.CLOSED), so the reducer keeps no place for its
+    rank: the next client for that rank is a newcomer, not a restarted worker that would void
+    what the job's other new clients already sent (here rank 0's push, waiting for rank 1)."""
+    from tests_support import wait_for_open_operations
+
+    reducer = procs.start_reducer(env={"REDSRV_STALL_WARNING": "0.05"})
+    config = {**RECOVERING, "op_timeout": 15.0}
+    x = [np.full(1000, r + 1, np.float32) for r in range(2)]
+    first = [redsrv.Client([reducer.address], rank=r, world_size=2, job="again", **config) for r in range(2)]
+    futures = [c.allreduce_async(x[c.rank], key="first") for c in first]
+    assert all(first[r].wait(f).tobytes() == (x[0] + x[1]).tobytes() for r, f in enumerate(futures))
+    for client in first:
+        client.close()
+    with redsrv.Client([reducer.address], rank=0, world_size=2, job="again", **config) as rank0:
+        pending = rank0.allreduce_async(x[0], key="second")
+        wait_for_open_operations(reducer.log, 1)  # rank 0's push is in and waits for rank 1
+        with redsrv.Client([reducer.address], rank=1, world_size=2, job="again", **config) as rank1:
+            assert rank1.allreduce(x[1], key="second").tobytes() == (x[0] + x[1]).tobytes()
+        assert rank0.wait(pending, timeout=15).tobytes() == (x[0] + x[1]).tobytes()
