@@ -71,7 +71,7 @@ def test_one_reducer_process_caps_a_fast_reducer_host_and_more_lift_it() -> None
     capped = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, reducers=8, reducer_processes=1,
                   worker_io_gbps=1000.0)
     assert capped.bottleneck == REDUCER_IO and capped.algbw_gbps == pytest.approx(DEFAULT_IO_THREAD_GBPS)
-    assert any("6 `redsrv reducer` processes per host" in w for w in capped.warnings)  # ceil(12.5 / 2.44)
+    assert any("redsrv reducer --processes 6" in w for w in capped.warnings)  # ceil(12.5 / 2.44)
     lifted = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, reducers=8, worker_io_gbps=1000.0)
     assert lifted.reducer_processes == 6 and lifted.bottleneck == WORKER_NIC
 
