@@ -24,7 +24,6 @@ Errors are redsrv's typed exceptions; through DDP they reach the training loop a
 # No `from __future__ import annotations`: DDP compares the hook's annotations with real
 # objects (`torch.futures.Future[torch.Tensor]`), and string annotations would fail that check.
 
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -40,10 +39,10 @@ from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
     ReduceScatterOptions,
 )
 
-from ..core import collectives
+from ..core import collectives, commons, wire
 from ..core.client import Client, ReduceFuture
 from ..core.config import Config
-from ..core.errors import LocalProtocolError
+from ..core.errors import ConfigError
 from . import _torch_c10d
 
 __all__ = [
@@ -60,9 +59,9 @@ __all__ = [
 BACKEND_NAME = "redsrv"
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-#: torch dtypes the reducers take as they are (bf16 is handed over as ml_dtypes.bfloat16).
-_ON_WIRE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
-            torch.uint8, torch.bool)
+#: torch dtypes the reducers take as they are: the core's wire dtypes, which torch names as NumPy
+#: does (bf16 is handed over as ml_dtypes.bfloat16).
+_ON_WIRE = tuple(getattr(torch, name) for name in wire.DTYPE_NAMES)
 
 
 # --- tensors <-> NumPy --------------------------------------------------------------------
@@ -92,25 +91,27 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _words(tensor: torch.Tensor) -> np.ndarray:
-    """``tensor``'s raw bytes as int32 words, zero-padded to a whole word.
-
-    Broadcasting or gathering raw words is exact for every dtype (booleans, int8, complex,
-    -0.0, NaN payloads), since a sum with zeros never changes an integer.
-    """
-    raw = _host(tensor).view(torch.uint8).numpy()
-    if raw.nbytes % 4 == 0:
-        return raw.view(np.int32)
-    padded = np.zeros((raw.nbytes + 3) // 4, dtype=np.int32)
-    padded.view(np.uint8)[: raw.nbytes] = raw
-    return padded
+def _any_numpy(host: torch.Tensor) -> np.ndarray:
+    """A NumPy array sharing the memory of ``host`` (flat, contiguous, CPU): of its own dtype where
+    NumPy has one, else its bytes (float8, ...). For the core's exact broadcast, which moves any
+    fixed-size dtype bit for bit."""
+    try:
+        return _numpy(host)
+    except TypeError:  # a dtype NumPy lacks
+        return host.view(torch.uint8).numpy()
 
 
-def _unwords(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_words`: a CPU tensor shaped and typed like ``like``."""
-    nbytes = like.numel() * like.element_size()
-    raw = torch.from_numpy(np.ascontiguousarray(words).view(np.uint8)[:nbytes])
-    return raw.view(like.dtype).view(like.shape)
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor``'s raw bytes (``uint8``): gathering bytes is exact for every dtype (booleans,
+    complex, -0.0, NaN payloads), and ranks whose sizes differ are a mismatch on every rank."""
+    return _host(tensor).view(torch.uint8).numpy()
+
+
+def _from_bytes(raw: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_bytes`: a CPU tensor shaped and typed like ``like``."""
+    if not raw.size:  # torch cannot reinterpret an empty byte tensor (its stride is 0)
+        return torch.empty(like.shape, dtype=like.dtype)
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(like.dtype).view(like.shape)
 
 
 # --- DDP communication hook ---------------------------------------------------------------
@@ -137,19 +138,21 @@ class HookState:
     the job. Two DDP models sharing one job (or one client) need different ``key_prefix`` values.
     ``timeout`` bounds each bucket's reduction (default: the config's ``op_timeout``); the
     hook's future fails with the timeout error, so ``backward()`` raises instead of hanging.
-    Close the state (or use it as a context manager) to close a client it created.
+    Close the state (or use it as a context manager) to close a client it created; a failed
+    bucket leaves it open, since you decide whether to go on (:meth:`replace_client`). A client
+    passed in is never closed here (the adapters' rule, ``redsrv.core.commons``).
     """
 
     def __init__(self, reducers: Sequence[str] | str | None = None, *, rank: int | None = None,
                  world_size: int | None = None, job: str | None = None, client: Client | None = None,
                  timeout: float | None = None, key_prefix: str = "ddp", **config: Any) -> None:
         if timeout is not None and not timeout > 0:
-            raise LocalProtocolError(f"timeout must be positive, got {timeout}")
+            raise ValueError(f"timeout must be positive, got {timeout}")
         if client is not None:
             given = [name for name, value in (("reducers", reducers), ("rank", rank), ("world_size", world_size),
                                               ("job", job)) if value is not None] + sorted(config)
             if given:
-                raise LocalProtocolError(f"HookState got client= and also {', '.join(given)}: configure the client instead")
+                raise TypeError(f"HookState got client= and also {', '.join(given)}: configure the client instead")
             self.client = client
             self._owns_client = False
         else:
@@ -157,12 +160,16 @@ class HookState:
             self.client = Client(config=settings)
             self._owns_client = True
         self.timeout = timeout
-        self.key_prefix = key_prefix
+        self.keys = commons.KeySpace(key_prefix)
         #: Wire format asked of the core for every bucket; None: the client's default
         #: (``wire_dtype`` in its config). The compress wrappers set it on derived views.
         self.wire_dtype: str | None = None
         self._progress = _Progress()
         self._views: dict[str, HookState] = {}
+
+    @property
+    def key_prefix(self) -> str:
+        return self.keys.namespace
 
     @property
     def step(self) -> int:
@@ -200,6 +207,8 @@ class HookState:
         old, owned = self.client, self._owns_client
         self.client = Client(config=old.config) if client is None else client
         self._owns_client = client is None
+        for view in self._views.values():
+            view.client = self.client
         if owned:
             old.close()
 
@@ -235,7 +244,7 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     try:
         # In place is safe: a chunk's sum comes back only after our copy of it reached the reducer.
         array = _numpy(host)
-        reduced = state.client.allreduce_async(array, op="mean", key=(state.key_prefix, step, index),
+        reduced = state.client.allreduce_async(array, op="mean", key=state.keys.key(step, index),
                                                wire_dtype=state.wire_dtype, timeout=state.timeout, out=array)
     except Exception as exc:
         # A broken client (lost reducer, closed) fails this step's backward(), not the hook.
@@ -384,13 +393,6 @@ class _Join:
         return _torch_c10d.FutureWork(self.future, lambda: self.what)
 
 
-def _copy_words_into(tensor: torch.Tensor) -> Callable[[np.ndarray], None]:
-    def write(result: np.ndarray) -> None:
-        tensor.copy_(_unwords(result, tensor))
-
-    return write
-
-
 def _ignore(_result: Any) -> None:
     pass
 
@@ -415,13 +417,15 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     """
 
     def __init__(self, client: Client, *, rank: int, size: int, group_name: str = "",
-                 peers: Any = None) -> None:
+                 peers: Any = None, owns_client: bool = True) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python trampoline's constructor
         self.client = client
+        self._owns_client = owns_client
         self._peers = peers
         self._group_name = group_name
-        self._sequence = itertools.count()
-        self._sequence_lock = threading.Lock()
+        # Operations are keyed ("c10d", sequence number, part): c10d's rule that every rank issues
+        # a group's collectives in the same order makes the numbers agree.
+        self._keys = commons.KeySpace("c10d")
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME
@@ -439,9 +443,8 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def _join(self, what: str, parts: int, value: Any) -> tuple[int, "_Join"]:
         # DDP issues collectives from the autograd thread while user code may use the main
-        # thread; c10d already demands one order per group, the lock keeps numbering atomic.
-        with self._sequence_lock:
-            seq = next(self._sequence)
+        # thread; c10d already demands one order per group, KeySpace keeps numbering atomic.
+        seq = self._keys.next_call()
         cfg = self.client.config
         return seq, _Join(f"redsrv {what} #{seq} (job {cfg.job!r}, rank {cfg.rank})", parts, value)
 
@@ -457,7 +460,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         seq, join = self._join("all_reduce", len(staged), tensors)
         for i, part in enumerate(staged):
             out = part.array if part.in_place else None
-            join.add(self.client.allreduce_async(part.array, op=op, key=("c10d", seq, i), out=out), part.write)
+            join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out), part.write)
         return join.work()
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -475,7 +478,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         for i, part in enumerate(staged):
             # Non-roots must not see the result: reduce into a scratch copy there.
             out = part.array if part.in_place and self.rank() == root else None
-            reduced = self.client.allreduce_async(part.array, op=op, key=("c10d", seq, i), out=out)
+            reduced = self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out)
             join.add(reduced, part.write if self.rank() == root else _ignore)
         return join.work()
 
@@ -485,29 +488,24 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
             raise ValueError(f"redsrv broadcast: root {root} is not a rank of this {self.size()}-rank group")
         seq, join = self._join("broadcast", len(tensors), tensors)
         for i, tensor in enumerate(tensors):
-            # Dtypes the core knows travel as themselves (checked across ranks); others as raw words.
-            native = tensor.dtype in _ON_WIRE
-            data = _numpy(_host(tensor)) if native else _words(tensor)
-            if self.rank() == root:
-                join.add(self.client.broadcast_async(data, root=root, key=("c10d", seq, i)), _ignore)
-            elif native:
-                part = _Staged(tensor, "sum", "broadcast")
-                out = part.array if part.in_place else None
-                join.add(self.client.broadcast_async(part.array, root=root, key=("c10d", seq, i), out=out), part.write)
-            else:
-                join.add(self.client.broadcast_async(data, root=root, key=("c10d", seq, i)), _copy_words_into(tensor))
+            # The core's exact broadcast: the wire's dtypes travel as themselves (checked across
+            # ranks), others as their bytes; the result lands in the tensor's memory when it can.
+            host = _host(tensor)
+            array = _any_numpy(host)
+            moved = collectives.broadcast_exact_async(self.client, array, root=root, key=self._keys.key(seq, i), out=array)
+            join.add(moved, _ignore if self.rank() == root else _copy_back(host, tensor))
         return join.work()
 
     def barrier(self, opts: Any = None) -> Any:
         seq, join = self._join("barrier", 1, [])
-        join.add(self.client.allreduce_async(np.ones(1, dtype=np.int32), key=("c10d", seq, 0)), _ignore)
+        join.add(self.client.allreduce_async(np.ones(1, dtype=np.int32), key=self._keys.key(seq, 0)), _ignore)
         return join.work()
 
     # --- through the peer links
 
     def _peer(self, what: str, instead: str) -> Any:
         if self._peers is None:
-            raise LocalProtocolError(
+            raise ConfigError(
                 f"the redsrv backend's {what} needs links between the workers, and this group was created "
                 f"without them (register_backend(peer_links=False)); {instead}")
         return self._peers
@@ -603,11 +601,11 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                                  "each, like the input")
         seq, join = self._join(what, len(inputs), output_lists if value is None else value)
         for i, (outputs, tensor) in enumerate(zip(output_lists, inputs, strict=True)):
-            # Raw words: every dtype arrives bit for bit, and sizes are checked across ranks.
-            words = _words(tensor)
-            gathered = np.empty(words.size * self.size(), dtype=words.dtype)
-            reduced = collectives.allgather_into_async(self.client, words, gathered, key=("c10d", seq, i))
-            join.add(reduced, _split_words_into(outputs))
+            # Raw bytes: every dtype arrives bit for bit, and sizes are checked across ranks.
+            raw = _bytes(tensor)
+            gathered = np.empty(raw.size * self.size(), dtype=np.uint8)
+            reduced = collectives.allgather_into_async(self.client, raw, gathered, key=self._keys.key(seq, i))
+            join.add(reduced, _split_bytes_into(outputs))
         return join.work()
 
     def _relay_reduce_scatter(self, what: str, output: torch.Tensor, tensor: torch.Tensor, opts: Any) -> Any:
@@ -620,7 +618,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         def keep_mine(result: np.ndarray) -> None:
             output.copy_(part.unstage(result).view(self.size(), -1)[self.rank()].view(output.shape))
 
-        join.add(self.client.allreduce_async(part.array, op=op, key=("c10d", seq, 0), out=part.array), keep_mine)
+        join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, 0), out=part.array), keep_mine)
         return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
@@ -638,14 +636,16 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     # --- lifetime
 
     def shutdown(self) -> None:
-        """Called by ``dist.destroy_process_group()``: close the client and the peer links."""
-        self.client.close()
+        """Called by ``dist.destroy_process_group()``: close the client (if the group made it) and the peer links."""
+        if self._owns_client:
+            self.client.close()
         if self._peers is not None:
             self._peers.shutdown()
             self._peers = None
 
     def abort(self) -> None:
-        self.client.close()
+        if self._owns_client:
+            self.client.close()
         if self._peers is not None:
             self._peers.abort()
             self._peers = None
@@ -656,10 +656,19 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
 
 
-def _split_words_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
+def _split_bytes_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
     def write(gathered: np.ndarray) -> None:
-        for out, words in zip(outputs, gathered.reshape(len(outputs), -1), strict=True):
-            out.copy_(_unwords(words, out))
+        for out, raw in zip(outputs, gathered.reshape(len(outputs), -1), strict=True):
+            out.copy_(_from_bytes(raw, out))
+
+    return write
+
+
+def _copy_back(host: torch.Tensor, tensor: torch.Tensor) -> Callable[[Any], None]:
+    """A broadcast's result is in ``host``: copy it into ``tensor`` unless that is the same memory."""
+    def write(_result: Any) -> None:
+        if host.data_ptr() != tensor.data_ptr():
+            tensor.copy_(host.view(tensor.shape))
 
     return write
 
@@ -702,6 +711,7 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         except BaseException:
             client.close()
             raise
-        return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers)
+        return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
+                                  owns_client=True)
 
     _torch_c10d.register(BACKEND_NAME, create)
