@@ -24,6 +24,7 @@ Errors are redsrv's typed exceptions; through DDP they reach the training loop a
 # No `from __future__ import annotations`: DDP compares the hook's annotations with real
 # objects (`torch.futures.Future[torch.Tensor]`), and string annotations would fail that check.
 
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -42,7 +43,7 @@ from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
 from ..core import collectives, commons, wire
 from ..core.client import Client, ReduceFuture
 from ..core.config import Config
-from ..core.errors import ConfigError
+from ..core.errors import ConfigError, ContributionMismatchError
 from . import _torch_c10d
 
 __all__ = [
@@ -417,10 +418,11 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     """
 
     def __init__(self, client: Client, *, rank: int, size: int, group_name: str = "",
-                 peers: Any = None, owns_client: bool = True) -> None:
+                 peers: Any = None, owns_client: bool = True, verify_collectives: bool = True) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python trampoline's constructor
         self.client = client
         self._owns_client = owns_client
+        self._verify = verify_collectives
         self._peers = peers
         self._group_name = group_name
         # Operations are keyed ("c10d", sequence number, part): c10d's rule that every rank issues
@@ -516,6 +518,25 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return _torch_c10d.DelegatedWork(call(peers), f"redsrv {what} over peer links (job {cfg.job!r}, rank {cfg.rank})",
                                          cfg.op_timeout)
 
+    def _agreed(self, what: str, call: Callable[[Any], Any], signature: "_Signature", instead: str = "") -> Any:
+        """``_delegate`` after the ranks agreed on what they pass (docs/torch_backend.md, "Mismatched
+        collectives"): every rank's signature travels through the reducers as one small all-reduce
+        under the operation's sequence number, and every rank judges the same table, so a mismatch
+        is a ContributionMismatchError on every rank before gloo sees a byte."""
+        if not self._verify:
+            return self._delegate(what, call, instead)
+        self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+        seq = self._keys.next_call()
+        key = self._keys.key(seq, 0)
+        table = np.zeros((self.size(), signature.width(self.size())), dtype=np.int64)
+        table[self.rank()] = signature.row(self.size())
+        table = self.client.allreduce(table, key=key)
+        problem = _mismatch(table, self.rank(), signature.problem)
+        if problem:
+            cfg = self.client.config
+            raise ContributionMismatchError(f"redsrv {what} #{seq}: {problem}", job=cfg.job, rank=cfg.rank, key=key)
+        return self._delegate(what, call, instead)
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         return self._delegate("send", lambda peers: peers.send(tensors, dst, tag))
 
@@ -526,21 +547,44 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return self._delegate("recv", lambda peers: peers.recv_anysource(tensors, tag))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
-        return self._delegate("gather", lambda peers: peers.gather(output_tensors, input_tensors, opts),
-                              "use all_gather, which the reducers can do without links")
+        root, n = int(opts.rootRank), self.size()
+        x = input_tensors[0]
+        problem = None
+        if self.rank() == root and (len(output_tensors[0]) != n or any(_layout(o) != _layout(x) for o in output_tensors[0])):
+            problem = f"the root's outputs are not {n} tensors of {x.numel()} {_dtype_name(x.dtype)} elements like its input"
+        return self._agreed("gather", lambda peers: peers.gather(output_tensors, input_tensors, opts),
+                            _Signature("gather", [x], root=root, same=[x.numel()], problem=problem),
+                            "use all_gather, which the reducers can do without links")
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Any:  # type: ignore[override]
-        return self._delegate("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts),
-                              "use broadcast, which the reducers can do without links, and take your part")
+        root, n = int(opts.rootRank), self.size()
+        y = output_tensors[0]
+        problem = None
+        if self.rank() == root and (len(input_tensors[0]) != n or any(_layout(i) != _layout(y) for i in input_tensors[0])):
+            problem = f"the root's inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like its output"
+        return self._agreed("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts),
+                            _Signature("scatter", [y], root=root, same=[y.numel()], problem=problem),
+                            "use broadcast, which the reducers can do without links, and take your part")
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return self._delegate("all_to_all",
-                              lambda peers: peers.alltoall(output_tensors, input_tensors, _opts(opts, AllToAllOptions)))
+        n = self.size()
+        problem = None
+        if len(output_tensors) != n or len(input_tensors) != n:
+            problem = f"all_to_all needs {n} inputs and {n} outputs, got {len(input_tensors)} and {len(output_tensors)}"
+        signature = _Signature("all_to_all", [*input_tensors, *output_tensors], problem=problem,
+                               sends=[t.numel() for t in input_tensors], receives=[t.numel() for t in output_tensors])
+        return self._agreed("all_to_all", lambda peers: peers.alltoall(output_tensors, input_tensors,
+                                                                       _opts(opts, AllToAllOptions)), signature)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002 - c10d's name
                           input_split_sizes: list[int], opts: Any = None) -> Any:
-        return self._delegate("all_to_all_single", lambda peers: peers.alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)))
+        n = self.size()
+        sends, send_problem = _split_elements(input, input_split_sizes, n, "input")
+        receives, receive_problem = _split_elements(output, output_split_sizes, n, "output")
+        signature = _Signature("all_to_all_single", [input, output], sends=sends, receives=receives,
+                               problem=send_problem or receive_problem)
+        return self._agreed("all_to_all_single", lambda peers: peers.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)), signature)
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # the name gloo's backend uses
 
@@ -548,16 +592,21 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                   opts: Any = None) -> Any:
         if self._peers is None:
             return self._relay_gather("all_gather", output_tensors, input_tensors)
-        return self._delegate("all_gather",
-                              lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)))
+        return self._agreed("all_gather",
+                            lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)),
+                            _gather_signature("all_gather", output_tensors, input_tensors, self.size()))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
         if self._peers is None:
             per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
             return self._relay_gather("all_gather_coalesced", per_input, input_list)
-        return self._delegate("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
-            output_lists, input_list, _opts(opts, AllgatherOptions)))
+        per_input = [[outputs[i] if i < len(outputs) else outputs[0] for outputs in output_lists] for i in range(len(input_list))]
+        signature = _gather_signature("all_gather_coalesced", per_input, input_list, self.size())
+        if any(len(outputs) != len(input_list) for outputs in output_lists):
+            signature.problem = f"every rank's outputs need {len(input_list)} tensors, one per input"
+        return self._agreed("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
+            output_lists, input_list, _opts(opts, AllgatherOptions)), signature)
 
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor``."""
@@ -566,8 +615,13 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 raise ValueError(f"redsrv all_gather_into_tensor needs an output of {self.size()} x {tensor.numel()} "
                                  f"{tensor.dtype} elements, got {output.numel()} of {output.dtype}")
             return self._relay_gather("all_gather_into_tensor", [list(output.view(self.size(), -1))], [tensor], [output])
-        return self._delegate("all_gather_into_tensor",
-                              lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)))
+        problem = None
+        if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
+            problem = (f"the output holds {output.numel()} {_dtype_name(output.dtype)} elements, not {self.size()} x "
+                       f"{tensor.numel()} {_dtype_name(tensor.dtype)}")
+        return self._agreed("all_gather_into_tensor",
+                            lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)),
+                            _Signature("all_gather_into_tensor", [tensor, output], same=[tensor.numel()], problem=problem))
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
 
@@ -575,19 +629,27 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         if self._peers is None:
             whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
             return self._relay_reduce_scatter("reduce_scatter", output_tensors[0], whole, opts)
-        if opts is not None:
-            _reduce_op(opts, "reduce_scatter")  # refuses, naming redsrv, what neither path has
-        return self._delegate("reduce_scatter", lambda peers: peers.reduce_scatter(
-            output_tensors, input_lists, _opts(opts, ReduceScatterOptions)))
+        op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter")  # refuses what neither path has
+        y, n = output_tensors[0], self.size()
+        problem = None
+        if len(input_lists[0]) != n or any(_layout(i) != _layout(y) for i in input_lists[0]):
+            problem = f"the inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like the output"
+        return self._agreed("reduce_scatter", lambda peers: peers.reduce_scatter(
+            output_tensors, input_lists, _opts(opts, ReduceScatterOptions)),
+            _Signature("reduce_scatter", [y, *input_lists[0]], reduce_op=op, same=[y.numel()], problem=problem))
 
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor``."""
         if self._peers is None:
             return self._relay_reduce_scatter("reduce_scatter_tensor", output, tensor, opts)
-        if opts is not None:
-            _reduce_op(opts, "reduce_scatter_tensor")
-        return self._delegate("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
-            output, tensor, _opts(opts, ReduceScatterOptions)))
+        op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter_tensor")
+        problem = None
+        if tensor.numel() != output.numel() * self.size() or output.dtype != tensor.dtype:
+            problem = (f"the input holds {tensor.numel()} {_dtype_name(tensor.dtype)} elements, not {self.size()} x "
+                       f"{output.numel()} {_dtype_name(output.dtype)}")
+        return self._agreed("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
+            output, tensor, _opts(opts, ReduceScatterOptions)),
+            _Signature("reduce_scatter_tensor", [output, tensor], reduce_op=op, same=[output.numel()], problem=problem))
 
     # Without peer links, all-gather and reduce-scatter go through the reducers (DDP checks
     # parameter shapes with an all-gather when it starts). They move more bytes that way than
@@ -656,6 +718,122 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
 
 
+# --- agreeing on a peer-link collective before it runs ---------------------------------------
+
+#: The collectives whose signatures are compared (their codes travel in the table).
+_SIGNED = ("gather", "scatter", "all_to_all", "all_to_all_single", "all_gather", "all_gather_coalesced",
+           "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor")
+#: torch's dtypes by a code every rank computes alike (sorted names; aliases share the first).
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+for _name in sorted(dir(torch)):
+    if isinstance(getattr(torch, _name), torch.dtype):
+        _DTYPE_CODES.setdefault(getattr(torch, _name), len(_DTYPE_CODES) + 1)
+_DTYPE_BY_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_MIXED = -1
+_REDUCE_CODES = {name: code for code, name in enumerate(_OPS.values(), start=1)}
+_HEAD = 8  # op, root, dtype, reduce op, problem, number of shared values, the first, a digest of all
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layout(t: torch.Tensor) -> tuple[int, torch.dtype]:
+    return t.numel(), t.dtype
+
+
+class _Signature:
+    """What one rank passes to a collective, as one row of int64: the op, root, dtype and reduce op,
+    whether its own arguments fit together (``problem``), values every rank must share (``same``:
+    element counts), and for all-to-all the elements it sends to and expects from each rank."""
+
+    def __init__(self, op: str, tensors: Sequence[torch.Tensor], *, root: int = -1, reduce_op: str = "",
+                 same: Sequence[int] = (), sends: Sequence[int] | None = None, receives: Sequence[int] | None = None,
+                 problem: str | None = None) -> None:
+        self.op, self.root, self.reduce_op, self.same = op, root, reduce_op, [int(v) for v in same]
+        self.sends, self.receives, self.problem = sends, receives, problem
+        dtypes = {t.dtype for t in tensors}
+        self.dtype = _DTYPE_CODES.get(dtypes.pop(), 0) if len(dtypes) == 1 else (_MIXED if dtypes else 0)
+
+    @staticmethod
+    def width(n: int) -> int:
+        return _HEAD + 2 * n
+
+    def row(self, n: int) -> np.ndarray:
+        row = np.full(self.width(n), -1, dtype=np.int64)
+        digest = hashlib.blake2b(",".join(map(str, self.same)).encode(), digest_size=7).digest()
+        row[:_HEAD] = (_SIGNED.index(self.op) + 1, self.root, self.dtype, _REDUCE_CODES.get(self.reduce_op, 0),
+                       int(self.problem is not None), len(self.same), self.same[0] if self.same else 0,
+                       int.from_bytes(digest, "little"))
+        for start, counts in ((_HEAD, self.sends), (_HEAD + n, self.receives)):
+            if counts is not None and len(counts) == n:
+                row[start : start + n] = counts
+        return row
+
+
+def _gather_signature(what: str, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], n: int) -> _Signature:
+    problem = None
+    for outputs, x in zip(output_lists, inputs):
+        if len(outputs) != n or any(_layout(o) != _layout(x) for o in outputs):
+            problem = f"the outputs are not {n} tensors of {x.numel()} {_dtype_name(x.dtype)} elements per input"
+    return _Signature(what, [*inputs, *(o for outputs in output_lists for o in outputs)], same=[x.numel() for x in inputs],
+                      problem=problem)
+
+
+def _split_elements(t: torch.Tensor, splits: Sequence[int], n: int, which: str) -> tuple[list[int] | None, str | None]:
+    """Elements ``t`` holds for each rank under c10d's split sizes (rows along the first
+    dimension; none given: an even split), or the reason they do not fit ``t``."""
+    rows = t.shape[0] if t.dim() else 1
+    per_row = t.numel() // rows if rows else 0
+    if not splits:
+        if rows % n:
+            return None, f"the {which} has {rows} rows, which do not split evenly over {n} ranks"
+        return [rows // n * per_row] * n, None
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        return None, f"the {which} split sizes {list(splits)} do not divide its {rows} rows over {n} ranks"
+    return [int(s) * per_row for s in splits], None
+
+
+def _mismatch(table: np.ndarray, me: int, mine: str | None) -> str | None:
+    """What the ranks disagree on, judged from the table every rank holds alike (so every rank
+    reaches the same verdict), or None."""
+    n = table.shape[0]
+    names = {code: name for code, name in enumerate(_SIGNED, start=1)}
+    first = table[0]
+    for r in range(n):
+        if table[r, 0] != first[0]:
+            return f"rank 0 called {names.get(int(first[0]), '?')}, rank {r} called {names.get(int(table[r, 0]), '?')}"
+    for r in range(n):
+        if table[r, 4]:
+            if r == me and mine:
+                return f"rank {r}: {mine}"
+            return f"rank {r} passed arguments that do not fit together (its error says how)"
+    for r in range(n):
+        if table[r, 2] == _MIXED:
+            return f"rank {r} passed tensors of different dtypes"
+        if table[r, 2] != first[2]:
+            return f"rank 0 passed {_code_name(first[2])} tensors, rank {r} {_code_name(table[r, 2])}"
+        if table[r, 1] != first[1]:
+            return f"rank 0 named root {first[1]}, rank {r} root {table[r, 1]}"
+        if table[r, 3] != first[3]:
+            ops = {code: name for name, code in _REDUCE_CODES.items()}
+            return f"rank 0 reduces with {ops.get(int(first[3]), '?')}, rank {r} with {ops.get(int(table[r, 3]), '?')}"
+        if table[r, 5] != first[5] or table[r, 6] != first[6] or table[r, 7] != first[7]:
+            return (f"rank 0 passed {first[5]} tensor(s), the first of {first[6]} elements; rank {r} passed "
+                    f"{table[r, 5]}, the first of {table[r, 6]} elements")
+    for r in range(n):
+        for j in range(n):
+            sent, expected = table[r, _HEAD + j], table[j, _HEAD + n + r]
+            if sent != expected:
+                return f"rank {r} sends {sent} elements to rank {j}, which expects {expected} from it"
+    return None
+
+
+def _code_name(code: Any) -> str:
+    dtype = _DTYPE_BY_CODE.get(int(code))
+    return _dtype_name(dtype) if dtype is not None else "no"
+
+
 def _split_bytes_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
     def write(gathered: np.ndarray) -> None:
         for out, raw in zip(outputs, gathered.reshape(len(outputs), -1), strict=True):
@@ -678,7 +856,7 @@ def _opts(opts: Any, kind: Callable[[], Any]) -> Any:
 
 
 def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | None = None, peer_links: bool = True,
-                     **config: Any) -> None:
+                     verify_collectives: bool = True, **config: Any) -> None:
     """Register the ``"redsrv"`` c10d backend (CPU tensors).
 
     Settings not given here come from the environment when a group is created (see
@@ -694,6 +872,13 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     group must create it within the deadline. Without them the workers need only reach the
     reducers: all-gather and reduce-scatter go through the reducers as well, and the other
     operations raise an error naming what to use instead.
+
+    ``verify_collectives``: before each collective over the peer links, the ranks compare what they
+    pass (op, root, dtype, sizes, reduce op) through the reducers, so a mismatch is a
+    :class:`redsrv.ContributionMismatchError` on every rank instead of gloo's error on some ranks
+    and a hang on others. It costs one small round trip through the reducers per collective
+    (docs/torch_backend.md); turn it off only for latency-bound code known to be consistent, and
+    on every rank alike.
     """
     _torch_c10d.check()
     Config.from_env(reducers=reducers, job=job, rank=0, world_size=1, **config)  # fail now, not at init
@@ -712,6 +897,6 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
             client.close()
             raise
         return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
-                                  owns_client=True)
+                                  owns_client=True, verify_collectives=verify_collectives)
 
     _torch_c10d.register(BACKEND_NAME, create)
