@@ -15,6 +15,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from redsrv.core import collectives
+
 from . import tf as _tf
 
 __all__ = ["BackupAndRestore"]
@@ -61,11 +63,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):  # type: ignore[misc]
             super().on_train_begin(logs)  # Keras's restore, from backup_dir
             header[:] = (int(tf.io.gfile.exists(self._weights_path)), self.model._initial_epoch or 0)
         ops = strategy.cross_device_ops
-        header = ops.client.broadcast(header, root=0, key=(_tf._KEY_PREFIX, "backup", ops._next_call("backup")),
-                                      timeout=ops.timeout)
+        header = ops.client.broadcast(header, root=0, key=ops._keys.next_key("backup"), timeout=ops.timeout)
         if header[0]:
-            chief = _tf._broadcast_exact(ops.client, _pack(variables), key=(_tf._KEY_PREFIX, "backup", ops._next_call("backup")),
-                                         timeout=ops.timeout)
+            chief = collectives.broadcast_exact(ops.client, _pack(variables), root=0, key=ops._keys.next_key("backup"),
+                                                timeout=ops.timeout)
             if not strategy.is_chief:
                 for variable, value in zip(variables, _unpack(chief, variables)):
                     variable.assign(value)

@@ -61,7 +61,6 @@ up when they run, so after ``close()`` and a new ``init()`` cached executables u
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,7 +71,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from redsrv.core import Client, LocalProtocolError, fusion
+from redsrv.core import Client, collectives, commons, fusion, wire
 
 from . import _jax_internals
 
@@ -89,18 +88,16 @@ __all__ = [
     "SUPPORTED_DTYPES",
 ]
 
-#: dtypes the reducers sum (the core's wire dtypes). ``float64``/``int64`` need ``jax_enable_x64``.
-SUPPORTED_DTYPES = tuple(np.dtype(d) for d in ("float32", "float64", "float16", jnp.bfloat16, "int32", "int64"))
+#: dtypes the reducers sum (the core's numeric wire dtypes, ``redsrv.core.wire``). ``float64``/``int64``
+#: need ``jax_enable_x64``.
+SUPPORTED_DTYPES = tuple(wire.numpy_dtype(wire.DTYPE_NAMES[name]) for name in wire.NUMERIC_DTYPE_NAMES)
 
 #: Namespace of every key this adapter sends, so they never collide with a user's own client keys.
 _KEY_PREFIX = "redsrv.jax"
 
-# Extra dtypes broadcast_tree accepts by reinterpreting the bits (exact: a broadcast never adds):
-# unsigned integers (e.g. PRNG key data) travel as the signed type of the same width.
-_BROADCAST_VIEWS: dict[np.dtype[Any], np.dtype[Any]] = {
-    np.dtype("uint32"): np.dtype("int32"),
-    np.dtype("uint64"): np.dtype("int64"),
-}
+# Frames of JAX itself are left out of a call site (commons.call_site): they differ between JAX
+# releases and between the first trace and a retrace.
+_SITE_SKIPPED = ("jax.", "jaxlib.", "jax_plugins.")
 
 
 class Communicator:
@@ -112,13 +109,13 @@ class Communicator:
     """
 
     def __init__(self, client: Client, *, timeout: float | None = None, owns_client: bool = False) -> None:
+        _check_timeout(timeout)
         self.client = client
         self.timeout = timeout
         self._owns_client = owns_client
-        self._lock = threading.Lock()
-        self._counters: dict[tuple[Any, ...], int] = {}
+        self._lock = threading.Lock()  # guards _error and _closed
+        self._keys = commons.KeySpace(_KEY_PREFIX)
         self._error: BaseException | None = None
-        self._broadcasts = 0
         self._closed = False
 
     @property
@@ -210,13 +207,12 @@ class Communicator:
     def _exchange(self, op: str, site: tuple[str, str], device: int, slices: Sequence[np.ndarray],
                   wire_dtype: str | None) -> tuple[np.ndarray, ...]:
         """Send one device's slices, wait for their sums. Never raises (XLA callback)."""
+        call = self._keys.next_call(site, device)
         with self._lock:
-            call = self._counters.get((site, device), 0)
-            self._counters[(site, device)] = call + 1
             failed = self._error is not None
         if failed:
             return _poison(slices)  # the step is lost already; do not wait on peers for it
-        keys = [(_KEY_PREFIX, *site, s.dtype.name, device, call) for s in slices]
+        keys = [self._keys.key(*site, s.dtype.name, device, call) for s in slices]
         try:
             futures = [self.client.allreduce_async(np.ascontiguousarray(s), op=op, key=key, wire_dtype=wire_dtype,
                                                    timeout=self.timeout)
@@ -234,11 +230,10 @@ class Communicator:
             if hasattr(exc, "add_note"):  # Python 3.11+: keep the core's type, add where it happened
                 exc.add_note(f"raised on the host by redsrv.jax.check(); the exchange was {where}")
             self._error = exc
-        if self._owns_client:
-            # This process sends nothing more, so let the other ranks know now: closing the
-            # connections makes the reducers fail the open step for every rank (RELIABILITY R2,
-            # R3) instead of leaving them to wait for contributions until their timeout.
-            self.client.close()
+        # This process sends nothing more for the step: the adapters' one rule (redsrv.core.commons)
+        # closes a client init() opened, so the reducers fail the open step for every rank now
+        # instead of leaving them to wait for contributions until their timeout.
+        commons.abandon(self.client, owned=self._owns_client)
 
 
 # The default communicator, set only by init(); see the module docstring for why it exists.
@@ -259,18 +254,19 @@ def init(reducers: Sequence[str] | str | None = None, *, rank: int | None = None
     this communicator until it is closed; a second default while one is open is an error.
     """
     global _default
+    _check_timeout(timeout)
     if set_default:
         with _default_lock:
             if _default is not None:
-                raise LocalProtocolError(f"redsrv.jax is already initialised ({_default!r}): close() it first, "
-                                         "or pass set_default=False and comm= explicitly")
+                raise ValueError(f"redsrv.jax is already initialised ({_default!r}): close() it first, "
+                                 "or pass set_default=False and comm= explicitly")
     client = Client(reducers, rank=rank, world_size=world_size, job=job, **config_fields)
     comm = Communicator(client, timeout=timeout, owns_client=True)
     if set_default:
         with _default_lock:
             if _default is not None:  # another thread won the race
                 comm.close()
-                raise LocalProtocolError("redsrv.jax was initialised concurrently by another thread")
+                raise ValueError("redsrv.jax was initialised concurrently by another thread")
             _default = comm
     return comm
 
@@ -279,7 +275,7 @@ def default_communicator() -> Communicator:
     """The communicator :func:`init` made the default; a clear error if there is none."""
     comm = _default
     if comm is None:
-        raise LocalProtocolError("redsrv.jax is not initialised: call redsrv.jax.init() first, or pass comm=")
+        raise ValueError("redsrv.jax is not initialised: call redsrv.jax.init() first, or pass comm=")
     return comm
 
 
@@ -322,7 +318,8 @@ def broadcast_tree(tree: Any, *, root: int = 0, comm: Communicator | None = None
     the initial parameters (and optimiser state) so every process starts identically.
 
     Every process passes a tree of the same structure, shapes and dtypes; only the root's contents
-    travel, exactly (never compressed). One exchange per dtype. Leaves come back as the type they
+    travel, exactly (never compressed), whatever the dtype (PRNG key data, bool masks included).
+    One exchange per dtype. Leaves come back as the type they
     went in (``jax.Array`` on the default device, or ``numpy.ndarray``). Blocks; raises the core's
     typed errors directly.
     """
@@ -370,7 +367,7 @@ def _gradient_transformation(axis_name: Any, op: str, target: _Target, wire_dtyp
     except ImportError as exc:  # optax is optional for psum/pmean users
         raise ImportError("redsrv.jax.allreduce_gradients needs optax: pip install 'redsrv[jax]'") from exc
     if op not in ("sum", "mean"):
-        raise LocalProtocolError(f"op must be 'sum' or 'mean', got {op!r}")
+        raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
 
     def init_fn(params: Any) -> Any:
         del params
@@ -496,43 +493,24 @@ def _poison(slices: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
 def _broadcast_tree(comm: Communicator, tree: Any, root: int) -> Any:
     leaves, treedef = jax.tree.flatten(tree)
     host = [np.asarray(jax.device_get(leaf)) for leaf in leaves]
-    on_wire = []  # each leaf's bits as the dtype it travels as
-    for arr in host:
-        wire = _BROADCAST_VIEWS.get(arr.dtype, arr.dtype)
-        if wire not in SUPPORTED_DTYPES:
-            raise TypeError(f"redsrv.jax.broadcast_tree: dtype {arr.dtype} is not supported "
-                            f"(supported: {', '.join(d.name for d in SUPPORTED_DTYPES)}, uint32, uint64)")
-        on_wire.append(arr.view(wire))  # same itemsize: a view of any layout, 0-d included
     out: list[Any] = list(leaves)
-    for group in fusion.group_by_dtype(on_wire):
-        with comm._lock:
-            call = comm._broadcasts
-            comm._broadcasts += 1
-        result = comm.client.broadcast(fusion.fuse(on_wire, group), root=root,
-                                       key=(_KEY_PREFIX, "broadcast_tree", group.dtype.name, call))
+    for group in fusion.group_by_dtype(host):  # any fixed-size dtype: a broadcast moves bits exactly
+        call = comm._keys.next_call("broadcast_tree")
+        result = collectives.broadcast_exact(comm.client, fusion.fuse(host, group), root=root, timeout=comm.timeout,
+                                             key=comm._keys.key("broadcast_tree", group.dtype.name, call))
         for i, value in zip(group.members, fusion.split(result, group)):
-            value = value.view(host[i].dtype)
             out[i] = jnp.asarray(value) if isinstance(leaves[i], jax.Array) else value.copy()
     return jax.tree.unflatten(treedef, out)
 
 
 def _call_site() -> str:
-    """``module:function:line`` of the first caller outside this module, fixed at trace time.
+    """Where the collective was called from, fixed at trace time (:func:`redsrv.core.commons.call_site`)."""
+    return commons.call_site(_SITE_SKIPPED)
 
-    Module names and line numbers, never file paths: the same script may live in different
-    directories on different hosts, and the key must be the same everywhere.
-    """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None and frame.f_globals.get("__name__") == __name__:
-            frame = frame.f_back
-        if frame is None:
-            return "<unknown>"
-        code = frame.f_code
-        name = getattr(code, "co_qualname", code.co_name)
-        return f"{frame.f_globals.get('__name__', '?')}:{name}:{frame.f_lineno}"
-    finally:
-        del frame
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
 
 
 def _local_size(axes: tuple[Any, ...]) -> int:
@@ -551,7 +529,7 @@ def _device_index() -> Any:
     """
     names = _jax_internals.manual_axis_names()
     if not names:
-        raise LocalProtocolError("redsrv.jax collectives run inside jax.shard_map or jax.pmap (no mapped axis here)")
+        raise ValueError("redsrv.jax collectives run inside jax.shard_map or jax.pmap (no mapped axis here)")
     index = lax.axis_index(names[0])
     for name in names[1:]:
         index = index * lax.axis_size(name) + lax.axis_index(name)

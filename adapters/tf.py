@@ -45,8 +45,9 @@ different length or dtype under a key gets the reducer's mismatch error instead 
 Errors: an exchange that fails raises inside the step, so ``fit`` raises TensorFlow's error whose
 message carries redsrv's (type, peer, job, rank, phase, timeout); :meth:`ReductionServerStrategy.check`
 raises the original typed :class:`redsrv.RedsrvError`. Every exchange is bounded by the client's
-deadlines; nothing waits forever. A failed exchange closes the client this adapter created, so the
-reducers fail the step for every other worker at once instead of at their timeout.
+deadlines; nothing waits forever. A failed exchange closes the client this adapter created (the
+adapters' one rule, ``redsrv.core.commons``), so the reducers fail the step for every other worker
+at once instead of at their timeout.
 
 Limits: XLA (``jit_compile=True``) cannot contain host calls and is refused with
 :class:`redsrv.ConfigError`. Every worker must have the same number of local devices (checked at
@@ -61,8 +62,6 @@ holds what a single-process ``MirroredStrategy``'s first replica would.
 from __future__ import annotations
 
 import functools
-import hashlib
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -70,7 +69,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from redsrv.core import Client, Config, ConfigError, LocalProtocolError, RedsrvError, collectives, wire
+from redsrv.core import Client, Config, ConfigError, LocalProtocolError, RedsrvError, collectives, commons, fusion, wire
 
 from . import _tf_internals
 
@@ -82,8 +81,9 @@ __all__ = [
     "TESTED_TF",
 ]
 
-#: TensorFlow dtypes the reducers sum; anything else is a ``TypeError`` at trace time.
-SUPPORTED_DTYPES = (tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int32, tf.int64)
+#: TensorFlow dtypes the reducers sum (the core's numeric wire dtypes, ``redsrv.core.wire``);
+#: anything else is a ``TypeError`` at trace time.
+SUPPORTED_DTYPES = tuple(tf.as_dtype(name) for name in wire.NUMERIC_DTYPE_NAMES)
 
 #: The TensorFlow minor release the adapter is tested on (the ``tf`` extra pins it).
 TESTED_TF = _tf_internals.TESTED_TF
@@ -91,10 +91,10 @@ TESTED_TF = _tf_internals.TESTED_TF
 #: Namespace of every key this adapter sends, so they never collide with a user's own keys.
 _KEY_PREFIX = "redsrv.tf"
 
-# Frames from these modules are left out of a call site: they differ between the first trace and a
-# retrace (TensorFlow), between Python patch releases (the standard library), or between processes
-# (autograph writes converted code to uniquely named temporary modules).
-_SITE_SKIPPED = ("tensorflow", "redsrv.adapters", "__autograph_generated")
+# Frames from these modules are left out of a call site (besides the standard library and redsrv's,
+# commons.call_site): they differ between the first trace and a retrace (TensorFlow), or between
+# processes (autograph writes converted code to uniquely named temporary modules).
+_SITE_SKIPPED = ("tensorflow", "__autograph_generated")
 
 
 def __getattr__(name: str) -> Any:
@@ -128,16 +128,16 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
                  **client_args: Any) -> None:
         super().__init__()
         if timeout is not None and not timeout > 0:
-            raise ConfigError(f"timeout must be positive, got {timeout}")
+            raise ValueError(f"timeout must be positive, got {timeout}")
         if client is not None and client_args:
-            raise ConfigError(f"pass either a client or the arguments to build one ({', '.join(client_args)}), not both")
+            raise TypeError(f"pass either a client or the arguments to build one ({', '.join(client_args)}), not both")
         self._owns_client = client is None
         self.client = Client(**client_args) if client is None else client
         self.timeout = timeout
         self.wire_dtype = wire_dtype
         self._redsrv_num_workers = self.client.world_size
-        self._lock = threading.Lock()
-        self._counters: dict[Any, int] = {}
+        self._keys = commons.KeySpace(_KEY_PREFIX)
+        self._lock = threading.Lock()  # guards _error
         self._error: BaseException | None = None
 
     @property
@@ -230,16 +230,17 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
 
     def _exchange(self, site: str, tensors: Sequence[tf.Tensor], timeout: float | None) -> list[tf.Tensor]:
         """Sum ``tensors`` over the workers with one stateful host call: one flat vector per dtype."""
-        groups: dict[tf.DType, list[int]] = {}
         for i, t in enumerate(tensors):
             if t.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"redsrv cannot reduce {t.dtype.name} (tensor {t.name if not tf.executing_eagerly() else i}); "
                                 f"supported: {', '.join(d.name for d in SUPPORTED_DTYPES)}")
-            groups.setdefault(t.dtype, []).append(i)
-        flats = [tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0) for members in groups.values()]
+        # The core's grouping rule; fusing and splitting are TensorFlow ops (shapes may be known
+        # only when the step runs).
+        groups = [members for _, members in fusion.members_by_dtype([t.dtype.as_numpy_dtype for t in tensors])]
+        flats = [tf.concat([tf.reshape(tensors[i], [-1]) for i in members], 0) for members in groups]
         outs = _host_call(functools.partial(self._host_allreduce, site, timeout), flats, "redsrv_allreduce")
         results: list[Any] = [None] * len(tensors)
-        for members, flat, out in zip(groups.values(), flats, outs):
+        for members, flat, out in zip(groups, flats, outs):
             out = tf.reshape(out, tf.shape(flat))
             sizes = [tensors[i].shape.num_elements() for i in members]
             if any(s is None for s in sizes):
@@ -250,17 +251,11 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
                 results[i] = tf.reshape(piece, tf.shape(tensors[i]))
         return results
 
-    def _next_call(self, site: Any) -> int:
-        with self._lock:
-            call = self._counters.get(site, 0)
-            self._counters[site] = call + 1
-        return call
-
     def _host_allreduce(self, site: str, timeout: float | None, *arrays: np.ndarray) -> list[np.ndarray]:
-        call = self._next_call(site)
+        call = self._keys.next_call(site)
         try:
             # One exchange per dtype group (almost always one: the gradients' dtype), all in flight.
-            futures = [self.client.allreduce_async(np.asarray(a), key=(_KEY_PREFIX, site, call, g),
+            futures = [self.client.allreduce_async(np.asarray(a), key=self._keys.key(site, call, g),
                                                    wire_dtype=self.wire_dtype, timeout=timeout)
                        for g, a in enumerate(arrays)]
             return [self.client.wait(f, timeout=timeout) for f in futures]
@@ -269,9 +264,9 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
             raise
 
     def _host_allgather(self, site: str, timeout: float | None, array: np.ndarray) -> np.ndarray:
-        call = self._next_call(("gather", site))
+        call = self._keys.next_call("gather", site)
         try:
-            parts = collectives.allgather(self.client, _wire_view(array), key=(_KEY_PREFIX, "gather", site, call),
+            parts = collectives.allgather(self.client, _wire_view(array), key=self._keys.key("gather", site, call),
                                           timeout=timeout)
         except RedsrvError as exc:
             self._fail(exc, f"all-gather at {site}, call {call}")
@@ -288,10 +283,10 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
         return out
 
     def _host_broadcast(self, array: np.ndarray) -> np.ndarray:
-        call = self._next_call("broadcast")
+        call = self._keys.next_call("broadcast")
         try:
-            return _broadcast_exact(self.client, np.asarray(array), key=(_KEY_PREFIX, "broadcast", call),
-                                    timeout=self.timeout)
+            return collectives.broadcast_exact(self.client, np.asarray(array), root=0, key=self._keys.key("broadcast", call),
+                                               timeout=self.timeout)
         except RedsrvError as exc:
             self._fail(exc, f"broadcast of an initial value, call {call}")
             raise
@@ -303,10 +298,7 @@ class ReductionServerCrossDeviceOps(_tf_internals.CrossDeviceOpsBase):
             self._error = exc
         if hasattr(exc, "add_note"):
             exc.add_note(f"raised on the host by redsrv.tf ({where}); strategy.check() re-raises it")
-        if self._owns_client:
-            # This worker stops here: closing our connections makes the reducers fail the open
-            # step for every other worker now (RELIABILITY R2, R3) rather than at their timeout.
-            self.client.close()
+        commons.abandon(self.client, owned=self._owns_client)
 
 
 def _host_call(function: Any, tensors: Sequence[tf.Tensor], name: str) -> list[tf.Tensor]:
@@ -376,37 +368,10 @@ def _has_bytes(dtype: tf.DType) -> bool:
     return dtype.is_numpy_compatible and dtype not in (tf.string, tf.resource, tf.variant)
 
 
-def _broadcast_exact(client: Client, array: np.ndarray, *, key: Any, timeout: float | None) -> np.ndarray:
-    """``client.broadcast`` for any fixed-size dtype: unsupported ones (bool, uint8, ...) travel as
-    their bytes, padded to whole int32 words. A broadcast never adds, so the bits arrive unchanged."""
-    shape = array.shape  # np.ascontiguousarray makes scalars 1-d
-    flat = np.ascontiguousarray(array).reshape(-1)
-    if tf.as_dtype(array.dtype) in SUPPORTED_DTYPES:
-        same: np.ndarray = client.broadcast(flat, root=0, key=key, timeout=timeout)
-        return same.reshape(shape)
-    raw = flat.view(np.uint8)
-    padded = np.zeros(-(-raw.size // 4) * 4, dtype=np.uint8)
-    padded[: raw.size] = raw
-    words: np.ndarray = client.broadcast(padded.view(np.int32), root=0, key=key, timeout=timeout)
-    return words.view(np.uint8)[: raw.size].view(array.dtype).reshape(shape)
-
-
 def _call_site() -> str:
-    """This trace's call site: the Python stack outside TensorFlow, the standard library and
-    generated code, as ``innermost frame#digest of all frames``. Identical on every worker running
-    the same program, and across retraces of one function."""
-    frames = []
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if not (module.startswith(_SITE_SKIPPED) or module.partition(".")[0] in sys.stdlib_module_names):
-            code = frame.f_code
-            frames.append(f"{module}:{getattr(code, 'co_qualname', code.co_name)}:{frame.f_lineno}")
-        frame = frame.f_back
-    if tf.executing_eagerly():
-        frames.append("eager")
-    digest = hashlib.blake2b("|".join(frames).encode(), digest_size=6).hexdigest()
-    return f"{frames[0] if frames else 'eager'}#{digest}"
+    """This trace's call site (:func:`redsrv.core.commons.call_site`): identical on every worker
+    running the same program, and across retraces of one function."""
+    return commons.call_site(_SITE_SKIPPED, context="eager" if tf.executing_eagerly() else None)
 
 
 # --- the strategy --------------------------------------------------------------------------------
@@ -482,7 +447,8 @@ class ReductionServerStrategy(tf.distribute.MirroredStrategy):  # type: ignore[m
     def _check_devices(self, local: int) -> None:
         counts = np.zeros(self.num_workers, dtype=np.int64)
         counts[self.worker_index] = local
-        counts = self._redsrv_ops.client.allreduce(counts, key=(_KEY_PREFIX, "devices"), timeout=self._redsrv_ops.timeout)
+        ops = self._redsrv_ops
+        counts = ops.client.allreduce(counts, key=ops._keys.key("devices"), timeout=ops.timeout)
         if len(set(counts.tolist())) != 1:
             raise ConfigError("every worker needs the same number of devices; local devices per worker: "
                               + ", ".join(f"worker {i}: {int(n)}" for i, n in enumerate(counts)))

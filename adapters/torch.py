@@ -24,7 +24,7 @@ Errors are redsrv's typed exceptions; through DDP they reach the training loop a
 # No `from __future__ import annotations`: DDP compares the hook's annotations with real
 # objects (`torch.futures.Future[torch.Tensor]`), and string annotations would fail that check.
 
-import itertools
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -40,10 +40,10 @@ from torch.distributed.distributed_c10d import (  # type: ignore[attr-defined]
     ReduceScatterOptions,
 )
 
-from ..core import collectives
+from ..core import collectives, commons, wire
 from ..core.client import Client, ReduceFuture
 from ..core.config import Config
-from ..core.errors import LocalProtocolError
+from ..core.errors import ConfigError, ContributionMismatchError
 from . import _torch_c10d
 
 __all__ = [
@@ -60,9 +60,9 @@ __all__ = [
 BACKEND_NAME = "redsrv"
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-#: torch dtypes the reducers take as they are (bf16 is handed over as ml_dtypes.bfloat16).
-_ON_WIRE = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.int8,
-            torch.uint8, torch.bool)
+#: torch dtypes the reducers take as they are: the core's wire dtypes, which torch names as NumPy
+#: does (bf16 is handed over as ml_dtypes.bfloat16).
+_ON_WIRE = tuple(getattr(torch, name) for name in wire.DTYPE_NAMES)
 
 
 # --- tensors <-> NumPy --------------------------------------------------------------------
@@ -92,25 +92,27 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def _words(tensor: torch.Tensor) -> np.ndarray:
-    """``tensor``'s raw bytes as int32 words, zero-padded to a whole word.
-
-    Broadcasting or gathering raw words is exact for every dtype (booleans, int8, complex,
-    -0.0, NaN payloads), since a sum with zeros never changes an integer.
-    """
-    raw = _host(tensor).view(torch.uint8).numpy()
-    if raw.nbytes % 4 == 0:
-        return raw.view(np.int32)
-    padded = np.zeros((raw.nbytes + 3) // 4, dtype=np.int32)
-    padded.view(np.uint8)[: raw.nbytes] = raw
-    return padded
+def _any_numpy(host: torch.Tensor) -> np.ndarray:
+    """A NumPy array sharing the memory of ``host`` (flat, contiguous, CPU): of its own dtype where
+    NumPy has one, else its bytes (float8, ...). For the core's exact broadcast, which moves any
+    fixed-size dtype bit for bit."""
+    try:
+        return _numpy(host)
+    except TypeError:  # a dtype NumPy lacks
+        return host.view(torch.uint8).numpy()
 
 
-def _unwords(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`_words`: a CPU tensor shaped and typed like ``like``."""
-    nbytes = like.numel() * like.element_size()
-    raw = torch.from_numpy(np.ascontiguousarray(words).view(np.uint8)[:nbytes])
-    return raw.view(like.dtype).view(like.shape)
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor``'s raw bytes (``uint8``): gathering bytes is exact for every dtype (booleans,
+    complex, -0.0, NaN payloads), and ranks whose sizes differ are a mismatch on every rank."""
+    return _host(tensor).view(torch.uint8).numpy()
+
+
+def _from_bytes(raw: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_bytes`: a CPU tensor shaped and typed like ``like``."""
+    if not raw.size:  # torch cannot reinterpret an empty byte tensor (its stride is 0)
+        return torch.empty(like.shape, dtype=like.dtype)
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(like.dtype).view(like.shape)
 
 
 # --- DDP communication hook ---------------------------------------------------------------
@@ -137,19 +139,21 @@ class HookState:
     the job. Two DDP models sharing one job (or one client) need different ``key_prefix`` values.
     ``timeout`` bounds each bucket's reduction (default: the config's ``op_timeout``); the
     hook's future fails with the timeout error, so ``backward()`` raises instead of hanging.
-    Close the state (or use it as a context manager) to close a client it created.
+    Close the state (or use it as a context manager) to close a client it created; a failed
+    bucket leaves it open, since you decide whether to go on (:meth:`replace_client`). A client
+    passed in is never closed here (the adapters' rule, ``redsrv.core.commons``).
     """
 
     def __init__(self, reducers: Sequence[str] | str | None = None, *, rank: int | None = None,
                  world_size: int | None = None, job: str | None = None, client: Client | None = None,
                  timeout: float | None = None, key_prefix: str = "ddp", **config: Any) -> None:
         if timeout is not None and not timeout > 0:
-            raise LocalProtocolError(f"timeout must be positive, got {timeout}")
+            raise ValueError(f"timeout must be positive, got {timeout}")
         if client is not None:
             given = [name for name, value in (("reducers", reducers), ("rank", rank), ("world_size", world_size),
                                               ("job", job)) if value is not None] + sorted(config)
             if given:
-                raise LocalProtocolError(f"HookState got client= and also {', '.join(given)}: configure the client instead")
+                raise TypeError(f"HookState got client= and also {', '.join(given)}: configure the client instead")
             self.client = client
             self._owns_client = False
         else:
@@ -157,12 +161,16 @@ class HookState:
             self.client = Client(config=settings)
             self._owns_client = True
         self.timeout = timeout
-        self.key_prefix = key_prefix
+        self.keys = commons.KeySpace(key_prefix)
         #: Wire format asked of the core for every bucket; None: the client's default
         #: (``wire_dtype`` in its config). The compress wrappers set it on derived views.
         self.wire_dtype: str | None = None
         self._progress = _Progress()
         self._views: dict[str, HookState] = {}
+
+    @property
+    def key_prefix(self) -> str:
+        return self.keys.namespace
 
     @property
     def step(self) -> int:
@@ -200,6 +208,8 @@ class HookState:
         old, owned = self.client, self._owns_client
         self.client = Client(config=old.config) if client is None else client
         self._owns_client = client is None
+        for view in self._views.values():
+            view.client = self.client
         if owned:
             old.close()
 
@@ -235,7 +245,7 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     try:
         # In place is safe: a chunk's sum comes back only after our copy of it reached the reducer.
         array = _numpy(host)
-        reduced = state.client.allreduce_async(array, op="mean", key=(state.key_prefix, step, index),
+        reduced = state.client.allreduce_async(array, op="mean", key=state.keys.key(step, index),
                                                wire_dtype=state.wire_dtype, timeout=state.timeout, out=array)
     except Exception as exc:
         # A broken client (lost reducer, closed) fails this step's backward(), not the hook.
@@ -384,13 +394,6 @@ class _Join:
         return _torch_c10d.FutureWork(self.future, lambda: self.what)
 
 
-def _copy_words_into(tensor: torch.Tensor) -> Callable[[np.ndarray], None]:
-    def write(result: np.ndarray) -> None:
-        tensor.copy_(_unwords(result, tensor))
-
-    return write
-
-
 def _ignore(_result: Any) -> None:
     pass
 
@@ -415,13 +418,16 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     """
 
     def __init__(self, client: Client, *, rank: int, size: int, group_name: str = "",
-                 peers: Any = None) -> None:
+                 peers: Any = None, owns_client: bool = True, verify_collectives: bool = True) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python trampoline's constructor
         self.client = client
+        self._owns_client = owns_client
+        self._verify = verify_collectives
         self._peers = peers
         self._group_name = group_name
-        self._sequence = itertools.count()
-        self._sequence_lock = threading.Lock()
+        # Operations are keyed ("c10d", sequence number, part): c10d's rule that every rank issues
+        # a group's collectives in the same order makes the numbers agree.
+        self._keys = commons.KeySpace("c10d")
 
     def getBackendName(self) -> str:  # noqa: N802 - c10d's name
         return BACKEND_NAME
@@ -439,9 +445,8 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def _join(self, what: str, parts: int, value: Any) -> tuple[int, "_Join"]:
         # DDP issues collectives from the autograd thread while user code may use the main
-        # thread; c10d already demands one order per group, the lock keeps numbering atomic.
-        with self._sequence_lock:
-            seq = next(self._sequence)
+        # thread; c10d already demands one order per group, KeySpace keeps numbering atomic.
+        seq = self._keys.next_call()
         cfg = self.client.config
         return seq, _Join(f"redsrv {what} #{seq} (job {cfg.job!r}, rank {cfg.rank})", parts, value)
 
@@ -457,7 +462,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         seq, join = self._join("all_reduce", len(staged), tensors)
         for i, part in enumerate(staged):
             out = part.array if part.in_place else None
-            join.add(self.client.allreduce_async(part.array, op=op, key=("c10d", seq, i), out=out), part.write)
+            join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out), part.write)
         return join.work()
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -475,7 +480,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         for i, part in enumerate(staged):
             # Non-roots must not see the result: reduce into a scratch copy there.
             out = part.array if part.in_place and self.rank() == root else None
-            reduced = self.client.allreduce_async(part.array, op=op, key=("c10d", seq, i), out=out)
+            reduced = self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out)
             join.add(reduced, part.write if self.rank() == root else _ignore)
         return join.work()
 
@@ -485,29 +490,24 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
             raise ValueError(f"redsrv broadcast: root {root} is not a rank of this {self.size()}-rank group")
         seq, join = self._join("broadcast", len(tensors), tensors)
         for i, tensor in enumerate(tensors):
-            # Dtypes the core knows travel as themselves (checked across ranks); others as raw words.
-            native = tensor.dtype in _ON_WIRE
-            data = _numpy(_host(tensor)) if native else _words(tensor)
-            if self.rank() == root:
-                join.add(self.client.broadcast_async(data, root=root, key=("c10d", seq, i)), _ignore)
-            elif native:
-                part = _Staged(tensor, "sum", "broadcast")
-                out = part.array if part.in_place else None
-                join.add(self.client.broadcast_async(part.array, root=root, key=("c10d", seq, i), out=out), part.write)
-            else:
-                join.add(self.client.broadcast_async(data, root=root, key=("c10d", seq, i)), _copy_words_into(tensor))
+            # The core's exact broadcast: the wire's dtypes travel as themselves (checked across
+            # ranks), others as their bytes; the result lands in the tensor's memory when it can.
+            host = _host(tensor)
+            array = _any_numpy(host)
+            moved = collectives.broadcast_exact_async(self.client, array, root=root, key=self._keys.key(seq, i), out=array)
+            join.add(moved, _ignore if self.rank() == root else _copy_back(host, tensor))
         return join.work()
 
     def barrier(self, opts: Any = None) -> Any:
         seq, join = self._join("barrier", 1, [])
-        join.add(self.client.allreduce_async(np.ones(1, dtype=np.int32), key=("c10d", seq, 0)), _ignore)
+        join.add(self.client.allreduce_async(np.ones(1, dtype=np.int32), key=self._keys.key(seq, 0)), _ignore)
         return join.work()
 
     # --- through the peer links
 
     def _peer(self, what: str, instead: str) -> Any:
         if self._peers is None:
-            raise LocalProtocolError(
+            raise ConfigError(
                 f"the redsrv backend's {what} needs links between the workers, and this group was created "
                 f"without them (register_backend(peer_links=False)); {instead}")
         return self._peers
@@ -517,6 +517,25 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         cfg = self.client.config
         return _torch_c10d.DelegatedWork(call(peers), f"redsrv {what} over peer links (job {cfg.job!r}, rank {cfg.rank})",
                                          cfg.op_timeout)
+
+    def _agreed(self, what: str, call: Callable[[Any], Any], signature: "_Signature", instead: str = "") -> Any:
+        """``_delegate`` after the ranks agreed on what they pass (docs/torch_backend.md, "Mismatched
+        collectives"): every rank's signature travels through the reducers as one small all-reduce
+        under the operation's sequence number, and every rank judges the same table, so a mismatch
+        is a ContributionMismatchError on every rank before gloo sees a byte."""
+        if not self._verify:
+            return self._delegate(what, call, instead)
+        self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+        seq = self._keys.next_call()
+        key = self._keys.key(seq, 0)
+        table = np.zeros((self.size(), signature.width(self.size())), dtype=np.int64)
+        table[self.rank()] = signature.row(self.size())
+        table = self.client.allreduce(table, key=key)
+        problem = _mismatch(table, self.rank(), signature.problem)
+        if problem:
+            cfg = self.client.config
+            raise ContributionMismatchError(f"redsrv {what} #{seq}: {problem}", job=cfg.job, rank=cfg.rank, key=key)
+        return self._delegate(what, call, instead)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         return self._delegate("send", lambda peers: peers.send(tensors, dst, tag))
@@ -528,21 +547,44 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return self._delegate("recv", lambda peers: peers.recv_anysource(tensors, tag))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
-        return self._delegate("gather", lambda peers: peers.gather(output_tensors, input_tensors, opts),
-                              "use all_gather, which the reducers can do without links")
+        root, n = int(opts.rootRank), self.size()
+        x = input_tensors[0]
+        problem = None
+        if self.rank() == root and (len(output_tensors[0]) != n or any(_layout(o) != _layout(x) for o in output_tensors[0])):
+            problem = f"the root's outputs are not {n} tensors of {x.numel()} {_dtype_name(x.dtype)} elements like its input"
+        return self._agreed("gather", lambda peers: peers.gather(output_tensors, input_tensors, opts),
+                            _Signature("gather", [x], root=root, same=[x.numel()], problem=problem),
+                            "use all_gather, which the reducers can do without links")
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Any:  # type: ignore[override]
-        return self._delegate("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts),
-                              "use broadcast, which the reducers can do without links, and take your part")
+        root, n = int(opts.rootRank), self.size()
+        y = output_tensors[0]
+        problem = None
+        if self.rank() == root and (len(input_tensors[0]) != n or any(_layout(i) != _layout(y) for i in input_tensors[0])):
+            problem = f"the root's inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like its output"
+        return self._agreed("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts),
+                            _Signature("scatter", [y], root=root, same=[y.numel()], problem=problem),
+                            "use broadcast, which the reducers can do without links, and take your part")
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        return self._delegate("all_to_all",
-                              lambda peers: peers.alltoall(output_tensors, input_tensors, _opts(opts, AllToAllOptions)))
+        n = self.size()
+        problem = None
+        if len(output_tensors) != n or len(input_tensors) != n:
+            problem = f"all_to_all needs {n} inputs and {n} outputs, got {len(input_tensors)} and {len(output_tensors)}"
+        signature = _Signature("all_to_all", [*input_tensors, *output_tensors], problem=problem,
+                               sends=[t.numel() for t in input_tensors], receives=[t.numel() for t in output_tensors])
+        return self._agreed("all_to_all", lambda peers: peers.alltoall(output_tensors, input_tensors,
+                                                                       _opts(opts, AllToAllOptions)), signature)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002 - c10d's name
                           input_split_sizes: list[int], opts: Any = None) -> Any:
-        return self._delegate("all_to_all_single", lambda peers: peers.alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)))
+        n = self.size()
+        sends, send_problem = _split_elements(input, input_split_sizes, n, "input")
+        receives, receive_problem = _split_elements(output, output_split_sizes, n, "output")
+        signature = _Signature("all_to_all_single", [input, output], sends=sends, receives=receives,
+                               problem=send_problem or receive_problem)
+        return self._agreed("all_to_all_single", lambda peers: peers.alltoall_base(
+            output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)), signature)
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # the name gloo's backend uses
 
@@ -550,16 +592,21 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                   opts: Any = None) -> Any:
         if self._peers is None:
             return self._relay_gather("all_gather", output_tensors, input_tensors)
-        return self._delegate("all_gather",
-                              lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)))
+        return self._agreed("all_gather",
+                            lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)),
+                            _gather_signature("all_gather", output_tensors, input_tensors, self.size()))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
         if self._peers is None:
             per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
             return self._relay_gather("all_gather_coalesced", per_input, input_list)
-        return self._delegate("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
-            output_lists, input_list, _opts(opts, AllgatherOptions)))
+        per_input = [[outputs[i] if i < len(outputs) else outputs[0] for outputs in output_lists] for i in range(len(input_list))]
+        signature = _gather_signature("all_gather_coalesced", per_input, input_list, self.size())
+        if any(len(outputs) != len(input_list) for outputs in output_lists):
+            signature.problem = f"every rank's outputs need {len(input_list)} tensors, one per input"
+        return self._agreed("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
+            output_lists, input_list, _opts(opts, AllgatherOptions)), signature)
 
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor``."""
@@ -568,8 +615,13 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 raise ValueError(f"redsrv all_gather_into_tensor needs an output of {self.size()} x {tensor.numel()} "
                                  f"{tensor.dtype} elements, got {output.numel()} of {output.dtype}")
             return self._relay_gather("all_gather_into_tensor", [list(output.view(self.size(), -1))], [tensor], [output])
-        return self._delegate("all_gather_into_tensor",
-                              lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)))
+        problem = None
+        if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
+            problem = (f"the output holds {output.numel()} {_dtype_name(output.dtype)} elements, not {self.size()} x "
+                       f"{tensor.numel()} {_dtype_name(tensor.dtype)}")
+        return self._agreed("all_gather_into_tensor",
+                            lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)),
+                            _Signature("all_gather_into_tensor", [tensor, output], same=[tensor.numel()], problem=problem))
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
 
@@ -577,19 +629,27 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         if self._peers is None:
             whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
             return self._relay_reduce_scatter("reduce_scatter", output_tensors[0], whole, opts)
-        if opts is not None:
-            _reduce_op(opts, "reduce_scatter")  # refuses, naming redsrv, what neither path has
-        return self._delegate("reduce_scatter", lambda peers: peers.reduce_scatter(
-            output_tensors, input_lists, _opts(opts, ReduceScatterOptions)))
+        op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter")  # refuses what neither path has
+        y, n = output_tensors[0], self.size()
+        problem = None
+        if len(input_lists[0]) != n or any(_layout(i) != _layout(y) for i in input_lists[0]):
+            problem = f"the inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like the output"
+        return self._agreed("reduce_scatter", lambda peers: peers.reduce_scatter(
+            output_tensors, input_lists, _opts(opts, ReduceScatterOptions)),
+            _Signature("reduce_scatter", [y, *input_lists[0]], reduce_op=op, same=[y.numel()], problem=problem))
 
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor``."""
         if self._peers is None:
             return self._relay_reduce_scatter("reduce_scatter_tensor", output, tensor, opts)
-        if opts is not None:
-            _reduce_op(opts, "reduce_scatter_tensor")
-        return self._delegate("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
-            output, tensor, _opts(opts, ReduceScatterOptions)))
+        op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter_tensor")
+        problem = None
+        if tensor.numel() != output.numel() * self.size() or output.dtype != tensor.dtype:
+            problem = (f"the input holds {tensor.numel()} {_dtype_name(tensor.dtype)} elements, not {self.size()} x "
+                       f"{output.numel()} {_dtype_name(output.dtype)}")
+        return self._agreed("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
+            output, tensor, _opts(opts, ReduceScatterOptions)),
+            _Signature("reduce_scatter_tensor", [output, tensor], reduce_op=op, same=[output.numel()], problem=problem))
 
     # Without peer links, all-gather and reduce-scatter go through the reducers (DDP checks
     # parameter shapes with an all-gather when it starts). They move more bytes that way than
@@ -603,11 +663,11 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                                  "each, like the input")
         seq, join = self._join(what, len(inputs), output_lists if value is None else value)
         for i, (outputs, tensor) in enumerate(zip(output_lists, inputs, strict=True)):
-            # Raw words: every dtype arrives bit for bit, and sizes are checked across ranks.
-            words = _words(tensor)
-            gathered = np.empty(words.size * self.size(), dtype=words.dtype)
-            reduced = collectives.allgather_into_async(self.client, words, gathered, key=("c10d", seq, i))
-            join.add(reduced, _split_words_into(outputs))
+            # Raw bytes: every dtype arrives bit for bit, and sizes are checked across ranks.
+            raw = _bytes(tensor)
+            gathered = np.empty(raw.size * self.size(), dtype=np.uint8)
+            reduced = collectives.allgather_into_async(self.client, raw, gathered, key=self._keys.key(seq, i))
+            join.add(reduced, _split_bytes_into(outputs))
         return join.work()
 
     def _relay_reduce_scatter(self, what: str, output: torch.Tensor, tensor: torch.Tensor, opts: Any) -> Any:
@@ -620,7 +680,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         def keep_mine(result: np.ndarray) -> None:
             output.copy_(part.unstage(result).view(self.size(), -1)[self.rank()].view(output.shape))
 
-        join.add(self.client.allreduce_async(part.array, op=op, key=("c10d", seq, 0), out=part.array), keep_mine)
+        join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, 0), out=part.array), keep_mine)
         return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
@@ -638,14 +698,16 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     # --- lifetime
 
     def shutdown(self) -> None:
-        """Called by ``dist.destroy_process_group()``: close the client and the peer links."""
-        self.client.close()
+        """Called by ``dist.destroy_process_group()``: close the client (if the group made it) and the peer links."""
+        if self._owns_client:
+            self.client.close()
         if self._peers is not None:
             self._peers.shutdown()
             self._peers = None
 
     def abort(self) -> None:
-        self.client.close()
+        if self._owns_client:
+            self.client.close()
         if self._peers is not None:
             self._peers.abort()
             self._peers = None
@@ -656,10 +718,135 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
 
 
-def _split_words_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
+# --- agreeing on a peer-link collective before it runs ---------------------------------------
+
+#: The collectives whose signatures are compared (their codes travel in the table).
+_SIGNED = ("gather", "scatter", "all_to_all", "all_to_all_single", "all_gather", "all_gather_coalesced",
+           "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor")
+#: torch's dtypes by a code every rank computes alike (sorted names; aliases share the first).
+_DTYPE_CODES: dict[torch.dtype, int] = {}
+for _name in sorted(dir(torch)):
+    if isinstance(getattr(torch, _name), torch.dtype):
+        _DTYPE_CODES.setdefault(getattr(torch, _name), len(_DTYPE_CODES) + 1)
+_DTYPE_BY_CODE = {code: dtype for dtype, code in _DTYPE_CODES.items()}
+_MIXED = -1
+_REDUCE_CODES = {name: code for code, name in enumerate(_OPS.values(), start=1)}
+_HEAD = 8  # op, root, dtype, reduce op, problem, number of shared values, the first, a digest of all
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _layout(t: torch.Tensor) -> tuple[int, torch.dtype]:
+    return t.numel(), t.dtype
+
+
+class _Signature:
+    """What one rank passes to a collective, as one row of int64: the op, root, dtype and reduce op,
+    whether its own arguments fit together (``problem``), values every rank must share (``same``:
+    element counts), and for all-to-all the elements it sends to and expects from each rank."""
+
+    def __init__(self, op: str, tensors: Sequence[torch.Tensor], *, root: int = -1, reduce_op: str = "",
+                 same: Sequence[int] = (), sends: Sequence[int] | None = None, receives: Sequence[int] | None = None,
+                 problem: str | None = None) -> None:
+        self.op, self.root, self.reduce_op, self.same = op, root, reduce_op, [int(v) for v in same]
+        self.sends, self.receives, self.problem = sends, receives, problem
+        dtypes = {t.dtype for t in tensors}
+        self.dtype = _DTYPE_CODES.get(dtypes.pop(), 0) if len(dtypes) == 1 else (_MIXED if dtypes else 0)
+
+    @staticmethod
+    def width(n: int) -> int:
+        return _HEAD + 2 * n
+
+    def row(self, n: int) -> np.ndarray:
+        row = np.full(self.width(n), -1, dtype=np.int64)
+        digest = hashlib.blake2b(",".join(map(str, self.same)).encode(), digest_size=7).digest()
+        row[:_HEAD] = (_SIGNED.index(self.op) + 1, self.root, self.dtype, _REDUCE_CODES.get(self.reduce_op, 0),
+                       int(self.problem is not None), len(self.same), self.same[0] if self.same else 0,
+                       int.from_bytes(digest, "little"))
+        for start, counts in ((_HEAD, self.sends), (_HEAD + n, self.receives)):
+            if counts is not None and len(counts) == n:
+                row[start : start + n] = counts
+        return row
+
+
+def _gather_signature(what: str, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], n: int) -> _Signature:
+    problem = None
+    for outputs, x in zip(output_lists, inputs):
+        if len(outputs) != n or any(_layout(o) != _layout(x) for o in outputs):
+            problem = f"the outputs are not {n} tensors of {x.numel()} {_dtype_name(x.dtype)} elements per input"
+    return _Signature(what, [*inputs, *(o for outputs in output_lists for o in outputs)], same=[x.numel() for x in inputs],
+                      problem=problem)
+
+
+def _split_elements(t: torch.Tensor, splits: Sequence[int], n: int, which: str) -> tuple[list[int] | None, str | None]:
+    """Elements ``t`` holds for each rank under c10d's split sizes (rows along the first
+    dimension; none given: an even split), or the reason they do not fit ``t``."""
+    rows = t.shape[0] if t.dim() else 1
+    per_row = t.numel() // rows if rows else 0
+    if not splits:
+        if rows % n:
+            return None, f"the {which} has {rows} rows, which do not split evenly over {n} ranks"
+        return [rows // n * per_row] * n, None
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        return None, f"the {which} split sizes {list(splits)} do not divide its {rows} rows over {n} ranks"
+    return [int(s) * per_row for s in splits], None
+
+
+def _mismatch(table: np.ndarray, me: int, mine: str | None) -> str | None:
+    """What the ranks disagree on, judged from the table every rank holds alike (so every rank
+    reaches the same verdict), or None."""
+    n = table.shape[0]
+    names = {code: name for code, name in enumerate(_SIGNED, start=1)}
+    first = table[0]
+    for r in range(n):
+        if table[r, 0] != first[0]:
+            return f"rank 0 called {names.get(int(first[0]), '?')}, rank {r} called {names.get(int(table[r, 0]), '?')}"
+    for r in range(n):
+        if table[r, 4]:
+            if r == me and mine:
+                return f"rank {r}: {mine}"
+            return f"rank {r} passed arguments that do not fit together (its error says how)"
+    for r in range(n):
+        if table[r, 2] == _MIXED:
+            return f"rank {r} passed tensors of different dtypes"
+        if table[r, 2] != first[2]:
+            return f"rank 0 passed {_code_name(first[2])} tensors, rank {r} {_code_name(table[r, 2])}"
+        if table[r, 1] != first[1]:
+            return f"rank 0 named root {first[1]}, rank {r} root {table[r, 1]}"
+        if table[r, 3] != first[3]:
+            ops = {code: name for name, code in _REDUCE_CODES.items()}
+            return f"rank 0 reduces with {ops.get(int(first[3]), '?')}, rank {r} with {ops.get(int(table[r, 3]), '?')}"
+        if table[r, 5] != first[5] or table[r, 6] != first[6] or table[r, 7] != first[7]:
+            return (f"rank 0 passed {first[5]} tensor(s), the first of {first[6]} elements; rank {r} passed "
+                    f"{table[r, 5]}, the first of {table[r, 6]} elements")
+    for r in range(n):
+        for j in range(n):
+            sent, expected = table[r, _HEAD + j], table[j, _HEAD + n + r]
+            if sent != expected:
+                return f"rank {r} sends {sent} elements to rank {j}, which expects {expected} from it"
+    return None
+
+
+def _code_name(code: Any) -> str:
+    dtype = _DTYPE_BY_CODE.get(int(code))
+    return _dtype_name(dtype) if dtype is not None else "no"
+
+
+def _split_bytes_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:
     def write(gathered: np.ndarray) -> None:
-        for out, words in zip(outputs, gathered.reshape(len(outputs), -1), strict=True):
-            out.copy_(_unwords(words, out))
+        for out, raw in zip(outputs, gathered.reshape(len(outputs), -1), strict=True):
+            out.copy_(_from_bytes(raw, out))
+
+    return write
+
+
+def _copy_back(host: torch.Tensor, tensor: torch.Tensor) -> Callable[[Any], None]:
+    """A broadcast's result is in ``host``: copy it into ``tensor`` unless that is the same memory."""
+    def write(_result: Any) -> None:
+        if host.data_ptr() != tensor.data_ptr():
+            tensor.copy_(host.view(tensor.shape))
 
     return write
 
@@ -669,7 +856,7 @@ def _opts(opts: Any, kind: Callable[[], Any]) -> Any:
 
 
 def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | None = None, peer_links: bool = True,
-                     **config: Any) -> None:
+                     verify_collectives: bool = True, **config: Any) -> None:
     """Register the ``"redsrv"`` c10d backend (CPU tensors).
 
     Settings not given here come from the environment when a group is created (see
@@ -685,6 +872,13 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     group must create it within the deadline. Without them the workers need only reach the
     reducers: all-gather and reduce-scatter go through the reducers as well, and the other
     operations raise an error naming what to use instead.
+
+    ``verify_collectives``: before each collective over the peer links, the ranks compare what they
+    pass (op, root, dtype, sizes, reduce op) through the reducers, so a mismatch is a
+    :class:`redsrv.ContributionMismatchError` on every rank instead of gloo's error on some ranks
+    and a hang on others. It costs one small round trip through the reducers per collective
+    (docs/torch_backend.md); turn it off only for latency-bound code known to be consistent, and
+    on every rank alike.
     """
     _torch_c10d.check()
     Config.from_env(reducers=reducers, job=job, rank=0, world_size=1, **config)  # fail now, not at init
@@ -702,6 +896,7 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         except BaseException:
             client.close()
             raise
-        return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers)
+        return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
+                                  owns_client=True, verify_collectives=verify_collectives)
 
     _torch_c10d.register(BACKEND_NAME, create)

@@ -1,5 +1,6 @@
-"""Collectives built from the reducers' two primitives, all-reduce and broadcast: all-gather
-(first dimensions may differ per rank), all-to-all and reduce-scatter. NumPy only, so every
+"""Collectives built from the reducers' two primitives, all-reduce and broadcast: an exact
+broadcast of any dtype, all-gather (first dimensions may differ per rank), all-to-all and
+reduce-scatter. NumPy only, so every
 adapter (the c10d backend, the Horovod API, TensorFlow's cross-worker gather) shares one
 implementation, its deadlines and its typed errors.
 
@@ -27,7 +28,8 @@ from . import wire
 from .client import Client
 from .errors import ContributionMismatchError, PeerTimeoutError
 
-__all__ = ["allgather_async", "allgather", "allgather_into_async", "alltoall_async", "alltoall", "reducescatter_async",
+__all__ = ["broadcast_exact_async", "broadcast_exact",
+           "allgather_async", "allgather", "allgather_into_async", "alltoall_async", "alltoall", "reducescatter_async",
            "split_sizes", "MAX_DIMS"]
 
 _T = TypeVar("_T")
@@ -36,6 +38,42 @@ _T = TypeVar("_T")
 #: shape table has a fixed width so that it can travel as one all-reduce).
 MAX_DIMS = 16
 _SHAPE_WIDTH = 2 + MAX_DIMS  # dtype code, ndim, dims
+
+
+def broadcast_exact_async(client: Client, x: np.ndarray, *, root: int = 0, key: Any, timeout: float | None = None,
+                          out: np.ndarray | None = None) -> concurrent.futures.Future[np.ndarray]:
+    """Rank ``root``'s ``x`` on every rank, bit for bit, for any fixed-size dtype; the result has
+    ``x``'s dtype and shape (``out`` when given: an array like ``x``, C-contiguous and writeable,
+    which may be ``x`` itself).
+
+    The wire's dtypes travel as themselves, so ranks that disagree on the dtype get a
+    :class:`ContributionMismatchError`; any other dtype (complex, uint16, float8, ...) travels as
+    its bytes. A broadcast never adds, so -0.0, NaN payloads and every integer arrive unchanged.
+    """
+    arr = _contiguous(x)
+    if arr.dtype.hasobject or arr.dtype.itemsize == 0:
+        raise TypeError(f"broadcast_exact needs a fixed-size dtype, got {arr.dtype}")
+    if out is not None:
+        if not isinstance(out, np.ndarray) or out.dtype != arr.dtype or out.size != arr.size:
+            raise ValueError(f"out must be an array of {arr.size} {arr.dtype} elements, got "
+                             f"{getattr(out, 'size', '?')} of {getattr(out, 'dtype', type(out).__name__)}")
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("out must be a C-contiguous, writeable array")
+    result_array = np.empty_like(arr) if out is None else out
+    if _on_wire(arr.dtype):
+        send, into = arr.reshape(-1), result_array.reshape(-1)
+    else:
+        send, into = arr.reshape(-1).view(np.uint8), result_array.reshape(-1).view(np.uint8)
+    result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+    moved = client.broadcast_async(send, root=root, key=key, timeout=timeout, out=into)
+    _chain(result, moved, lambda _landed: result_array.reshape(arr.shape))
+    return result
+
+
+def broadcast_exact(client: Client, x: np.ndarray, *, root: int = 0, key: Any, timeout: float | None = None,
+                    out: np.ndarray | None = None) -> np.ndarray:
+    """Blocking :func:`broadcast_exact_async`."""
+    return _wait(client, broadcast_exact_async(client, x, root=root, key=key, timeout=timeout, out=out), timeout)
 
 
 def allgather_async(client: Client, x: np.ndarray, *, key: Any,
@@ -180,6 +218,12 @@ def _contiguous(x: Any) -> np.ndarray:
     scalar one-dimensional)."""
     arr = np.asarray(x)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def _on_wire(dtype: np.dtype) -> bool:
+    """Whether the wire carries ``dtype`` as itself (a byte-swapped float32 is not float32's bytes)."""
+    code = wire.DTYPE_NAMES.get(dtype.name)
+    return code is not None and dtype == wire.numpy_dtype(code)
 
 
 def _shapes(table: np.ndarray, client: Client, key: Any) -> list[tuple[int, ...]]:

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-__all__ = ["FusedGroup", "fuse", "group_by_dtype", "split"]
+__all__ = ["FusedGroup", "fuse", "group_by_dtype", "members_by_dtype", "split"]
 
 
 class _Shaped(Protocol):
@@ -74,8 +74,23 @@ class FusedGroup:
         return sum(self.sizes)
 
 
+def members_by_dtype(dtypes: Sequence[Any]) -> list[tuple[np.dtype[Any], tuple[int, ...]]]:
+    """The grouping rule alone: positions in ``dtypes`` (anything ``np.dtype`` accepts) grouped by
+    dtype, in order of each dtype's first appearance. For arrays whose shapes are not all known
+    until they run (a traced TensorFlow tensor), which fuse and split with the framework's ops.
+
+    >>> import numpy as np
+    >>> members_by_dtype(["float32", "int64", np.float32])
+    [(dtype('float32'), (0, 2)), (dtype('int64'), (1,))]
+    """
+    members: dict[np.dtype[Any], list[int]] = {}
+    for index, dtype in enumerate(dtypes):
+        members.setdefault(np.dtype(dtype), []).append(index)
+    return [(dtype, tuple(indices)) for dtype, indices in members.items()]
+
+
 def group_by_dtype(arrays: Sequence[_Shaped]) -> list[FusedGroup]:
-    """Group ``arrays`` by dtype, in order of each dtype's first appearance.
+    """Group ``arrays`` by dtype, in order of each dtype's first appearance (:func:`members_by_dtype`).
 
     >>> import numpy as np
     >>> [g.members for g in group_by_dtype([np.zeros(2, np.int32), np.zeros(1), np.zeros(3, np.int32)])]
@@ -83,11 +98,8 @@ def group_by_dtype(arrays: Sequence[_Shaped]) -> list[FusedGroup]:
     >>> group_by_dtype([])
     []
     """
-    members: dict[np.dtype[Any], list[int]] = {}
-    for index, array in enumerate(arrays):
-        members.setdefault(np.dtype(array.dtype), []).append(index)
-    return [FusedGroup(dtype, tuple(indices), tuple(tuple(int(n) for n in arrays[i].shape) for i in indices))
-            for dtype, indices in members.items()]
+    return [FusedGroup(dtype, indices, tuple(tuple(int(n) for n in arrays[i].shape) for i in indices))
+            for dtype, indices in members_by_dtype([array.dtype for array in arrays])]
 
 
 def fuse(arrays: Sequence[np.ndarray[Any, Any]], group: FusedGroup) -> np.ndarray[Any, Any]:

@@ -41,6 +41,8 @@ __all__ = [
     "COMBINING_OPS",
     "BITWISE_OPS",
     "INTEGER_DTYPES",
+    "DTYPE_NAMES",
+    "NUMERIC_DTYPE_NAMES",
     "ErrorCode",
     "NONCE_BYTES",
     "PROOF_BYTES",
@@ -113,6 +115,14 @@ _NUMPY_DTYPES: dict[DType, np.dtype] = {
     DType.BOOL: np.dtype("?"),
 }
 _CODES = {dt: code for code, dt in _NUMPY_DTYPES.items()}
+
+#: The one dtype table: every wire dtype by its NumPy name. Frameworks name their dtypes the same
+#: way (``torch.bfloat16``, ``tf.bfloat16``, ``jnp.bfloat16``), so each adapter derives its list
+#: of supported dtypes from these names rather than keeping one of its own.
+DTYPE_NAMES: dict[str, DType] = {_NUMPY_DTYPES[code].name: code for code in DType}
+#: The wire dtypes that have a sum in every framework: all but ``bool`` (TensorFlow's ``add_n`` and
+#: XLA's reductions refuse it; torch sums it as a logical or).
+NUMERIC_DTYPE_NAMES: tuple[str, ...] = tuple(name for name in DTYPE_NAMES if name != "bool")
 
 
 def numpy_dtype(code: DType) -> np.dtype:

@@ -7,10 +7,11 @@ one connection per process set lives in a single :class:`_Runtime` that ``init()
 
 **Keys.** The reducers match contributions by key, so every rank must give an operation the
 same key. Horovod names operations (``name=``) and negotiates by name; here an operation's key
-is ``(kind, name, n)`` where ``n`` counts the earlier operations of that kind and name in the
-same process set. Named operations may therefore be issued in a different order on different
-ranks (as under Horovod, as long as they are asynchronous); unnamed ones share the name ``""``
-and must be issued in the same order on every rank, which is also Horovod's assumption.
+is ``("hvd", kind, name, n)`` (the adapters' key scheme, ``redsrv.core.commons``) where ``n``
+counts the earlier operations of that kind and name in the same process set. Named operations
+may therefore be issued in a different order on different ranks (as under Horovod, as long as
+they are asynchronous); unnamed ones share the name ``""`` and must be issued in the same order
+on every rank, which is also Horovod's assumption.
 
 **Objects.** ``broadcast_object``/``allgather_object`` pickle Python objects, like Horovod. The
 bytes travel as ``uint8`` arrays between the ranks of one job (authenticated by the job's
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from redsrv.core import collectives
+from redsrv.core import collectives, commons
 from redsrv.core.client import Client
 from redsrv.core.config import Config
 from redsrv.core.errors import ConfigError, LocalProtocolError, PeerTimeoutError, RedsrvError
@@ -150,8 +151,7 @@ class ProcessSet:
             raise ValueError(f"ProcessSet ranks must be distinct, got {ranks}")
         self.ranks = [int(r) for r in ranks]
         self._client: Client | None = None
-        self._counters: dict[tuple[str, str], itertools.count[int]] = {}
-        self._counter_lock = threading.Lock()
+        self._keys = commons.KeySpace("hvd")
 
     def size(self) -> int | None:
         """The number of ranks in the set, or ``None`` before it is registered."""
@@ -180,13 +180,10 @@ class ProcessSet:
 
     # --- used by the framework modules ---
 
-    def next_key(self, kind: str, name: str | None) -> tuple[str, str, int]:
+    def next_key(self, kind: str, name: str | None) -> tuple[Any, ...]:
         """The key of the next ``kind`` operation called ``name`` in this set (see the module
         docstring): identical on every rank that issues the same named operations."""
-        label = "" if name is None else str(name)
-        with self._counter_lock:
-            counter = self._counters.setdefault((kind, label), itertools.count())
-            return (kind, label, next(counter))
+        return self._keys.next_key(kind, "" if name is None else str(name))
 
     def root_index(self, root_rank: int) -> int:
         """A global ``root_rank`` as a position within the set."""
@@ -300,7 +297,7 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             raise ConfigError(f"{config.world_size} ranks but no reducers: set REDSRV_REDUCERS (redsrv run does), "
                               "or start the script with `redsrv run -np N`")
         runtime = _Runtime(config)
-        global_process_set._counters.clear()  # a new session numbers its operations from zero on every rank
+        global_process_set._keys.reset()  # a new session numbers its operations from zero on every rank
         try:
             runtime.connect(global_process_set, list(range(runtime.size)), config.job)
             runtime.sets[0] = global_process_set
@@ -432,7 +429,7 @@ def _discover_topology(runtime: _Runtime, process_set: ProcessSet) -> Topology:
         return Topology.from_hosts([host], 0)
     out = np.empty(runtime.size, dtype=np.int64)
     hosts = wait_future(collectives.allgather_into_async(client, np.array([host], dtype=np.int64), out,
-                                                         key=("hvd.init", "hosts", 0)), client)
+                                                         key=process_set._keys.key("init", "hosts")), client)
     return Topology.from_hosts([int(h) for h in hosts], runtime.rank)
 
 
@@ -500,14 +497,15 @@ def _copy_into(out: np.ndarray, arr: np.ndarray) -> np.ndarray:
 
 def broadcast_async(process_set: ProcessSet, arr: np.ndarray, root_rank: int, *, name: str | None = None,
                     out: np.ndarray | None = None, kind: str = "broadcast") -> concurrent.futures.Future[np.ndarray]:
-    """Global rank ``root_rank``'s ``arr`` on every member of the set (bit-exact)."""
+    """Global rank ``root_rank``'s ``arr`` on every member of the set, bit for bit, whatever its
+    dtype (the core's exact broadcast)."""
     key = process_set.next_key(kind, name)
     client = process_set.client()
     root = process_set.root_index(root_rank)
     if client is None:
         return _done(np.array(arr, copy=True) if out is None else _copy_into(out, arr))
     with _submitting():
-        return client.broadcast_async(arr, root=root, key=key, out=out)
+        return collectives.broadcast_exact_async(client, arr, root=root, key=key, out=out)
 
 
 def allgather_async(process_set: ProcessSet, arr: np.ndarray, *, name: str | None = None,

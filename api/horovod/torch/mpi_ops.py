@@ -18,6 +18,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from redsrv.core import wire
+
 from .. import common
 from ..common import ProcessSet, global_process_set
 from .compression import Compression
@@ -33,8 +35,8 @@ __all__ = [
 ]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
-_SUPPORTED = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
-              torch.int64, torch.bool)
+#: The core's wire dtypes (``redsrv.core.wire``), which torch names as NumPy does.
+_SUPPORTED = tuple(getattr(torch, name) for name in wire.DTYPE_NAMES)
 
 poll = common.poll
 synchronize = common.synchronize

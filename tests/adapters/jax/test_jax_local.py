@@ -164,9 +164,10 @@ def test_a_tree_travels_as_one_exchange_per_dtype_under_deterministic_keys(comm,
     by_key = {k: (dtype, size) for k, dtype, size in keys}
     assert len(by_key) == len(keys), "a key was used twice"
     prefix, where, phase, dtype, device, call = keys[0][0]
-    # the call site by module, function and line: never a file path, which differs between hosts
+    # the call site by module, function and line (and a digest of the stack outside JAX): never a
+    # file path, which differs between hosts
     assert prefix == "redsrv.jax"
-    assert re.fullmatch(re.escape(__name__) + r":test_a_tree_travels\S*\.<lambda>:\d+", where), where
+    assert re.fullmatch(re.escape(__name__) + r":test_a_tree_travels\S*\.<lambda>:\d+#[0-9a-f]{12}", where), where
     assert {(k[0][2], k[0][3], k[1]) for k in keys} == {("fwd", "float32", "float32"), ("fwd", "bfloat16", "bfloat16"),
                                                         ("int", "int32", "int32")}
     assert {k[0][4] for k in keys} == {0, 1} and {k[0][5] for k in keys} == {0, 1}
@@ -207,7 +208,7 @@ def test_optax_transform_averages_like_lax_pmean(comm) -> None:  # type: ignore[
 
 def test_broadcast_tree_keeps_structure_dtypes_and_leaf_types(comm) -> None:  # type: ignore[no-untyped-def]
     tree = {"w": jnp.arange(6.0).reshape(2, 3), "key": np.array([1, 2**32 - 1], np.uint32),
-            "n": (np.int32(4), jnp.ones(2, jnp.bfloat16))}
+            "n": (np.int32(4), jnp.ones(2, jnp.bfloat16)), "mask": np.array([True, False])}
     got = comm.broadcast_tree(tree)
     assert jax.tree.structure(got) == jax.tree.structure(tree)
     assert isinstance(got["w"], jax.Array) and isinstance(got["key"], np.ndarray)
@@ -222,16 +223,16 @@ def test_invariant_input_under_check_vma_is_a_clear_error(comm) -> None:  # type
 
 
 def test_unsupported_dtype_and_integer_mean_fail_at_trace_time(comm) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(TypeError, match="uint8 is not supported"):
-        jax.pmap(lambda x: rjax.psum(x, AXIS), axis_name=AXIS)(jnp.ones((2, 3), jnp.uint8))
+    with pytest.raises(TypeError, match="uint16 is not supported"):
+        jax.pmap(lambda x: rjax.psum(x, AXIS), axis_name=AXIS)(jnp.ones((2, 3), jnp.uint16))
     with pytest.raises(TypeError, match="floating-point"):
         jax.pmap(lambda x: rjax.pmean(x, AXIS), axis_name=AXIS)(jnp.ones((2, 3), jnp.int32))
 
 
 def test_without_init_the_collective_says_so() -> None:
-    with pytest.raises(redsrv.LocalProtocolError, match="not initialised"):
+    with pytest.raises(ValueError, match="not initialised"):
         jax.pmap(lambda x: rjax.psum(x, AXIS), axis_name=AXIS)(jnp.ones((2, 3)))
-    with pytest.raises(redsrv.LocalProtocolError, match="not initialised"):
+    with pytest.raises(ValueError, match="not initialised"):
         rjax.check()
 
 
@@ -244,9 +245,9 @@ def test_init_reads_the_environment_through_config(daemon, monkeypatch) -> None:
     with rjax.init() as comm:
         assert (comm.rank, comm.world_size, comm.client.config.job, comm.client.config.op_timeout) == (0, 1, "from-env", 7.0)
         assert rjax.default_communicator() is comm
-        with pytest.raises(redsrv.LocalProtocolError, match="already initialised"):
+        with pytest.raises(ValueError, match="already initialised"):
             rjax.init()
-    with pytest.raises(redsrv.LocalProtocolError):
+    with pytest.raises(ValueError, match="not initialised"):
         rjax.default_communicator()
     monkeypatch.setenv("REDSRV_OP_TIMEOUT", "-1")
     with pytest.raises(redsrv.ConfigError, match="op_timeout"):
@@ -262,7 +263,7 @@ def test_a_cached_step_follows_a_new_default_communicator(daemon) -> None:  # ty
     with rjax.init([daemon], rank=0, world_size=1, job="jax-second", **FAST) as second:
         np.testing.assert_array_equal(step(x), 2 * np.ones((2, 4)))
         second.check()
-        assert sum(second._counters.values()) == 2  # both devices ran on the new client
+        assert second.client.ops_completed == 2  # both devices ran on the new client
 
 
 def test_a_dead_reducer_is_stored_and_raised_by_check_never_hung() -> None:

@@ -689,6 +689,50 @@ def run_ops(spec: dict, group: dist.ProcessGroup, out: dict[str, np.ndarray], re
     except Exception as exc:  # noqa: BLE001 - reported for the test to name
         report["mismatch"] = f"{type(exc).__name__}: {exc}"
 
+    # Peer-link collectives whose ranks disagree fail on every rank with the redsrv error, before
+    # gloo sees a byte (so the group stays usable): sizes that differ by rank, a dtype, an op.
+    report["peer_mismatch"] = {}
+    f32 = torch.float32
+    wrong_dtype = torch.float32 if rank == 0 else torch.float64
+    mismatches = {
+        "gather": lambda: dist.gather(torch.ones(2 + rank), [torch.ones(2) for _ in range(n)] if rank == 0 else None,
+                                      dst=0, group=group),
+        "gather_dtype": lambda: dist.gather(torch.ones(2, dtype=wrong_dtype),
+                                            [torch.ones(2) for _ in range(n)] if rank == 0 else None, dst=0, group=group),
+        "scatter": lambda: dist.scatter(torch.ones(2 + rank), [torch.ones(2) for _ in range(n)] if rank == 0 else None,
+                                        src=0, group=group),
+        "all_to_all": lambda: dist.all_to_all([torch.ones(1) for _ in range(n)], [torch.ones(1 + rank) for _ in range(n)],
+                                              group=group),
+        "all_to_all_single": lambda: dist.all_to_all_single(torch.ones(n), torch.ones(n * (1 + rank)), group=group),
+        "all_to_all_single_splits": lambda: dist.all_to_all_single(
+            torch.ones(n), torch.ones(n + rank), output_split_sizes=[1] * n,
+            input_split_sizes=[1] * (n - 1) + [1 + rank], group=group),
+        "all_gather": lambda: dist.all_gather([torch.ones(2 + rank) for _ in range(n)], torch.ones(2 + rank), group=group),
+        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.ones(n * (2 + rank)), torch.ones(2 + rank),
+                                                                      group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter(torch.ones(2 + rank), [torch.ones(2 + rank) for _ in range(n)],
+                                                      group=group),
+        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.ones(2 + rank, dtype=f32),
+                                                                    torch.ones(n * (2 + rank)), group=group),
+        "reduce_scatter_op": lambda: dist.reduce_scatter_tensor(torch.ones(2), torch.ones(2 * n), group=group,
+                                                                op=R.SUM if rank == 0 else R.MAX),
+        "op": lambda: (dist.gather(torch.ones(2), [torch.ones(2) for _ in range(n)], dst=0, group=group) if rank == 0
+                       else dist.scatter(torch.ones(2), None, src=0, group=group)),
+        "broadcast": lambda: dist.broadcast(torch.ones(2 + rank), src=0, group=group),
+    }
+    for name, call in mismatches.items():
+        started = time.monotonic()
+        try:
+            call()
+            outcome = "no error"
+        except Exception as exc:  # noqa: BLE001 - reported for the test to name
+            outcome = f"{type(exc).__name__}: {exc}"
+        report["peer_mismatch"][name] = {"outcome": outcome, "seconds": time.monotonic() - started}
+    # The group is still in step: a consistent peer-link collective after the mismatches works.
+    after = [torch.zeros(2) for _ in range(n)]
+    dist.all_gather(after, torch.full((2,), float(rank)), group=group)
+    report["after_mismatch"] = [float(t[0]) for t in after]
+
 
 # --- FSDP, gloo against redsrv ------------------------------------------------------------
 

@@ -89,6 +89,29 @@ def test_mismatched_contributions_fail_on_every_rank(run: Run) -> None:
         assert report["mismatch"].startswith("ContributionMismatchError"), f"rank {rank}: {report['mismatch']}"
 
 
+#: Peer-link collectives made to disagree across ranks by ``ddp_worker.run_ops``, and what the
+#: message must name.
+PEER_MISMATCHES = {"gather": "redsrv gather #", "gather_dtype": "rank 0 passed float32 tensors, rank 1 float64",
+                   "scatter": "redsrv scatter #", "all_to_all": "sends 2 elements to rank 0, which expects 1",
+                   "all_to_all_single": "redsrv all_to_all_single #", "all_to_all_single_splits": "expects 1 from it",
+                   "all_gather": "redsrv all_gather #", "all_gather_into_tensor": "the first of 2 elements",
+                   "reduce_scatter": "redsrv reduce_scatter #", "reduce_scatter_tensor": "redsrv reduce_scatter_tensor #",
+                   "reduce_scatter_op": "rank 0 reduces with sum, rank 1 with max",
+                   "op": "rank 0 called gather, rank 1 called scatter", "broadcast": ""}
+
+
+@pytest.mark.parametrize("name", PEER_MISMATCHES)
+def test_mismatched_peer_collectives_fail_on_every_rank(run: Run, name: str) -> None:
+    _checked(run, "ops")
+    for rank, report in enumerate(run.reports):
+        result = report["peer_mismatch"][name]
+        assert result["outcome"].startswith("ContributionMismatchError: "), f"rank {rank}: {result['outcome']}"
+        assert PEER_MISMATCHES[name] in result["outcome"], f"rank {rank}: {result['outcome']}"
+        assert result["seconds"] < 5.0, f"rank {rank} took {result['seconds']:.1f}s"
+        # the group stays in step after every mismatch
+        assert report["after_mismatch"] == [float(r) for r in range(run.world_size)], report["after_mismatch"]
+
+
 def test_peer_link_timeout_is_a_redsrv_error(run: Run) -> None:
     _checked(run, "ops")
     outcome = run.reports[0]["peer_timeout"]
