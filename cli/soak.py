@@ -8,6 +8,10 @@ for a few seconds, and lets a rogue client send garbage. Workers ride through lo
 (RELIABILITY R22). It reports steps completed, steps that failed with a clear error, hangs (must
 be 0), wrong sums (must be 0), the time from each fault to the end of its round (median, max), and
 reducer memory.
+
+``--framework torch`` trains with PyTorch DDP and the redsrv comm hook instead, checks every
+gradient bit for bit against a local recomputation, and injects reducer faults every
+``--fault-interval`` seconds on average (``redsrv.cli.soak_ddp``).
 """
 
 from __future__ import annotations
@@ -50,9 +54,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--reducer-freeze", type=float, default=5.0, help="seconds a frozen reducer stays stopped (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the report to this file")
-    p.set_defaults(func=lambda a: run_soak(duration=a.duration, workers=a.workers, reducers=a.reducers,
-                                           steps_per_round=a.steps_per_round, fault_probability=a.fault_probability,
-                                           seed=a.seed, json_path=a.json, reducer_freeze=a.reducer_freeze))
+    p.add_argument("--framework", choices=["numpy", "torch"], default="numpy",
+                   help="numpy: rounds of all-reduces (default); torch: DDP training with the redsrv hook")
+    p.add_argument("--fault-interval", type=float, default=20.0,
+                   help="torch: mean seconds between reducer faults, each uniform(0.5, 1.5) x this after the last (default 20)")
+    p.add_argument("--log-dir", help="torch: where the workers' logs go (default: a new temporary folder)")
+    p.set_defaults(func=_run)
+
+
+def _run(a: argparse.Namespace) -> int:
+    if a.framework == "torch":
+        from redsrv.cli.soak_ddp import run_ddp_soak
+
+        return run_ddp_soak(duration=a.duration, workers=a.workers, reducers=a.reducers, fault_interval=a.fault_interval,
+                            reducer_freeze=a.reducer_freeze, seed=a.seed, json_path=a.json, log_dir=a.log_dir)
+    return run_soak(duration=a.duration, workers=a.workers, reducers=a.reducers, steps_per_round=a.steps_per_round,
+                    fault_probability=a.fault_probability, seed=a.seed, json_path=a.json, reducer_freeze=a.reducer_freeze)
 
 
 #: Shrunk liveness settings so that faults are detected in about a second.
@@ -193,11 +210,11 @@ def _inject(fault: str, rng: random.Random, fleet, ports: list[int], worker_proc
     return time.monotonic()
 
 
-def _restart_reducer(port: int, env: dict) -> subprocess.Popen:  # type: ignore[type-arg]
+def _restart_reducer(port: int, env: dict, log_level: str = "error") -> subprocess.Popen:  # type: ignore[type-arg]
     deadline = time.monotonic() + 20
     while True:
         proc = subprocess.Popen([sys.executable, "-m", "redsrv", "reducer", "--host", "127.0.0.1", "--port", str(port),
-                                 "--log-level", "error"], stdout=subprocess.PIPE, text=True, env=env)
+                                 "--log-level", log_level], stdout=subprocess.PIPE, text=True, env=env)
         if "listening" in readline_within(proc, 20.0):
             return proc
         proc.wait(5)
