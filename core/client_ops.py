@@ -80,7 +80,7 @@ class Completions:
                     self._thread.start()
                 self._ready.notify()
                 return
-        _call(fn, future)  # closed: only a future failed by close() itself gets here, on the closing thread
+        _call(fn, future)  # closed (close() ran the queue and ended the thread): run it here rather than never
 
     def close(self, timeout: float) -> None:
         """Run what is queued, then end the thread (waits at most ``timeout``; not when called
