@@ -138,6 +138,10 @@ class Client:
         return len(self.config.reducers)
 
     @property
+    def _closed(self) -> bool:
+        return self._ops.closed
+
+    @property
     def session(self) -> int:
         """This client's session id, sent in every handshake: a reconnect is the same session."""
         return self._session.id
