@@ -41,7 +41,7 @@ DEFAULT_CORE_GBPS = 0.85
 #: each may do better, and a busy one worse: `redsrv plan --measure` reads it on yours.
 DEFAULT_IO_THREAD_GBPS = 2.44
 
-#: The worker's client moves all its bytes on one I/O thread (``core/client.py``: one selector
+#: The worker's client moves all its bytes on one I/O thread (``core/client_io.py``: one selector
 #: loop per client). There is no setting for more yet.
 CLIENT_IO_THREADS = 1
 

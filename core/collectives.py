@@ -270,7 +270,7 @@ def _broadcasts(client: Client, arr: np.ndarray, targets: list[np.ndarray], key:
     targets[client.rank][...] = own
     combined: concurrent.futures.Future[list[np.ndarray]] = concurrent.futures.Future()
     remaining = [len(futures)]
-    count_lock = threading.Lock()  # callbacks run on the I/O thread, or here if a part is already done
+    count_lock = threading.Lock()  # callbacks run on the completion thread, or here if a part is already done
 
     def arrived(done: concurrent.futures.Future[np.ndarray]) -> None:
         if done.exception() is not None:

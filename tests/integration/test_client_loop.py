@@ -86,3 +86,78 @@ def test_closing_the_client_from_a_result_callback_on_its_own_loop_neither_hangs
         partner.close()
     finally:
         daemon.stop()
+
+
+def test_done_callbacks_run_in_completion_order_on_a_thread_that_is_not_the_io_loop() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
+    host, port = daemon.start()
+    try:
+        with redsrv.Client([f"{host}:{port}"], rank=0, world_size=2, job="callback-thread") as client, \
+             redsrv.Client([f"{host}:{port}"], rank=1, world_size=2, job="callback-thread") as partner:
+            ran: list[tuple[int, threading.Thread]] = []
+            all_ran = threading.Event()
+
+            def record(step: int):  # type: ignore[no-untyped-def]
+                def callback(_future) -> None:  # type: ignore[no-untyped-def]
+                    ran.append((step, threading.current_thread()))
+                    if len(ran) == 5:
+                        all_ran.set()
+                return callback
+
+            x = np.arange(1000, dtype=np.float32)
+            for step in range(5):  # the partner's push completes each one after its callback is added
+                future = client.allreduce_async(x, key=step)
+                future.add_done_callback(record(step))
+                assert np.array_equal(partner.allreduce(x, key=step, timeout=10), x * 2)
+                assert np.array_equal(client.wait(future, timeout=10), x * 2)
+            assert all_ran.wait(10), f"callbacks ran for {[s for s, _ in ran]} only"
+            loop = client._io.thread
+            assert loop is not None and loop.name == "redsrv-io"
+            assert [step for step, _ in ran] == list(range(5))
+            assert all(thread is not loop for _, thread in ran), [thread.name for _, thread in ran]
+            assert {thread.name for _, thread in ran} == {"redsrv-done"}
+            # A callback added once the future is done runs at once, in the adding thread.
+            late: list[threading.Thread] = []
+            future.add_done_callback(lambda _f: late.append(threading.current_thread()))
+            assert late == [threading.current_thread()]
+    finally:
+        daemon.stop()
+
+
+def test_a_blocking_done_callback_stalls_neither_the_loop_nor_other_operations() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
+    host, port = daemon.start()
+    try:
+        with redsrv.Client([f"{host}:{port}"], rank=0, world_size=2, job="callback-block") as a, \
+             redsrv.Client([f"{host}:{port}"], rank=1, world_size=2, job="callback-block") as b:
+            release = threading.Event()
+            entered = threading.Event()
+            outcome: list[bool] = []
+
+            def blocking(_future) -> None:  # type: ignore[no-untyped-def]
+                entered.set()
+                outcome.append(release.wait(30))  # a deadline, so a failed test cannot hang the thread
+
+            x = np.arange(200_000, dtype=np.float32)
+            first = a.allreduce_async(x, key="first")
+            first.add_done_callback(blocking)
+            assert np.array_equal(b.allreduce(x, key="first", timeout=10), x * 2)
+            assert entered.wait(10), "the callback never ran"
+            # The callback holds a's completion thread: a's loop still reads, writes, keeps
+            # deadlines, and completes futures (large ones, in pieces, and small ones).
+            for step in range(5):
+                fa = a.allreduce_async(x * step, key=step, timeout=10)
+                fb = b.allreduce_async(x, key=step, timeout=10)
+                assert np.array_equal(a.wait(fa, timeout=10), x * step + x)
+                assert np.array_equal(b.wait(fb, timeout=10), x * step + x)
+            queued_behind = threading.Event()
+            fa = a.allreduce_async(x, key="late", timeout=10)
+            fa.add_done_callback(lambda _f: queued_behind.set())
+            b.allreduce(x, key="late", timeout=10)
+            assert np.array_equal(a.wait(fa, timeout=10), x * 2)
+            assert not outcome and not queued_behind.is_set(), "the blocking callback did not block its thread"
+            release.set()
+            assert queued_behind.wait(10), "callbacks queued behind the blocking one never ran"
+            assert outcome == [True]
+    finally:
+        daemon.stop()

@@ -1,0 +1,326 @@
+"""The client's I/O loop: one ``selectors`` loop thread (``redsrv-io``) serves every stream to
+every reducer. It writes what callers' threads could not write at once, reads result frames
+(handing them to the :class:`~client_receive.Receiver`), keeps the deadlines, sends heartbeats and
+ACKs, and installs the streams the session's reconnect thread made.
+
+See :mod:`client` for the locking rule.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import selectors
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import constants as C
+from . import wire
+from .errors import PeerError
+from .transport import ConnectionBroken, FrameReader, FrameWriter, Waker, peer_name, watch
+
+if TYPE_CHECKING:
+    from .client_ops import OpTable
+    from .client_receive import Copy, Incoming, Receiver
+    from .client_session import Session
+    from .config import Config
+
+__all__ = ["Stream", "IOLoop", "shutdown"]
+
+log = logging.getLogger("redsrv.client")
+
+_HEARTBEAT = wire.encode(wire.Heartbeat())
+#: Frames read from one stream per wake-up before the loop serves the others.
+_FRAMES_PER_TURN = 16
+
+
+class Stream:
+    """One connection to one reducer: its reader and writer (both driven by the I/O loop;
+    callers' threads may write too, under :attr:`IOLoop.lock`) and the result frame being
+    received."""
+
+    def __init__(self, receiver: Receiver, max_payload: int, reducer: int, index: int, sock: socket.socket,
+                 incarnation: int, heartbeat: float, now: float) -> None:
+        self.reducer = reducer
+        self.index = index
+        self.sock = sock
+        self.peer = peer_name(sock)
+        self.incarnation = incarnation
+        self.heartbeat = heartbeat
+        self.queued = 0  # chunks handed to the writer and not yet written (the push window)
+        self.scratch = np.empty(0, dtype=np.uint8)  # for widening compressed results
+        self.push_scratch = np.empty(0, dtype=np.uint8)
+        self.reader = FrameReader(sock, max_payload=max_payload, now=now, data_frame=wire.FrameType.RESULT,
+                                  sender="a reducer", on_header=functools.partial(receiver.on_result_header, self),
+                                  on_payload=functools.partial(receiver.on_payload, self),
+                                  on_error=functools.partial(receiver.on_error, self),
+                                  on_count=functools.partial(receiver.on_count, self))
+        self.writer = FrameWriter(sock, now)
+        self.events = 0  # what the loop's selector watches
+        self.want_write = False  # the writer holds frames the socket did not take (guarded by the I/O lock)
+        self.dead = False
+        self.frames_received = 0  # RESULT frames read (or skipped) whole: what ACK frames report
+        self.frames_acked = 0
+        # Copies of whole results, kept until the reducer says every rank has them (wire.Safe),
+        # to give a restarted reducer the results it lost (R22): (key, chunk index) -> copy.
+        self.copies: dict[tuple[int, int], Copy] = {}
+        self.partial_copies: dict[tuple[int, int], Copy] = {}
+        # The result frame being received (see Receiver.on_result_header).
+        self.result: Incoming | None = None
+        self.bitmap = bytearray(0)
+
+    def take_scratch(self, nbytes: int, push: bool = False) -> np.ndarray:
+        name = "push_scratch" if push else "scratch"
+        buf = getattr(self, name)
+        if buf.nbytes < nbytes:
+            buf = np.empty(nbytes, dtype=np.uint8)
+            setattr(self, name, buf)
+        view: np.ndarray = buf[:nbytes]
+        return view
+
+
+class IOLoop:
+    """The selector, the streams (``streams[reducer]``: one list per reducer) and the loop thread.
+
+    :meth:`send_frame` may be called from any thread; everything else runs on the loop (or
+    before it starts). ``receiver`` and ``session`` are set by the client before :meth:`start`."""
+
+    def __init__(self, config: Config, ops: OpTable) -> None:
+        self.config = config
+        self.ops = ops
+        self.receiver: Receiver
+        self.session: Session
+        self.lock = threading.Lock()  # the streams' writers, want_write, dead, wants_write, unregistering
+        self.stop = threading.Event()
+        self.streams: list[list[Stream]] = []
+        self.selector = selectors.DefaultSelector()
+        self.waker = Waker()
+        self.selector.register(self.waker.read_end, selectors.EVENT_READ, None)
+        self.wants_write: list[Stream] = []  # streams whose writer a caller's thread left with frames
+        self.now = time.monotonic()
+        self.thread: threading.Thread | None = None
+        self.teardown_on_loop = False
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._run, name="redsrv-io", daemon=True)
+        self.thread.start()
+
+    def on_loop(self) -> bool:
+        return self.thread is threading.current_thread()
+
+    def all_streams(self) -> list[Stream]:
+        return [stream for streams in self.streams for stream in streams]
+
+    def _run(self) -> None:
+        selector = self.selector
+        next_tick = time.monotonic() + C.TICK_INTERVAL_S
+        try:
+            while not self.stop.is_set():
+                events = selector.select(max(0.0, next_tick - time.monotonic()))
+                self.now = time.monotonic()
+                for key, mask in events:
+                    stream = key.data
+                    if stream is None:
+                        self.waker.drain()
+                    else:
+                        self._serve(stream, mask)
+                if self.wants_write:
+                    self._watch_writes()
+                if self.session.reconnected:
+                    self.session.install_reconnected()
+                if self.now >= next_tick:
+                    next_tick = self.now + C.TICK_INTERVAL_S
+                    self._tick()
+        except Exception as exc:  # never let a bug leave a future unresolved
+            log.exception("the I/O loop of rank %d failed", self.config.rank)
+            self.session.fail(PeerError(f"internal error in the client's I/O loop: {exc!r}", job=self.config.job,
+                                        rank=self.config.rank))
+        finally:
+            for stream in self.all_streams():
+                self.abandon(stream)
+            if self.teardown_on_loop:  # close() ran on this thread: the selector was left to us
+                self.close_selector()
+
+    def _serve(self, stream: Stream, mask: int) -> None:
+        direction = "push"
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(stream)
+            direction = "pull"
+            if mask & selectors.EVENT_READ and not stream.dead:
+                stream.reader.read(self.now, _FRAMES_PER_TURN)
+        except ConnectionBroken as exc:
+            self.stream_broken(stream, exc, direction)
+        except Exception as exc:  # a bug while serving one stream must still fail its operations
+            log.exception("serving reducer %s failed", stream.peer)
+            self.stream_broken(stream, ConnectionBroken("internal", f"internal error: {exc!r}"), direction)
+
+    def _tick(self) -> None:
+        """Deadlines: operations, reducers that went silent or stopped reading, heartbeats."""
+        now = self.now
+        self.receiver.expire(now)
+        silent_for = self.config.heartbeat_timeout
+        for stream in self.all_streams():
+            if stream.dead:
+                continue
+            writer, reader = stream.writer, stream.reader
+            try:
+                if writer.out and now - writer.last_progress > self.config.op_timeout:
+                    stalled = ConnectionBroken("timeout", f"{stream.peer} stopped reading: send timed out")
+                    self.stream_broken(stream, stalled, "push")
+                    continue
+                if reader.lowat > 1:  # waiting for the rest of a chunk: an ERROR that came instead wakes nobody
+                    reader.read(now, _FRAMES_PER_TURN)
+                if now - reader.last_recv > silent_for:
+                    reader.read(now, _FRAMES_PER_TURN)  # a low-water mark may hide bytes that did arrive
+                    if now - reader.last_recv > silent_for:
+                        raise ConnectionBroken("timeout", f"no data from {stream.peer} while reading {reader.what}")
+            except ConnectionBroken as exc:
+                self.stream_broken(stream, exc, "pull")
+                continue
+            if stream.partial_copies:  # pieces of results whose operation failed meanwhile
+                with self.ops.lock:
+                    gone = [place for place in stream.partial_copies if place[0] not in self.ops.ops]
+                for place in gone:
+                    del stream.partial_copies[place]
+            if stream.frames_received != stream.frames_acked and self.config.reconnect_window > 0:
+                # The reducer keeps each result until it hears we have it (R22).
+                stream.frames_acked = stream.frames_received
+                self.send_frame(stream, [memoryview(wire.encode(wire.Ack(stream.frames_acked)))], None)
+            elif not writer.out and now - writer.last_send >= stream.heartbeat:
+                self.send_frame(stream, [memoryview(_HEARTBEAT)], None)
+
+    def send_frame(self, stream: Stream, views: Any, done: Any) -> None:
+        """Write a frame from any thread: now, as far as the socket takes it without blocking,
+        the rest from the loop as the socket drains. ``done(ok)`` runs once the frame is out."""
+        finished: list[Any] = []
+        broken: ConnectionBroken | None = None
+        wake = False
+        with self.lock:
+            if stream.dead:
+                broken = ConnectionBroken("reset", "stream closed")
+            else:
+                try:
+                    stream.writer.send(views, done, time.monotonic(), finished)
+                except ConnectionBroken as exc:
+                    broken = exc
+                if broken is None and stream.writer.out and not stream.want_write:
+                    stream.want_write = True
+                    if self.on_loop():
+                        self.set_events(stream, selectors.EVENT_READ | selectors.EVENT_WRITE)
+                    else:
+                        self.wants_write.append(stream)
+                        wake = True
+        for callback in finished:
+            callback(True)
+        if broken is not None:
+            if done is not None:
+                done(False)
+            if not stream.dead:
+                self.session.connection_failed(stream, broken, "push")  # the loop cleans up
+        if wake:
+            self.waker.wake()
+
+    def _flush(self, stream: Stream) -> None:
+        finished: list[Any] = []
+        try:
+            with self.lock:
+                stream.writer.flush(self.now, finished)
+        finally:
+            for callback in finished:
+                callback(True)  # may queue the next chunk: then the socket stays watched for writing
+        with self.lock:
+            if not stream.writer.out and stream.want_write:
+                stream.want_write = False
+                self.set_events(stream, selectors.EVENT_READ)
+
+    def _watch_writes(self) -> None:
+        with self.lock:
+            streams, self.wants_write = self.wants_write, []
+            for stream in streams:
+                if stream.want_write and not stream.dead:
+                    self.set_events(stream, selectors.EVENT_READ | selectors.EVENT_WRITE)
+
+    def set_events(self, stream: Stream, events: int) -> None:
+        """On the loop only (the selector is not shared with callers' threads), or before it starts."""
+        if not stream.dead:
+            stream.events = watch(self.selector, stream.sock, stream, stream.events, events)
+
+    def stream_broken(self, stream: Stream, exc: ConnectionBroken, direction: str) -> None:
+        """On the loop: stop serving ``stream`` and tell the session (one broken stream means the
+        reducer, or the path to it, is gone)."""
+        self.abandon(stream)
+        self.session.connection_failed(stream, exc, direction)
+
+    def abandon(self, stream: Stream) -> None:
+        with self.lock:
+            if stream.events:
+                try:
+                    self.selector.unregister(stream.sock)
+                except (KeyError, ValueError, OSError):
+                    pass
+            stream.events = 0
+            stream.dead = True
+            stream.reader.stopped = True
+            leftovers = stream.writer.abandon()
+        for done in leftovers:
+            done(False)
+
+    def shutdown_all(self) -> None:
+        for stream in self.all_streams():
+            shutdown(stream.sock)
+
+    def close(self, deadline: float) -> None:
+        """Stop the loop (waiting for it until ``deadline``) and close every stream and the selector."""
+        self.stop.set()
+        with self.lock:
+            for stream in self.all_streams():
+                _say_goodbye(stream)
+        self.shutdown_all()
+        loop = self.thread
+        on_loop = self.on_loop()
+        if loop is not None and not on_loop:
+            self.waker.wake()
+            loop.join(max(0.0, deadline - time.monotonic()))
+        elif loop is None:
+            for stream in self.all_streams():
+                self.abandon(stream)
+        for stream in self.all_streams():
+            try:
+                stream.sock.close()
+            except OSError:
+                pass
+
+    def close_selector(self, on_loop: bool = False) -> None:
+        if on_loop:
+            self.teardown_on_loop = True  # the loop returns after this turn and closes the selector
+            return
+        self.selector.close()
+        self.waker.close()
+
+
+_GOODBYE = wire.encode(wire.Error(wire.ErrorCode.CLOSED, True, "the client was closed"))
+
+
+def _say_goodbye(stream: Stream) -> None:
+    """Tell the reducer this client is closing, so that it keeps no place for a reconnect (a new
+    client for the rank would otherwise look like a restarted worker and void what the job's
+    other new clients already sent). Best effort, without blocking: only between whole frames,
+    and a reducer that does not get it keeps the rank's place for its rejoin grace instead."""
+    if stream.dead or stream.writer.out:
+        return
+    try:
+        stream.sock.send(_GOODBYE, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+
+
+def shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

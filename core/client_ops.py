@@ -1,0 +1,234 @@
+"""Operations in flight on a client: the futures callers hold, what each operation still waits
+for, the table of them (key -> :class:`Op`), and the thread that runs futures' done-callbacks.
+
+See :mod:`client` for the locking rule these classes follow.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import chunker, wire
+
+__all__ = ["Contributors", "ReduceFuture", "Op", "PendingPush", "OpTable", "Completions", "label", "set_exception"]
+
+log = logging.getLogger("redsrv.client")
+
+Callback = Callable[[concurrent.futures.Future], object]  # type: ignore[type-arg]
+
+
+@dataclass(frozen=True)
+class Contributors:
+    """Who contributed to an operation. In straggler modes chunks may close with different
+    sets of ranks; ``min_count`` is the smallest set, ``ranks`` those present in every chunk."""
+
+    min_count: int
+    max_count: int
+    ranks: tuple[int, ...]
+
+
+class ReduceFuture(concurrent.futures.Future):  # type: ignore[type-arg]
+    """A :class:`concurrent.futures.Future` of the reduced array, plus who contributed.
+
+    Its done-callbacks run in completion order on the client's completion thread
+    (``redsrv-done``), never on the I/O loop: a callback that blocks (a device copy, a user's
+    hook) delays the callbacks queued after it, not the operations in flight. A callback added
+    to a future that is already done runs at once in the adding thread, as for any future."""
+
+    key: Any = None
+    contributors: Contributors | None = None
+    _completions: Completions | None = None
+
+    def add_done_callback(self, fn: Callback) -> None:
+        completions = self._completions
+        if completions is None or self.done():
+            super().add_done_callback(fn)
+        else:
+            super().add_done_callback(lambda future: completions.submit(fn, future))
+
+
+class Completions:
+    """Runs done-callbacks in the order their futures completed, on one thread per client,
+    started at the first callback (a client whose futures nobody watches costs no thread) and
+    ended by :meth:`close` once the callbacks queued before it have run."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._ready = threading.Condition(threading.Lock())
+        self._queue: collections.deque[tuple[Callback, concurrent.futures.Future]] = collections.deque()  # type: ignore[type-arg]
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    def submit(self, fn: Callback, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
+        with self._ready:
+            if not self._closed:
+                self._queue.append((fn, future))
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                    self._thread.start()
+                self._ready.notify()
+                return
+        _call(fn, future)  # closed (close() ran the queue and ended the thread): run it here rather than never
+
+    def close(self, timeout: float) -> None:
+        """Run what is queued, then end the thread (waits at most ``timeout``; not when called
+        from a callback, which would wait for itself)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                fn, future = self._queue.popleft()
+            _call(fn, future)
+
+
+def _call(fn: Callback, future: concurrent.futures.Future) -> None:  # type: ignore[type-arg]
+    try:
+        fn(future)
+    except Exception:  # as concurrent.futures does: a failing callback must not stop the others
+        log.exception("exception calling callback for %r", future)
+
+
+@dataclass
+class Op:
+    """One all-reduce or broadcast in flight."""
+
+    key: int
+    label: Any  # the caller's key, for messages
+    out: np.ndarray  # flat result, caller's dtype
+    wire_dtype: np.dtype
+    mean: bool
+    chunks: dict[tuple[int, int], chunker.Chunk]  # (reducer, index) -> chunk, still outstanding
+    future: ReduceFuture
+    deadline: float
+    started: float
+    shape: tuple[int, ...] = ()  # the caller's shape, restored on the result
+    given_out: np.ndarray | None = None  # the caller's ``out`` array, returned as it was passed
+    min_count: int = 1 << 30
+    max_count: int = 0
+    all_ranks: int = -1  # intersection of contributor bitmaps
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    # Chunks whose result is arriving in pieces (cut-through), touched on the I/O loop only:
+    # (reducer, index) -> elements received so far, and when the first piece arrived.
+    received: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
+    # What it takes to send each outstanding chunk again after a reconnect (R22).
+    pushes: dict[tuple[int, int], PendingPush] = field(default_factory=dict)
+    in_place: bool = False  # results land in the input: keep a chunk's input before its result lands
+
+
+@dataclass
+class PendingPush:
+    """A chunk waiting for room in its reducer's push window."""
+
+    op: Op
+    chunk: chunker.Chunk
+    arr: np.ndarray
+    wire_dt: np.dtype
+    wire_code: wire.DType
+    op_code: wire.ReduceOp
+    root: int
+    sends_payload: bool
+    # The chunk's input, copied before an in-place result overwrote it, for a resend (R22).
+    saved: np.ndarray | None = None
+
+
+class OpTable:
+    """The operations in flight by key, and whether the client is closed or broken. Every
+    method holds :attr:`lock` briefly and settles futures only after releasing it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ops: dict[int, Op] = {}
+        self.closed = False
+        self.broken: BaseException | None = None
+        self.failed: dict[str, int] = {}  # operations failed, by error type, for metrics
+        self.completed = 0  # updated on the I/O loop only
+
+    def get(self, key: int) -> Op | None:
+        with self.lock:
+            return self.ops.get(key)
+
+    def snapshot(self) -> list[Op]:
+        with self.lock:
+            return list(self.ops.values())
+
+    def add(self, op: Op) -> bool:
+        """Register ``op``, with :attr:`lock` held (the caller checks ``closed`` under it too);
+        False when its key is already in flight."""
+        if op.key in self.ops:
+            return False
+        self.ops[op.key] = op
+        return True
+
+    def remove(self, op: Op) -> bool:
+        """Take ``op`` out of the table: True if it was still there (it has not failed meanwhile)."""
+        with self.lock:
+            if self.ops.get(op.key) is not op:
+                return False
+            del self.ops[op.key]
+            return True
+
+    def fail(self, op: Op, error: BaseException) -> None:
+        with self.lock:
+            if self.ops.get(op.key) is not op:
+                return
+            del self.ops[op.key]
+            self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + 1
+        set_exception(op.future, error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The client is broken: remember why, and fail everything in flight with it."""
+        with self.lock:
+            if self.broken is None:
+                self.broken = error
+            ops = list(self.ops.values())
+            self.ops.clear()
+            if ops:
+                self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + len(ops)
+        for op in ops:
+            set_exception(op.future, error)
+
+    def close(self, error: BaseException) -> bool:
+        """Mark the client closed and fail what is in flight; False if it already was."""
+        with self.lock:
+            if self.closed:
+                return False
+            self.closed = True
+            ops = list(self.ops.values())
+            self.ops.clear()
+        for op in ops:
+            set_exception(op.future, error)
+        return True
+
+
+def label(key: Any) -> Any:
+    return key if key is not None else "auto"
+
+
+def set_exception(future: concurrent.futures.Future, error: BaseException) -> None:  # type: ignore[type-arg]
+    try:
+        if future.set_running_or_notify_cancel():
+            future.set_exception(error)
+    except (concurrent.futures.InvalidStateError, RuntimeError):
+        pass
