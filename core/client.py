@@ -66,7 +66,7 @@ from .client_ops import Completions, Contributors, Op, OpTable, PendingPush, Red
 from .client_receive import Receiver
 from .client_session import Session
 from .config import WIRE_DTYPES, Config
-from .errors import ClientClosedError, LocalProtocolError, PeerTimeoutError
+from .errors import ClientClosedError, ConfigError, LocalProtocolError, PeerTimeoutError
 from .timeline import Timeline
 
 __all__ = ["Client", "ReduceFuture", "Contributors", "OPS"]
@@ -102,7 +102,7 @@ class Client:
             given = dict(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
             config = config.replace(**{k: v for k, v in given.items() if v is not None})
         if not config.reducers:
-            raise LocalProtocolError("no reducers given: pass reducers=[...] or set REDSRV_REDUCERS")
+            raise ConfigError("no reducers given: pass reducers=[...] or set REDSRV_REDUCERS")
         self.config = config
         self._auto_keys = itertools.count()
         self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None

@@ -48,6 +48,8 @@ def bad_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_core_configuration_mistakes_are_config_errors(clean_env: pytest.MonkeyPatch) -> None:
     with pytest.raises(redsrv.ConfigError, match="op_timeout"):
         redsrv.Config(reducers=("127.0.0.1:1",), op_timeout=-1.0)
+    with pytest.raises(redsrv.ConfigError, match="no reducers given"):
+        redsrv.Client([], rank=0, world_size=2)
     bad_env(clean_env)
     with pytest.raises(redsrv.ConfigError, match="REDSRV_NO_SUCH_SETTING"):
         redsrv.Config.from_env()
