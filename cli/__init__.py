@@ -8,11 +8,11 @@ import json
 import logging
 import os
 import re
-import signal
 import sys
 import threading
 from collections.abc import Sequence
 
+from redsrv.cli.fleet import stop_on_signals
 from redsrv.core import constants as C
 from redsrv.core.config import DaemonSettings
 from redsrv.core.daemon import ReducerDaemon
@@ -65,15 +65,7 @@ def _reducer(args: argparse.Namespace) -> int:
                          metrics_port=args.metrics_port, metrics_host=args.metrics_host, log_level=args.log_level,
                          log_format=args.log_format)
     daemon = ReducerDaemon(settings)
-    stop = threading.Event()
-    received: list[str] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop, received = stop_on_signals()
     host, port = daemon.start()
     if args.metrics_port is not None:
         from redsrv.cli.metrics import serve_reducer_metrics

@@ -66,3 +66,18 @@ def stop_processes(procs: list[subprocess.Popen], timeout: float = 10.0) -> None
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+def stop_on_signals() -> tuple[threading.Event, list[str]]:
+    """An event set on SIGTERM or SIGINT, and the names of the signals received (for the log):
+    how ``redsrv reducer`` and its ``--processes`` supervisor learn to stop."""
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop, received

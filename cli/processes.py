@@ -28,7 +28,7 @@ from redsrv.core import constants as C
 from redsrv.core.config import DaemonSettings
 from redsrv.core.errors import ConfigError
 
-from .fleet import LISTEN_LINE, readline_within
+from .fleet import LISTEN_LINE, readline_within, stop_on_signals
 
 __all__ = ["supervise"]
 
@@ -96,15 +96,7 @@ def supervise(settings: DaemonSettings, processes: int, *, secret_file: str | No
         threading.Thread(target=_forward, args=(proc,), name=f"redsrv-child-{child.index}", daemon=True).start()
         return True
 
-    stop = threading.Event()
-    received: list[str] = []
-
-    def on_signal(signum: int, _frame: object) -> None:
-        received.append(signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop, received = stop_on_signals()
     try:
         for child in children:
             if not start(child):
