@@ -121,11 +121,8 @@ def peer_name(sock: socket.socket) -> str:
 
 # --- event-loop connections: the reducer's and the client's data path ---------------------
 
-#: What a :class:`FrameReader` is in the middle of.
-_PREFIX, _HEADER, _PAYLOAD, _DISCARD, _CONTROL = range(5)
 #: Payloads from this size are received with a low-water mark (one wake-up per chunk).
 _LOWAT_FROM = 64 * 1024
-_DISCARD_BUFFER = memoryview(bytearray(256 * 1024))  # payloads read only to skip them
 
 #: What ``on_header`` returns instead of a ``(view, what)`` to receive the payload into.
 SKIP = "skip"  # read the payload and drop it
@@ -135,30 +132,29 @@ HeaderStep = tuple[memoryview, str] | str
 
 
 class FrameReader:
-    """Reads frames from a non-blocking socket for an event loop, resuming wherever the last
-    call stopped, straight into the buffers its owner names.
+    """Moves bytes from a non-blocking socket into the buffers :class:`wire.FrameDecoder` names,
+    for an event loop, resuming wherever the last call stopped. The decoder owns the protocol
+    (what comes next, where it lands, what is refused); this class owns the socket, the clock and
+    the low-water marks.
 
-    Heartbeats are read and dropped here, an ERROR frame is parsed whole and handed to
-    ``on_error``, and the count an ACK or SAFE frame carries to ``on_count`` (where given); any type
-    other than these and
-    ``data_frame`` (PUSH for the reducer, RESULT for
-    the client) is a protocol error from ``sender``. For each data frame the owner's callbacks
-    decide where the payload goes: ``on_header(header)`` returns ``(view, what)`` to receive it
-    into ``view`` (``what`` names it in timeout messages), or :data:`SKIP` or :data:`WAIT`;
-    ``on_payload()``, once the view is full, returns the next ``(view, what)`` of the same
-    payload or ``None`` when the frame is done.
+    Heartbeats are dropped here, an ERROR frame goes to ``on_error`` and the count an ACK or SAFE
+    frame carries to ``on_count`` (where given); the decoder refuses any type other than these
+    and ``data_frame`` (PUSH for the reducer, RESULT for the client) at its prefix, a protocol
+    error from ``sender``. For each data frame the owner's callbacks decide where the payload
+    goes: ``on_header(header)`` returns ``(view, what)`` to receive it into ``view`` (``what``
+    names it in timeout messages), or :data:`SKIP` or :data:`WAIT`; ``on_payload()``, once the
+    view is full, returns the next ``(view, what)`` of the same payload or ``None`` when the
+    frame is done.
 
     A large payload is received with a low-water mark (``SO_RCVLOWAT``): the loop wakes when the
     rest of it (up to ``max_lowat``, 4 MiB by default) is in, not for every few segments; it is
     reset before the next frame, or a small header would never wake the loop. An owner that acts
     on part of a payload (the reducer's cut-through) lowers ``max_lowat`` to the part it acts on
-    and reads ``payload_received``. A read never asks for zero bytes, whose
-    0 would read as end-of-file.
+    and reads ``payload_received``.
     """
 
-    __slots__ = ("sock", "peer", "max_payload", "data_frame", "sender", "on_header", "on_payload", "on_error", "head",
-                 "on_count", "stage", "target", "got", "what", "frame_type", "payload_len", "header", "discard_left", "lowat",
-                 "max_lowat", "last_recv", "stopped", "_waiting")
+    __slots__ = ("sock", "peer", "decoder", "sender", "on_header", "on_payload", "on_error", "on_count", "lowat",
+                 "max_lowat", "last_recv", "stopped", "_waiting", "_lowat_after_frame")
 
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
@@ -167,159 +163,123 @@ class FrameReader:
                  on_count: Callable[[wire.FrameType, int], None] | None = None) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
-        self.max_payload = max_payload
-        self.data_frame, self.sender = data_frame, sender
+        accept = {data_frame, wire.FrameType.HEARTBEAT, wire.FrameType.ERROR}
+        if on_count is not None:
+            accept |= {wire.FrameType.ACK, wire.FrameType.SAFE}
+        self.decoder = wire.FrameDecoder(max_payload, data_frames=frozenset({data_frame}), accept=frozenset(accept))
+        self.sender = sender
         self.on_header, self.on_payload, self.on_error, self.on_count = on_header, on_payload, on_error, on_count
-        self.head = memoryview(bytearray(wire.PREFIX.size + wire.MAX_HEADER_SIZE))
-        self.stage = _PREFIX
-        self.target: memoryview = self.head[: wire.PREFIX.size]
-        self.got = 0
-        self.what = "a frame"
-        self.frame_type = wire.FrameType.HEARTBEAT
-        self.payload_len = 0
-        self.header: wire.FrameHeader | None = None
-        self.discard_left = 0
         self.lowat = 1
         self.max_lowat = MAX_RECEIVE_LOWAT_BYTES  # the owner may lower it
         self.last_recv = now  # the last time any byte arrived: the owner's frozen-peer clock
         self.stopped = False  # set by the owner when it closes the connection from a callback
         self._waiting = False
+        self._lowat_after_frame = 1  # what expect_at_least asked for while a frame was ending
+
+    @property
+    def what(self) -> str:
+        """What the reader waits for, for timeout messages."""
+        return self.decoder.what
 
     def read(self, now: float, max_frames: int) -> None:
         """Receive what the socket holds, at most ``max_frames`` frames (so one busy connection
         cannot starve the loop's others). Raises :class:`ConnectionBroken`."""
         frames = 0
-        sock = self.sock
+        sock, decoder = self.sock, self.decoder
         self._waiting = False
         while frames < max_frames and not self._waiting and not self.stopped:
-            want = len(self.target) - self.got
-            if not want:
-                if self._advance():
-                    frames += 1
-                continue
+            room = decoder.buffer()
+            want = len(room)
+            if want:  # a read never asks for zero bytes, whose 0 would read as end-of-file
+                try:
+                    got = sock.recv_into(room, want)
+                except BlockingIOError:
+                    return
+                except OSError as exc:
+                    detail = f"connection to {self.peer} failed while reading {decoder.what}: {exc}"
+                    raise ConnectionBroken("reset", detail) from None
+                if got == 0:
+                    where = "" if decoder.between_frames else f" in the middle of {decoder.what}"
+                    raise ConnectionBroken("eof", f"{self.peer} closed the connection{where}")
+                self.last_recv = now
+                decoder.filled(got)
+                if got < want:
+                    if decoder.landing >= _LOWAT_FROM:
+                        self._set_lowat(min(want - got, self.max_lowat))
+                    return  # the socket is drained: wait for the rest
             try:
-                got = sock.recv_into(self.target[self.got :], want)
-            except BlockingIOError:
-                return
-            except OSError as exc:
-                raise ConnectionBroken("reset", f"connection to {self.peer} failed while reading {self.what}: {exc}") from None
-            if got == 0:
-                mid = self.got or self.stage != _PREFIX
-                where = f" in the middle of {self.what}" if mid else ""
-                raise ConnectionBroken("eof", f"{self.peer} closed the connection{where}")
-            self.last_recv = now
-            self.got += got
-            if got < want:
-                if self.stage == _PAYLOAD and len(self.target) >= _LOWAT_FROM:
-                    self._set_lowat(min(want - got, self.max_lowat))
-                return  # the socket is drained: wait for the rest
-            if self._advance():
+                event = decoder.next_event()
+            except RemoteProtocolError as exc:
+                raise ConnectionBroken("protocol", f"{exc} from {self.sender}") from None
+            if event is not None and self._handle(event):
                 frames += 1
 
+    def _handle(self, event: wire.Event) -> bool:
+        """Answer one decoder event; True when a frame ended."""
+        decoder = self.decoder
+        if isinstance(event, wire.PayloadWanted):
+            step = self.on_header(event.header)
+            if step is WAIT:
+                self._waiting = True
+                return False
+            if step is SKIP:
+                decoder.skip_payload()
+            else:
+                assert isinstance(step, tuple)
+                decoder.land_payload(*step)
+            return False
+        if isinstance(event, wire.PayloadLanded):
+            more = self.on_payload()
+            if more is not None:
+                decoder.land_payload(*more)
+                return False
+            decoder.end_payload()
+        elif isinstance(event, wire.Error):
+            self._frame_over()
+            self.on_error(event)
+            return True
+        elif isinstance(event, (wire.Ack, wire.Safe)):
+            assert self.on_count is not None
+            if isinstance(event, wire.Ack):
+                self.on_count(wire.FrameType.ACK, event.results)
+            else:
+                self.on_count(wire.FrameType.SAFE, event.frames)
+        self._frame_over()
+        return True
+
+    def _frame_over(self) -> None:
+        wanted, self._lowat_after_frame = self._lowat_after_frame, 1
+        if self.lowat != wanted and not self.stopped:
+            self._set_lowat(wanted)
+
     def release(self) -> None:
-        """The connection is closed: drop the receive target and the owner's callbacks. The
+        """The connection is closed: drop the receive buffer and the owner's callbacks. The
         callbacks refer back to the owner, which refers to this reader; without this the pair
-        (and the pool buffer the target views) would wait for the cyclic garbage collector,
-        which an idle reducer may not run for a long time."""
+        (and the pool buffer the decoder's target views) would wait for the cyclic garbage
+        collector, which an idle reducer may not run for a long time."""
         self.stopped = True
-        self.target = self.head = memoryview(b"")
+        self.decoder.release()
         self.on_header = self.on_payload = self.on_error = _closed_callback  # type: ignore[assignment]
         self.on_count = None
 
     def expect_at_least(self, nbytes: int) -> None:
-        """Called from ``on_payload``: the owner knows that at least ``nbytes`` more will come
-        (the rest of a result sent in pieces, headers not counted), so the loop need not wake
-        before they are in. Whatever comes instead (an ERROR, a heartbeat) is smaller and wakes
-        nobody: the owner must ``read`` connections whose ``lowat`` is raised now and then."""
-        if self.stage == _PREFIX and not self.got and nbytes >= _LOWAT_FROM:
-            self._set_lowat(min(nbytes, self.max_lowat))
+        """Called from ``on_payload`` as a frame ends: the owner knows that at least ``nbytes``
+        more will come (the rest of a result sent in pieces, headers not counted), so the loop
+        need not wake before they are in. Whatever comes instead (an ERROR, a heartbeat) is
+        smaller and wakes nobody: the owner must ``read`` connections whose ``lowat`` is raised
+        now and then."""
+        if nbytes >= _LOWAT_FROM:
+            self._lowat_after_frame = min(nbytes, self.max_lowat)
 
     @property
     def payload_received(self) -> int:
         """Bytes of the current data frame's payload target received so far (0 between payloads)."""
-        return self.got if self.stage == _PAYLOAD else 0
+        return self.decoder.landed
 
     def _set_lowat(self, nbytes: int) -> None:
         if self.lowat != nbytes:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
             self.lowat = nbytes
-
-    def _expect(self, stage: int, target: memoryview, what: str) -> None:
-        self.stage, self.target, self.got, self.what = stage, target, 0, what
-
-    def _next_frame(self) -> None:
-        if self.lowat != 1:
-            self._set_lowat(1)
-        self._expect(_PREFIX, self.head[: wire.PREFIX.size], "a frame")
-
-    def _advance(self) -> bool:
-        """The current target is full: move on. True when a frame ended."""
-        while True:
-            stage = self.stage
-            if stage == _PREFIX:
-                try:
-                    frame_type, header_len, payload_len = wire.parse_prefix(self.head[: wire.PREFIX.size], self.max_payload)
-                except RemoteProtocolError as exc:
-                    raise ConnectionBroken("protocol", str(exc)) from None
-                self.frame_type, self.payload_len = frame_type, payload_len
-                self._expect(_HEADER, self.head[wire.PREFIX.size : wire.PREFIX.size + header_len], f"a {frame_type.name} header")
-                if header_len:
-                    return False
-                continue
-            if stage == _HEADER:
-                try:
-                    header = wire.parse_header(self.frame_type, self.target, self.payload_len)
-                except RemoteProtocolError as exc:
-                    raise ConnectionBroken("protocol", str(exc)) from None
-                self.header = header
-                t = header.type
-                if t is wire.FrameType.ERROR:
-                    self._expect(_CONTROL, memoryview(bytearray(header.payload_len)), "an ERROR payload")
-                else:
-                    if t is self.data_frame:
-                        step = self.on_header(header)
-                    elif t is wire.FrameType.HEARTBEAT:
-                        step = SKIP
-                    elif t in (wire.FrameType.ACK, wire.FrameType.SAFE) and self.on_count is not None:
-                        self.on_count(t, header.fields[0])
-                        step = SKIP
-                    else:
-                        raise ConnectionBroken("protocol", f"unexpected {t.name} frame from {self.sender}")
-                    if step is WAIT:
-                        self._waiting = True
-                        return False
-                    if step is SKIP:
-                        self.discard_left = header.payload_len
-                        first = _DISCARD_BUFFER[: min(header.payload_len, len(_DISCARD_BUFFER))]
-                        self._expect(_DISCARD, first, "a discarded payload")
-                    else:
-                        assert isinstance(step, tuple)
-                        self._expect(_PAYLOAD, *step)
-            elif stage == _PAYLOAD:
-                self._next_frame()
-                more = self.on_payload()
-                if more is None:
-                    return True
-                self._expect(_PAYLOAD, *more)
-            elif stage == _DISCARD:
-                self.discard_left -= len(self.target)
-                if not self.discard_left:
-                    self._next_frame()
-                    return True
-                self._expect(_DISCARD, _DISCARD_BUFFER[: min(self.discard_left, len(_DISCARD_BUFFER))], "a discarded payload")
-            elif stage == _CONTROL:
-                assert self.header is not None
-                payload = self.target
-                self._next_frame()
-                try:
-                    frame = wire.parse_payload(self.header, payload)
-                except RemoteProtocolError as exc:
-                    raise ConnectionBroken("protocol", str(exc)) from None
-                assert isinstance(frame, wire.Error)
-                self.on_error(frame)
-                return True
-            if len(self.target) > self.got or self.stopped:
-                return False
 
 
 def _closed_callback(*_args: object) -> None:

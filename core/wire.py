@@ -68,6 +68,10 @@ __all__ = [
     "parse_header",
     "parse_payload",
     "FrameDecoder",
+    "Event",
+    "PayloadWanted",
+    "PayloadLanded",
+    "PayloadSkipped",
     "dtype_code",
     "numpy_dtype",
     "bitmap_from_ranks",
@@ -525,20 +529,199 @@ def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
     return Heartbeat()
 
 
-class FrameDecoder:
-    """Incremental decoder: feed bytes with :meth:`receive_data`, take frames with
-    :meth:`next_frame` until it returns ``None`` (needs more data).
+# What a FrameDecoder is in the middle of.
+_PREFIX, _HEADER, _WHOLE, _WANTED, _LANDING, _LANDED, _DISCARD, _DEAD = range(8)
+#: Payloads of data frames the receiver does not want land here, in turns (written, never read).
+_DISCARD_BUFFER = memoryview(bytearray(256 * 1024))
 
-    Bounded: it never buffers more than one frame's prefix, header and capped payload. After a
-    :class:`RemoteProtocolError` the decoder is dead and raises the same error again.
+
+@dataclass(frozen=True, slots=True)
+class PayloadWanted:
+    """A data frame's header is in: the receiver names where its payload lands
+    (:meth:`FrameDecoder.land_payload`) or drops it (:meth:`FrameDecoder.skip_payload`). Until it
+    does, :meth:`FrameDecoder.next_event` returns this event again (a receiver may wait for memory)."""
+
+    header: FrameHeader
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadLanded:
+    """The buffer named last is full: name the next part of the same payload, or end it
+    (:meth:`FrameDecoder.end_payload`)."""
+
+    header: FrameHeader
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadSkipped:
+    """A data frame whose payload was dropped is over."""
+
+    header: FrameHeader
+
+
+#: What :meth:`FrameDecoder.next_event` returns: a whole frame, or a step of a data frame.
+Event = Frame | PayloadWanted | PayloadLanded | PayloadSkipped
+
+
+class FrameDecoder:
+    """The one frame decoder: the handshake's and both event loops' (RELIABILITY R20).
+
+    It owns the state machine and says where every byte goes; its driver only moves bytes. Two
+    ways to drive it:
+
+    * **In place** (the data path): :meth:`buffer` is the memory the next bytes belong in (the
+      driver receives into it) and :meth:`filled` says how many arrived; :meth:`next_event`
+      then returns the next :data:`Event` or ``None`` for "more bytes". Frames of the types in
+      ``data_frames`` are not decoded whole: their header comes as :class:`PayloadWanted`, and
+      the receiver names the buffers their payload lands in, part by part, so array data goes
+      from the socket straight to its place.
+    * **Fed bytes** (the handshake, tests): :meth:`receive_data` and :meth:`next_frame`, which
+      copy the fed bytes through the same machine; every frame comes whole.
+
+    Bounded: before a payload is held its header has been checked against ``max_payload`` and
+    the type's own limits, so a peer can make it hold one frame's prefix, header and capped
+    payload at most. ``accept`` (all types if ``None``) refuses other types at their prefix.
+    After a :class:`RemoteProtocolError` the decoder is dead and raises the same error again.
     """
 
-    def __init__(self, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD) -> None:
+    __slots__ = ("_max_payload", "_data_frames", "_accept", "_head", "_stage", "_target", "_got", "_frame_type",
+                 "_payload_len", "_payload_left", "_header", "_error", "_eof", "_pending", "_ready", "what")
+
+    def __init__(self, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD, *, data_frames: frozenset[FrameType] = frozenset(),
+                 accept: frozenset[FrameType] | None = None) -> None:
         self._max_payload = max_payload
-        self._buffer = bytearray()
-        self._header: FrameHeader | None = None
+        self._data_frames = data_frames
+        self._accept = accept
+        self._head = memoryview(bytearray(PREFIX.size + MAX_HEADER_SIZE))
         self._error: RemoteProtocolError | None = None
         self._eof = False
+        self._pending = bytearray()  # fed and not yet moved into the machine (receive_data)
+        self._ready: Frame | None = None  # a whole frame decoded from fed bytes, not yet taken
+        self._header: FrameHeader | None = None
+        self._frame_type = FrameType.HEARTBEAT
+        self._payload_len = self._payload_left = 0
+        self._stage, self._target, self._got = _PREFIX, self._head[: PREFIX.size], 0
+        self.what = "a frame"  # what the decoder waits for, for timeout messages
+
+    # --- in place --------------------------------------------------------------------------
+
+    def buffer(self) -> memoryview:
+        """Where the next bytes go (at most ``len()`` of them); empty while an event waits for
+        the receiver's answer, or once the current part is complete (call :meth:`next_event`)."""
+        return self._target[self._got :]
+
+    def filled(self, nbytes: int) -> None:
+        """``nbytes`` arrived at the start of :meth:`buffer`."""
+        if not 0 < nbytes <= len(self._target) - self._got:
+            raise ValueError(f"filled({nbytes}) with {len(self._target) - self._got} bytes of room")
+        self._got += nbytes
+
+    def next_event(self) -> Event | None:
+        """The next event, or ``None`` when :meth:`buffer` must be filled first."""
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._step()
+        except RemoteProtocolError as exc:
+            self._die(exc)
+            raise
+
+    def land_payload(self, view: memoryview, what: str = "a payload") -> None:
+        """Receive the next ``view.nbytes`` bytes of the data frame's payload into ``view``."""
+        if self._stage not in (_WANTED, _LANDED):
+            raise ValueError("land_payload() answers PayloadWanted or PayloadLanded only")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if view.nbytes > self._payload_left:
+            raise ValueError(f"a buffer of {view.nbytes} bytes for the {self._payload_left} left of the payload")
+        self._stage, self._target, self._got, self.what = _LANDING, view, 0, what
+
+    def skip_payload(self) -> None:
+        """Drop the rest of the data frame's payload; :class:`PayloadSkipped` ends the frame."""
+        if self._stage not in (_WANTED, _LANDED):
+            raise ValueError("skip_payload() answers PayloadWanted or PayloadLanded only")
+        self._stage, self._target, self._got = _DISCARD, _DISCARD_BUFFER[: min(self._payload_left, len(_DISCARD_BUFFER))], 0
+        self.what = "a discarded payload"
+
+    def end_payload(self) -> None:
+        """The data frame is over: every byte of its payload has landed."""
+        if self._stage is not _LANDED or self._payload_left:
+            raise ValueError(f"end_payload() with {self._payload_left} bytes of the payload still to land")
+        self._next_frame()
+
+    @property
+    def between_frames(self) -> bool:
+        """No byte of the next frame has arrived."""
+        return self._stage == _PREFIX and not self._got
+
+    @property
+    def landing(self) -> int:
+        """The size of the buffer a payload is landing in now (0 if none)."""
+        return len(self._target) if self._stage == _LANDING else 0
+
+    @property
+    def landed(self) -> int:
+        """Bytes of that buffer filled so far (0 if none)."""
+        return self._got if self._stage == _LANDING else 0
+
+    def release(self) -> None:
+        """The connection is closed: let go of the receiver's buffer."""
+        self._stage, self._target, self._got, self._header = _DEAD, memoryview(b""), 0, None
+
+    def _step(self) -> Event | None:
+        while True:
+            stage = self._stage
+            if stage == _WANTED:
+                assert self._header is not None
+                return PayloadWanted(self._header)
+            if stage == _LANDED:
+                assert self._header is not None
+                return PayloadLanded(self._header)
+            if self._got < len(self._target):
+                return None
+            if stage == _PREFIX:
+                frame_type, header_len, payload_len = parse_prefix(self._head[: PREFIX.size], self._max_payload)
+                if self._accept is not None and frame_type not in self._accept:
+                    raise RemoteProtocolError(f"unexpected {frame_type.name} frame")
+                self._frame_type, self._payload_len = frame_type, payload_len
+                self._stage, self._target, self._got = _HEADER, self._head[PREFIX.size : PREFIX.size + header_len], 0
+                self.what = f"a {frame_type.name} header"
+            elif stage == _HEADER:
+                header = self._header = parse_header(self._frame_type, self._target, self._payload_len)
+                self._payload_left = header.payload_len
+                if header.type in self._data_frames:
+                    self._stage, self._target, self._got = _WANTED, memoryview(b""), 0
+                    return PayloadWanted(header)
+                self._stage, self._target, self._got = _WHOLE, memoryview(bytearray(header.payload_len)), 0
+                self.what = f"a {header.type.name} payload"
+            elif stage == _WHOLE:
+                whole, payload = self._header, self._target
+                assert whole is not None
+                self._next_frame()
+                return parse_payload(whole, payload)
+            elif stage == _LANDING:
+                self._payload_left -= len(self._target)
+                self._stage = _LANDED
+            elif stage == _DISCARD:
+                self._payload_left -= len(self._target)
+                if not self._payload_left:
+                    skipped = self._header
+                    assert skipped is not None
+                    self._next_frame()
+                    return PayloadSkipped(skipped)
+                self._target, self._got = _DISCARD_BUFFER[: min(self._payload_left, len(_DISCARD_BUFFER))], 0
+            else:
+                return None  # released
+
+    def _next_frame(self) -> None:
+        self._stage, self._target, self._got, self._header, self.what = _PREFIX, self._head[: PREFIX.size], 0, None, "a frame"
+
+    def _die(self, exc: RemoteProtocolError) -> None:
+        self._error = exc
+        self._pending.clear()
+        self.release()
+
+    # --- fed bytes -------------------------------------------------------------------------
 
     def receive_data(self, data: bytes) -> None:
         """Append received bytes; ``b""`` means the peer closed its side."""
@@ -546,11 +729,18 @@ class FrameDecoder:
             raise self._error
         if not data:
             self._eof = True
-        self._buffer += data
+        self._pending += data
 
     @property
     def buffered(self) -> int:
-        return len(self._buffer)
+        """Bytes fed and held: of the frame being decoded, and any not yet looked at."""
+        if self._stage in (_PREFIX, _WHOLE):
+            held = self._got
+        elif self._stage == _HEADER:
+            held = PREFIX.size + self._got
+        else:
+            held = 0
+        return held + len(self._pending)
 
     @property
     def bytes_needed(self) -> int:
@@ -559,53 +749,51 @@ class FrameDecoder:
         hand the connection to the data-path reader without losing what follows."""
         if self._error is not None:
             raise self._error
-        buffered = len(self._buffer)
-        if self._header is not None:
-            return max(1, self._header.payload_len - buffered)
-        if buffered < PREFIX.size:
-            return PREFIX.size - buffered
-        try:
-            frame_type, header_len, payload_len = parse_prefix(bytes(self._buffer[: PREFIX.size]), self._max_payload)
-        except RemoteProtocolError as exc:
-            self._error = exc
-            self._buffer.clear()
-            raise
-        return max(1, PREFIX.size + header_len + payload_len - buffered)
+        if self._pump() is not None:
+            return 1  # a frame is complete: next_frame() returns it
+        missing = len(self._target) - self._got
+        if self._stage == _HEADER:
+            missing += self._payload_len
+        return max(1, missing)
 
     def next_frame(self) -> Frame | None:
+        """The next whole frame from the fed bytes, or ``None`` when more are needed."""
         if self._error is not None:
             raise self._error
-        try:
-            return self._next()
-        except RemoteProtocolError as exc:
-            self._error = exc
-            self._buffer.clear()
-            raise
-
-    def _next(self) -> Frame | None:
-        if self._header is None:
-            if len(self._buffer) < PREFIX.size:
-                return self._need_more()
-            frame_type, header_len, payload_len = parse_prefix(bytes(self._buffer[: PREFIX.size]), self._max_payload)
-            if len(self._buffer) < PREFIX.size + header_len:
-                return self._need_more()
-            header_bytes = bytes(self._buffer[PREFIX.size : PREFIX.size + header_len])
-            self._header = parse_header(frame_type, header_bytes, payload_len)
-            del self._buffer[: PREFIX.size + header_len]
-        if len(self._buffer) < self._header.payload_len:
-            return self._need_more()
-        n = self._header.payload_len
-        payload = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        header, self._header = self._header, None
-        return parse_payload(header, payload)
-
-    def _need_more(self) -> Frame | None:
-        if self._eof and (self._buffer or self._header is not None):
-            raise RemoteProtocolError(f"connection closed in the middle of a frame ({len(self._buffer)} bytes pending)")
+        frame = self._pump()
+        if frame is not None:
+            self._ready = None
+            return frame
+        if self._eof and not self.between_frames:
+            exc = RemoteProtocolError(f"connection closed in the middle of a frame ({self.buffered} bytes pending)")
+            self._die(exc)
+            raise exc
         return None
 
-
+    def _pump(self) -> Frame | None:
+        """Move fed bytes through the machine up to the next whole frame."""
+        if self._ready is not None:
+            return self._ready
+        try:
+            while True:
+                room = self._target[self._got :]
+                if room and self._pending:
+                    n = min(len(room), len(self._pending))
+                    room[:n] = self._pending[:n]
+                    del self._pending[:n]
+                    self._got += n
+                event = self._step()
+                if event is None:
+                    if not self._pending or self._stage == _DEAD:
+                        return None
+                    continue
+                if isinstance(event, (PayloadWanted, PayloadLanded, PayloadSkipped)):
+                    raise TypeError("a decoder fed bytes decodes whole frames: give it no data_frames")
+                self._ready = event
+                return event
+        except RemoteProtocolError as exc:
+            self._die(exc)
+            raise
 def bitmap_from_ranks(ranks: int, world_size: int) -> bytes:
     """Pack an int whose bit r is rank r into a little-endian bitmap of world_size bits."""
     return ranks.to_bytes((world_size + 7) // 8, "little")

@@ -68,7 +68,7 @@ def _drive(reader: FrameReader, until: Callable[[], bool], timeout: float = 10.0
     poller.register(reader.sock, select.POLLIN)
     deadline = time.monotonic() + timeout
     while not until():
-        assert time.monotonic() < deadline, f"reader stuck in {reader.what} ({reader.got} of {len(reader.target)} bytes)"
+        assert time.monotonic() < deadline, f"reader stuck in {reader.what} ({len(reader.decoder.buffer())} bytes to go)"
         if poller.poll(100):
             reader.read(time.monotonic(), max_frames)
 
@@ -200,6 +200,51 @@ def test_a_header_answered_wait_is_asked_again_on_the_next_read() -> None:
     assert bytes(collector.results[0][1]) == b"\x01" + bytes(payload)
     a.close()
     b.close()
+
+
+def test_the_real_reader_fed_one_byte_at_a_time_lands_every_frame_as_when_fed_whole() -> None:
+    # Every state of the decoder the data path runs, reached through a real socket one byte per
+    # read: results landed in two parts (bitmap, then data, as the client does), a skipped
+    # result, heartbeats, counts and an error.
+    frames = [_result_frame(key, 0, np.arange(key, key + 9, dtype=np.int32)) for key in (1, 2, 3)]
+    stream = (frames[0][0] + bytes(frames[0][1]) + wire.encode(wire.Heartbeat()) + wire.encode(wire.Ack(1))
+              + frames[1][0] + bytes(frames[1][1]) + wire.encode(wire.Safe(2)) + frames[2][0] + bytes(frames[2][1])
+              + wire.encode(wire.Error(wire.ErrorCode.STALE, False, "last", 3, 0)))
+    bitmaps: list[bytes] = []
+    data: list[bytes] = []
+    counts: list[tuple[wire.FrameType, int]] = []
+    errors: list[wire.Error] = []
+    parts: list[bytearray] = []
+
+    def on_header(header: wire.FrameHeader) -> tuple[memoryview, str] | str:
+        if header.fields[0] == 2:
+            return SKIP
+        parts[:] = [bytearray(1), bytearray(header.payload_len - 1)]
+        return memoryview(parts[0]), "a bitmap"
+
+    def on_payload() -> tuple[memoryview, str] | None:
+        if len(parts) == 2:
+            bitmaps.append(bytes(parts.pop(0)))
+            return memoryview(parts[0]), "the data"
+        data.append(bytes(parts.pop()))
+        return None
+
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        reader = FrameReader(b, max_payload=1 << 20, now=time.monotonic(), data_frame=wire.FrameType.RESULT,
+                             sender="the test", on_header=on_header, on_payload=on_payload, on_error=errors.append,
+                             on_count=lambda kind, count: counts.append((kind, count)))
+        for i in range(len(stream)):
+            a.send(stream[i : i + 1])
+            reader.read(time.monotonic(), 16)
+            with pytest.raises(BlockingIOError):
+                b.recv(1, socket.MSG_PEEK)  # the reader took the byte
+    assert bitmaps == [b"\x01", b"\x01"]
+    assert data == [bytes(frames[0][1]), bytes(frames[2][1])]
+    assert counts == [(wire.FrameType.ACK, 1), (wire.FrameType.SAFE, 2)]
+    assert [e.message for e in errors] == ["last"]
+    assert reader.decoder.between_frames
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:

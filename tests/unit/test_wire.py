@@ -162,6 +162,99 @@ def test_decoder_never_buffers_beyond_the_cap() -> None:
         decoder.next_frame()
 
 
+# --- in place: how the event loops drive the decoder (core.transport.FrameReader) ---------------
+
+
+def _fill(decoder: wire.FrameDecoder, data: bytes) -> int:
+    """Move bytes into the decoder's buffer as a socket read would; returns how many it took."""
+    room = decoder.buffer()
+    n = min(len(room), len(data))
+    room[:n] = data[:n]
+    if n:
+        decoder.filled(n)
+    return n
+
+
+def _events_in_place(decoder: wire.FrameDecoder, data: bytes) -> list[wire.Event]:
+    events: list[wire.Event] = []
+    for _ in range(len(data) + 100):
+        event = decoder.next_event()
+        if event is None:
+            if not data:
+                return events
+            data = data[_fill(decoder, data) :]
+            continue
+        events.append(event)
+        if isinstance(event, (wire.PayloadWanted, wire.PayloadLanded)):
+            return events
+    raise AssertionError("the decoder made no progress")
+
+
+def test_a_data_frames_header_is_asked_again_until_the_receiver_answers() -> None:
+    push = FRAMES[5]
+    decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.PUSH}))
+    [wanted] = _events_in_place(decoder, wire.encode(push))
+    assert isinstance(wanted, wire.PayloadWanted) and wanted.header.fields[0] == 7
+    assert not decoder.buffer(), "no byte of the payload is taken before the receiver names its place"
+    assert decoder.next_event() == wanted  # a receiver out of memory answers later (WAIT)
+    first, second = bytearray(4), bytearray(8)
+    decoder.land_payload(memoryview(first), "the first element")
+    payload = wire.encode(push)[-12:]
+    _fill(decoder, payload)
+    assert isinstance(decoder.next_event(), wire.PayloadLanded) and first == payload[:4]
+    decoder.land_payload(memoryview(second), "the rest")
+    assert decoder.what == "the rest"
+    assert decoder.next_event() is None
+    _fill(decoder, payload[4:])
+    assert isinstance(decoder.next_event(), wire.PayloadLanded) and second == payload[4:]
+    decoder.end_payload()
+    assert decoder.between_frames and decoder.what == "a frame"
+
+
+def test_a_receiver_cannot_land_more_or_less_than_the_payload() -> None:
+    decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.PUSH}))
+    _events_in_place(decoder, wire.encode(FRAMES[5]))
+    with pytest.raises(ValueError, match="13 bytes for the 12 left"):
+        decoder.land_payload(memoryview(bytearray(13)))
+    decoder.land_payload(memoryview(bytearray(4)))
+    with pytest.raises(ValueError, match="filled"):
+        decoder.filled(5)
+    decoder.filled(4)
+    assert isinstance(decoder.next_event(), wire.PayloadLanded)
+    with pytest.raises(ValueError, match="8 bytes of the payload still to land"):
+        decoder.end_payload()
+
+
+def test_a_skipped_payload_longer_than_the_discard_buffer_is_dropped_and_the_next_frame_decoded() -> None:
+    big = wire.Result(3, 0, 200_000, 0, wire.DType.INT32, 1, b"\x01", bytes(800_000))
+    decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.RESULT}))
+    data = wire.encode(big) + wire.encode(FRAMES[10])
+    [wanted] = _events_in_place(decoder, data)
+    assert isinstance(wanted, wire.PayloadWanted)
+    decoder.skip_payload()
+    data = data[len(wire.encode(big)) - 800_001 :]
+    events = _events_in_place(decoder, data)
+    assert [type(e) for e in events] == [wire.PayloadSkipped, wire.Error]
+    assert events[1] == FRAMES[10]
+
+
+def test_a_type_the_receiver_does_not_accept_is_refused_at_its_prefix() -> None:
+    decoder = wire.FrameDecoder(accept=frozenset({wire.FrameType.RESULT, wire.FrameType.HEARTBEAT}))
+    _fill(decoder, wire.encode(FRAMES[5])[: wire.PREFIX.size])
+    with pytest.raises(RemoteProtocolError, match="unexpected PUSH frame"):
+        decoder.next_event()
+    with pytest.raises(RemoteProtocolError, match="unexpected PUSH frame"):
+        decoder.next_event()  # dead: the same error again
+    assert not decoder.buffer(), "a dead decoder holds nothing"
+
+
+def test_a_decoder_fed_bytes_decodes_whole_frames_only() -> None:
+    decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.PUSH}))
+    decoder.receive_data(wire.encode(FRAMES[5]))
+    with pytest.raises(TypeError, match="whole frames"):
+        decoder.next_frame()
+
+
 @pytest.mark.parametrize(
     "frame",
     [

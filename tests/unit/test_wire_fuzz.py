@@ -141,3 +141,45 @@ def test_payload_views_are_raw_little_endian() -> None:
     frame = decoder.next_frame()
     assert isinstance(frame, wire.Push)
     assert np.array_equal(np.frombuffer(frame.payload, "<f4"), values)
+
+
+
+@fuzz
+@given(st.lists(frames, max_size=6), st.data())
+def test_in_place_decoding_lands_every_payload_where_the_receiver_said(batch: list[wire.Frame], data: st.DataObject) -> None:
+    # The data path's way to drive the decoder (core.transport.FrameReader): bytes arrive in
+    # arbitrary amounts into the buffer it names, and data frames' payloads land in parts whose
+    # sizes the receiver chooses. The frames equal the encoded ones, and no byte is left over.
+    encoded = b"".join(wire.encode(f) for f in batch)
+    decoder = wire.FrameDecoder(max_payload=CAP, data_frames=frozenset({wire.FrameType.PUSH, wire.FrameType.RESULT}))
+    out: list[wire.Frame] = []
+    landed, part = bytearray(), bytearray()
+    position = 0
+    for _ in range(4 * len(encoded) + 4 * len(batch) + 4):  # each turn moves a byte or ends a step
+        event = decoder.next_event()
+        if event is None:
+            room = decoder.buffer()
+            if position == len(encoded):
+                break
+            n = data.draw(st.integers(1, min(len(room), len(encoded) - position)), label="bytes arriving")
+            room[:n] = encoded[position : position + n]
+            position += n
+            decoder.filled(n)
+            continue
+        if isinstance(event, (wire.PayloadWanted, wire.PayloadLanded)):
+            if isinstance(event, wire.PayloadWanted):
+                landed.clear()
+            else:
+                landed += part
+            left = event.header.payload_len - len(landed)
+            if isinstance(event, wire.PayloadLanded) and not left:
+                out.append(wire.parse_payload(event.header, bytes(landed)))
+                decoder.end_payload()
+                continue
+            part = bytearray(data.draw(st.integers(min(1, left), left), label="part size"))
+            decoder.land_payload(memoryview(part), "a part")
+            continue
+        assert not isinstance(event, wire.PayloadSkipped)
+        out.append(event)
+    assert position == len(encoded) and decoder.between_frames
+    assert [_norm(f) for f in out] == [_norm(f) for f in batch]
