@@ -47,8 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, help="operations (default all)")
     b.add_argument("--rounds", type=int, default=3, help="alternations of gloo and redsrv per size (default 3)")
     b.add_argument("--json", help="write every measurement to this JSON file")
+    b.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="register the backend with verify_collectives=False (no signature check before peer-link collectives)")
     b.set_defaults(func=lambda a: run(workers=a.workers, reducers=a.reducers, sizes_kib=a.sizes, ops=a.ops,
-                                      rounds=a.rounds, json_path=a.json))
+                                      rounds=a.rounds, json_path=a.json, verify=a.verify))
 
 
 def _free_port() -> int:
@@ -57,13 +59,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(*, workers: int, reducers: int, sizes_kib: list[int], ops: list[str], rounds: int, json_path: str | None) -> int:
+def run(*, workers: int, reducers: int, sizes_kib: list[int], ops: list[str], rounds: int, json_path: str | None,
+        verify: bool = True) -> int:
     fleet = start_reducers(reducers)
     procs: list[subprocess.Popen[bytes]] = []
     out_path = json_path or os.path.join(os.getcwd(), f".torch-ops-{os.getpid()}.json")
     try:
         spec = {"reducers": fleet.addresses, "world_size": workers, "store": f"tcp://127.0.0.1:{_free_port()}",
-                "sizes_kib": sizes_kib, "ops": ops, "rounds": rounds, "out": out_path}
+                "sizes_kib": sizes_kib, "ops": ops, "rounds": rounds, "out": out_path, "verify": verify}
         for rank in range(workers):
             procs.append(subprocess.Popen([sys.executable, "-m", "redsrv.bench.torch_ops", json.dumps({**spec, "rank": rank})]))
         codes = [p.wait(timeout=1800) for p in procs]
@@ -111,7 +114,7 @@ def _worker(spec: dict[str, Any]) -> None:
     rank, n = spec["rank"], spec["world_size"]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=spec["store"], rank=rank, world_size=n)
-    redsrv.torch.register_backend(spec["reducers"], job=f"torch-ops-{os.getppid()}")
+    redsrv.torch.register_backend(spec["reducers"], job=f"torch-ops-{os.getppid()}", verify_collectives=spec["verify"])
     ours = dist.new_group(backend="redsrv")
     # A second gloo group, timed like the others: how far gloo strays from itself in this run.
     control = dist.new_group(backend="gloo")
