@@ -34,11 +34,11 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redsrv.bench import harness, report
+from redsrv.bench import crosscheck, harness, report
 from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
 from redsrv.core.config import congestion_setting
 from redsrv.core.constants import DEFAULT_TCP_CONGESTION
@@ -91,6 +91,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--colocate", action="store_true",
                    help="run reducer j inside worker host j mod n (shares its link: the advantage should disappear)")
     b.add_argument("--no-baseline", action="store_true", help="run redsrv alone (no gloo)")
+    b.add_argument("--crosscheck", action="store_true",
+                   help="also run `redsrv bench allreduce` on the same hosts after each worker count, and compare its "
+                        "medians with the emulation's (agreement: within 5%%); float32 and the client's defaults only")
     b.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
     b.add_argument("--measure-goodput", action="store_true",
                    help="measure G with one TCP stream between two hosts instead of rate·(MTU-52)/(MTU+14)")
@@ -121,12 +124,17 @@ class Options:
     baseline: bool = True
     mtu: int = 1500
     measure_goodput: bool = False
+    crosscheck: bool = False  # also run `redsrv bench allreduce` and compare (benchmarks/crosscheck.py)
     out: str = "bench-results"
     prefix: str = DEFAULT_PREFIX
     quiet: bool = False
 
     def m_for(self, n: int) -> int:
         return self.reducers if self.reducers is not None else n
+
+    def reducer_hosts(self, n: int) -> list[int]:
+        m = self.m_for(n)
+        return [j % n for j in range(m)] if self.colocate else [max(self.workers) + j for j in range(m)]
 
     def reps_for(self, size: int) -> int:
         if self.reps is not None:
@@ -174,6 +182,11 @@ class Options:
                 congestion_setting(self.tcp_congestion)
             except ConfigError as exc:
                 raise EmulationError(f"--tcp-congestion: {exc}") from None
+        if self.crosscheck and (self.dtype != "float32" or self.wire_dtype or self.client_options() or self.delay_us
+                                or self.result_piece_bytes is not None or self.tcp_congestion is not None or not self.baseline):
+            raise EmulationError("--crosscheck compares with `redsrv bench allreduce`, which runs float32 with the client's "
+                                 "and reducers' defaults against gloo: leave out --dtype, --wire-dtype, the redsrv "
+                                 "settings, --delay-us and --no-baseline")
         if self.wire_dtype and self.dtype not in ("float32", "float64"):
             raise EmulationError(f"--wire-dtype compresses float32/float64 data; --dtype is {self.dtype}")
         # Per worker: the input, the expected sum, gloo's tensor and its reset copy, redsrv's result.
@@ -195,7 +208,7 @@ def _main(a: argparse.Namespace) -> int:
             result_piece_bytes=None if a.piece_kib is None else a.piece_kib * 1024, tcp_congestion=a.tcp_congestion,
             timeline=a.timeline,
             delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
-            measure_goodput=a.measure_goodput, out=a.out, prefix=a.prefix)
+            measure_goodput=a.measure_goodput, crosscheck=a.crosscheck, out=a.out, prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
 
     status: int = harness.run_command("emulate", a, run=run, rereport=_rereport)
@@ -300,6 +313,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     json_path = os.path.join(opts.out, f"emulate-{stamp}.json")
     png_path = os.path.join(opts.out, f"emulate-{stamp}.png")
     blocks: list[dict[str, Any]] = []
+    crosschecked: dict[int, list[dict[str, Any]]] = {}  # n -> redsrv bench allreduce's rows
     doc: dict[str, Any] = {}
     congestion = congestion_controls(opts.tcp_congestion)
     _say(opts, f"redsrv bench emulate: {opts.hosts} hosts at {format_rate(opts.rate_bps)} per link (both directions), "
@@ -327,6 +341,11 @@ def run_emulate(opts: Options) -> dict[str, Any]:
             secret = harness.write_secret(tmp)
             for n in opts.workers:
                 blocks += _run_config(cluster, opts, n, impls, goodput, tmp, secret)
+                if opts.crosscheck and "gloo" in impls:
+                    _say(opts, f"  n={n}: redsrv bench allreduce on the same hosts (--crosscheck)")
+                    crosschecked[n] = crosscheck.run_allreduce_bench(
+                        cluster, n=n, reducer_hosts=opts.reducer_hosts(n), sizes_bytes=opts.sizes_bytes, warmup=opts.warmup,
+                        secret=secret, tmp=tmp, timeout_s=_allreduce_timeout(opts.sizes_bytes, goodput))
         finally:
             removed = cluster.down()
             _say(opts, f"  cluster removed ({len(removed)} namespaces)")
@@ -335,6 +354,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     compression = _compression(opts.dtype, opts.wire_dtype)
     rows = report.summarise(blocks, goodput=goodput, colocated=opts.colocate, compression=compression)
     ok = all(r.correct for r in rows) and bool(rows)
+    comparison = [c for n, got in crosschecked.items() for c in crosscheck.compare(rows, got, n)]
     doc = {
         "benchmark": "redsrv bench emulate",
         "started": started.isoformat(timespec="seconds"),
@@ -346,11 +366,15 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         "delay_forwarder": cluster.forwarder_report,
         "rows": [r.as_dict() for r in rows],
         "blocks": blocks,
+        "crosscheck": comparison,
         "ok": ok,
     }
     with open(json_path, "w") as f:
         json.dump(doc, f, indent=1)
     _say(opts, "\n" + report.format_table(rows))
+    if comparison:
+        _say(opts, "\n  redsrv bench allreduce on the same hosts against this emulation (medians):\n"
+                   + crosscheck.format_comparison(comparison))
     flagged = [r for r in rows if r.cpu_bound]
     if flagged:
         _say(opts, f"\n  {len(flagged)} row(s) ran with the machine over {report.CPU_BOUND_BUSY:.0%} busy: they measure the CPU, "
@@ -364,16 +388,24 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     return doc
 
 
+def _allreduce_timeout(sizes_bytes: Sequence[int], goodput: float) -> float:
+    """A generous bound for one `redsrv bench allreduce` sweep: its reps (allreduce.reps_for) of
+    both implementations at a tenth of G, plus start-up."""
+    from redsrv.bench.allreduce import reps_for
+
+    speed = goodput * 1e9 * 0.1 if goodput else 1e8
+    return 120.0 + float(sum(2 * (reps_for(s) + 4) * 2 * s / speed for s in sizes_bytes))
+
+
 def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodput: float, tmp: str,
                 secret: str) -> list[dict[str, Any]]:
     m = opts.m_for(n)
-    nmax = max(opts.workers)
     env = harness.child_env(secret)
     if opts.tcp_congestion is not None:
         env["REDSRV_TCP_CONGESTION"] = opts.tcp_congestion
     if opts.result_piece_bytes is not None:
         env["REDSRV_RESULT_PIECE_BYTES"] = str(opts.result_piece_bytes)
-    reducer_hosts = [j % n for j in range(m)] if opts.colocate else [nmax + j for j in range(m)]
+    reducer_hosts = opts.reducer_hosts(n)
     _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
                + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
