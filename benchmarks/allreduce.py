@@ -10,9 +10,14 @@ No root, no namespaces: it measures the network you have.
     torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST0:29400 \\
         -m redsrv bench allreduce --reducers r0:29600,r1:29600,r2:29600,r3:29600 --line-gbit 25
 
-Per size (default 4 KiB to 256 MiB, float32) both implementations run on the same processes,
-alternating (gloo, redsrv, gloo, ...): per rep, a barrier, then the all-reduce timed on every
-rank; a rep's time is the slowest rank's; the table gives the median over reps after warm-ups.
+Per size (default 4 KiB to 256 MiB, float32) both implementations run on the same processes in
+blocks, two rounds of (gloo, redsrv): a block is its warm-ups, then its reps, each a barrier and
+the all-reduce timed on every rank; a rep's time is the slowest rank's; the table gives the
+median over both rounds' reps. Blocks, not alternating reps, because a connection idle for
+longer than TCP's retransmission timeout (200 ms and up) restarts in slow start: alternating
+reps would time each implementation's connections cold after the other's rep, which back-to-back
+all-reduces in a training step are not (and which ``redsrv bench emulate`` does not do either:
+``redsrv bench emulate --crosscheck`` compares the two).
 Every result is checked against the exact sum. Figures in the nccl-tests style: algbw = size /
 time; busbw = algbw · 2(n-1)/n for both implementations, so the columns compare (a ring moves
 2(n-1)/n of the buffer over each NIC each way; a reduction server moves it once, so its busbw
@@ -123,7 +128,7 @@ def run(*, reducers: str | None, sizes_kib: list[int], reps: int | None, warmup:
 
 def _sweep_one(dist: Any, torch: Any, client: Any, elements: int, rank: int, n: int, reps: int,
                warmup: int) -> dict[str, list[float]]:
-    """Time ``reps`` all-reduces of ``elements`` float32 per implementation, alternating; returns
+    """Time ``reps`` all-reduces of ``elements`` float32 per implementation, in blocks; returns
     per implementation each rep's slowest-rank time (on every rank)."""
     pattern = np.arange(elements, dtype=np.int64) % 13
     # Small integers: every sum is exact in float32 whatever the order, so both must match bitwise.
@@ -147,13 +152,14 @@ def _sweep_one(dist: Any, torch: Any, client: Any, elements: int, rank: int, n: 
                                f"from the exact sum")
         return elapsed
 
-    for _ in range(warmup):
-        for impl in IMPLEMENTATIONS:
-            once(impl)
     mine: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
-    for _ in range(reps):
+    rounds = 2 if reps >= 2 else 1
+    for r in range(rounds):
         for impl in IMPLEMENTATIONS:
-            mine[impl].append(once(impl))
+            for _ in range(warmup):
+                once(impl)
+            for _ in range(reps // rounds + (r < reps % rounds)):
+                mine[impl].append(once(impl))
     slowest = torch.tensor([t for impl in IMPLEMENTATIONS for t in mine[impl]], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     values = slowest.tolist()
