@@ -24,7 +24,15 @@ hidden none of it (assuming compute and communication cost as much together as a
 each gloo and hook block the parameters are compared: identical on every rank, and (float32
 wire) the hook-trained model equal to the gloo-trained one within float32 rounding.
 
-Needs root, iproute2 and torch; removes every namespace and process it created on every exit path.
+``--framework jax`` and ``--framework tf`` run the same four blocks, timing rule and checks with
+the same model family (square dense layers, tanh, one CPU device per process) against each
+framework's own cross-process all-reduce: JAX's gloo CPU collectives through ``jax.distributed``
+(:mod:`redsrv.bench.train_jax`), TensorFlow's ``MultiWorkerMirroredStrategy`` with ring collectives
+(:mod:`redsrv.bench.train_tf`). There, "gloo" names that baseline and "hook" redsrv's adapter
+(``redsrv.jax.pmean``, ``ReductionServerStrategy``); both send one fused vector per dtype after
+the backward pass, which the raw block replays.
+
+Needs root, iproute2 and the framework; removes every namespace and process it created on every exit path.
 """
 
 from __future__ import annotations
@@ -51,11 +59,12 @@ from typing import Any
 from redsrv.bench import harness, report
 from redsrv.bench.netns import DEFAULT_PREFIX, IFNAME, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
 
-__all__ = ["add_parser", "Options", "run_train", "model_shape", "summarise", "Summary", "ModeRow", "format_summary"]
+__all__ = ["add_parser", "Options", "run_train", "model_shape", "init_params", "summarise", "Summary", "ModeRow",
+           "format_summary"]
 
-#: Frameworks with a worker here: torch in this module, jax in :mod:`redsrv.bench.train_jax`.
-FRAMEWORKS = ("torch", "jax")
-PLANNED_FRAMEWORKS = ("tf",)
+#: Frameworks with a worker here: torch in this module, jax in :mod:`redsrv.bench.train_jax`, tf in
+#: :mod:`redsrv.bench.train_tf`.
+FRAMEWORKS = ("torch", "jax", "tf")
 #: The module each framework's worker needs, for a clear error where it is missing.
 FRAMEWORK_MODULES = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 
@@ -105,11 +114,11 @@ OVERHEAD_TARGET = 0.05
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b = subparsers.add_parser(
-        "train", help="DDP steps/s with the redsrv hook vs gloo DDP on an emulated rate-limited cluster (root)",
+        "train", help="training steps/s with redsrv vs the framework's own all-reduce (gloo DDP, JAX gloo, TF MWMS ring) "
+                      "on an emulated rate-limited cluster (root)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--framework", default="torch",
-                   help=f"training framework: {', '.join(FRAMEWORKS)} (default torch; "
-                        f"{' and '.join(PLANNED_FRAMEWORKS)} are planned)")
+                   help=f"training framework: {', '.join(FRAMEWORKS)} (default torch)")
     b.add_argument("--workers", type=int, default=4, metavar="N", help="worker count n (default 4)")
     b.add_argument("--reducers", type=int, default=None, metavar="M",
                    help="reducer count m, each on its own host (default: m = n)")
@@ -162,8 +171,7 @@ class Options:
 
     def validate(self) -> None:
         if self.framework not in FRAMEWORKS:
-            planned = " (planned)" if self.framework in PLANNED_FRAMEWORKS else ""
-            raise EmulationError(f"--framework {self.framework}{planned}: implemented are {', '.join(FRAMEWORKS)}")
+            raise EmulationError(f"--framework {self.framework}: implemented are {', '.join(FRAMEWORKS)}")
         if self.workers < 2:
             raise EmulationError("--workers: need at least 2 workers")
         if self.reducers is not None and self.reducers < 1:
@@ -201,6 +209,24 @@ def model_shape(params: int, max_width: int = DEFAULT_WIDTH) -> tuple[int, int]:
         width = max(16, math.isqrt(params // MIN_LAYERS) // 16 * 16)
     layers = max(MIN_LAYERS, round(params / (width * (width + 1))))
     return layers, width
+
+
+def init_params(np: Any, layers: int, width: int, seed: int = 1234) -> list[Any]:
+    """[W0, b0, W1, b1, ...] of the JAX and TensorFlow workers' model (W is out x in, as torch's), float32
+    numpy arrays identical for a given seed: uniform in +-1/sqrt(width), the scale of torch's
+    ``nn.Linear`` (so the torch worker's learning rate holds).
+
+    >>> import numpy as np
+    >>> [p.shape for p in init_params(np, 2, 4)]
+    [(4, 4), (4,), (4, 4), (4,)]
+    """
+    rng = np.random.default_rng(seed)
+    bound = 1 / math.sqrt(width)
+    out = []
+    for _ in range(layers):
+        out.append(rng.uniform(-bound, bound, (width, width)).astype(np.float32))
+        out.append(rng.uniform(-bound, bound, (width,)).astype(np.float32))
+    return out
 
 
 def _main(a: argparse.Namespace) -> int:
@@ -528,9 +554,9 @@ def _setup(opts: Options) -> dict[str, Any]:
     if opts.framework == "torch":
         return {"ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": opts.bucket_cap_mb, "optimizer": "SGD",
                         "learning_rate": LEARNING_RATE, "zero_grad": "set_to_none=False"}}
-    from redsrv.bench import train_jax
+    from redsrv.bench import train_jax, train_tf
 
-    return {"training": train_jax.SETUP}
+    return {"training": {"jax": train_jax.SETUP, "tf": train_tf.SETUP}[opts.framework]}
 
 
 def _version(module: str) -> str | None:
@@ -552,9 +578,13 @@ def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodp
     n, m = opts.workers, opts.m
     env = harness.child_env(harness.write_secret(tmp))
     if opts.framework == "jax":
-        from redsrv.bench.train_jax import worker_env
+        from redsrv.bench import train_jax
 
-        env = worker_env(env)
+        env = train_jax.worker_env(env)
+    elif opts.framework == "tf":
+        from redsrv.bench import train_tf
+
+        env = train_tf.worker_env(env)
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
     pumps: list[threading.Thread] = []
     try:
@@ -565,6 +595,7 @@ def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodp
             "wire_dtype": opts.wire_dtype, "bucket_cap_mb": opts.bucket_cap_mb, "reducers": addresses,
             "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-train-{uuid.uuid4().hex[:8]}",
             "op_timeout": OP_TIMEOUT_S, "tolerance": MATCH_TOLERANCE[opts.wire_dtype], "interface": IFNAME,
+            "tf_workers": [f"{cluster.hosts[r].ip}:{harness.GLOO_PORT}" for r in range(n)],
         }
         specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
         events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
@@ -637,6 +668,10 @@ def _worker(spec_json: str) -> int:
         from redsrv.bench import train_jax
 
         return int(train_jax.worker(spec))
+    if spec["framework"] == "tf":
+        from redsrv.bench import train_tf
+
+        return int(train_tf.worker(spec))
     workers: dict[str, Callable[[dict[str, Any]], int]] = {"torch": _torch_worker}
     return workers[spec["framework"]](spec)
 

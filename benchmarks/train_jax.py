@@ -27,9 +27,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redsrv.bench import harness
-from redsrv.bench.train import LEARNING_RATE, RAW_RTOL, _raw_data
+from redsrv.bench.train import LEARNING_RATE, RAW_RTOL, _raw_data, init_params
 
-__all__ = ["worker", "worker_env", "init_params", "XLA_THREAD_FLAGS", "SETUP"]
+__all__ = ["worker", "worker_env", "XLA_THREAD_FLAGS", "SETUP"]
 
 #: The result file's description of the step.
 SETUP = {"optimizer": "SGD", "learning_rate": LEARNING_RATE, "baseline": "jax.distributed, gloo CPU collectives, lax.pmean in "
@@ -45,23 +45,6 @@ def worker_env(env: dict[str, str]) -> dict[str, str]:
     more: that flag is dropped), single-threaded XLA."""
     kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG) and f not in XLA_THREAD_FLAGS]
     return dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*kept, *XLA_THREAD_FLAGS]))
-
-
-def init_params(np: Any, layers: int, width: int, seed: int = 1234) -> list[Any]:
-    """[W0, b0, W1, b1, ...] as float32 numpy arrays, identical for a given seed: uniform in
-    +-1/sqrt(width), the scale of torch's ``nn.Linear`` (so the torch worker's learning rate holds).
-
-    >>> import numpy as np
-    >>> [p.shape for p in init_params(np, 2, 4)]
-    [(4, 4), (4,), (4, 4), (4,)]
-    """
-    rng = np.random.default_rng(seed)
-    bound = 1 / math.sqrt(width)
-    out = []
-    for _ in range(layers):
-        out.append(rng.uniform(-bound, bound, (width, width)).astype(np.float32))
-        out.append(rng.uniform(-bound, bound, (width,)).astype(np.float32))
-    return out
 
 
 def _digest(arrays: Sequence[Any]) -> str:

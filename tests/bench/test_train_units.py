@@ -17,14 +17,8 @@ from redsrv.bench.train import Options, format_summary, model_shape, summarise
 G = 0.1196  # GB/s, TCP goodput at 1 Gbit/s
 
 
-@pytest.mark.parametrize("framework", train.PLANNED_FRAMEWORKS)
-def test_planned_frameworks_are_refused_clearly(framework):
-    with pytest.raises(EmulationError, match=rf"--framework {framework} \(planned\): implemented are torch, jax"):
-        Options(framework=framework).validate()
-
-
 def test_unknown_framework_is_refused():
-    with pytest.raises(EmulationError, match="--framework mxnet: implemented are torch"):
+    with pytest.raises(EmulationError, match="--framework mxnet: implemented are torch, jax, tf"):
         Options(framework="mxnet").validate()
 
 
@@ -206,7 +200,7 @@ def _cli(*args, timeout=60):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--framework", "tf"], "--framework tf (planned): implemented are torch, jax"),
+    (["--framework", "mxnet"], "--framework mxnet: implemented are torch, jax, tf"),
     (["--rate", "fast"], "bad rate 'fast'"),
     (["--workers", "1"], "at least 2 workers"),
 ])
@@ -252,7 +246,7 @@ def test_jax_workers_get_one_device_and_one_thread():
 def test_jax_model_starts_identically_at_torchs_scale():
     import numpy as np
 
-    from redsrv.bench.train_jax import init_params
+    from redsrv.bench.train import init_params
 
     a, b = init_params(np, 3, 64), init_params(np, 3, 64)
     assert [p.shape for p in a] == [(64, 64), (64,)] * 3 and all(p.dtype == np.float32 for p in a)
@@ -261,3 +255,26 @@ def test_jax_model_starts_identically_at_torchs_scale():
     assert max(float(np.abs(p).max()) for p in a) <= bound
     assert max(float(np.abs(p).max()) for p in a) > 0.9 * bound
     assert not np.array_equal(a[0], a[2])  # layers differ from each other
+
+
+def test_tf_workers_get_their_cluster_only_from_the_benchmark():
+    from redsrv.bench.train_tf import worker_env
+
+    env = worker_env({"TF_CONFIG": '{"cluster": {}}', "PATH": "/bin"})
+    assert "TF_CONFIG" not in env and env["PATH"] == "/bin" and env["TF_CPP_MIN_LOG_LEVEL"] == "2"
+    assert worker_env({"TF_CPP_MIN_LOG_LEVEL": "0"})["TF_CPP_MIN_LOG_LEVEL"] == "0"
+
+
+def test_tf_recorder_notes_what_the_strategy_sends_and_passes_through():
+    import numpy as np
+
+    from redsrv.bench.train_tf import _Recorder
+
+    recorder = _Recorder()
+    calls = []
+    host = recorder.wrap(lambda site, timeout, *arrays: calls.append((site, timeout, len(arrays))) or list(arrays))
+    a, b = np.zeros(5, np.float32), np.zeros(3, np.int32)
+    assert host("s", 1.0, a, b) == [a, b]
+    assert recorder.layout == [(5, "float32"), (3, "int32")] and calls == [("s", 1.0, 2)]
+    host("s", None, a)
+    assert recorder.layout == [(5, "float32")]
