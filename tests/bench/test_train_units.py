@@ -278,3 +278,12 @@ def test_tf_recorder_notes_what_the_strategy_sends_and_passes_through():
     assert recorder.layout == [(5, "float32"), (3, "int32")] and calls == [("s", 1.0, 2)]
     host("s", None, a)
     assert recorder.layout == [(5, "float32")]
+
+
+@pytest.mark.parametrize("framework,key", [("torch", "ddp"), ("jax", "training"), ("tf", "training")])
+def test_result_file_says_how_each_framework_trains(framework, key):
+    setup = train._setup(Options(framework=framework))
+    assert list(setup) == [key]
+    assert setup[key]["learning_rate"] == train.LEARNING_RATE
+    if framework != "torch":
+        assert {"baseline", "redsrv", "optimizer"} <= set(setup[key])
