@@ -24,7 +24,15 @@ hidden none of it (assuming compute and communication cost as much together as a
 each gloo and hook block the parameters are compared: identical on every rank, and (float32
 wire) the hook-trained model equal to the gloo-trained one within float32 rounding.
 
-Needs root, iproute2 and torch; removes every namespace and process it created on every exit path.
+``--framework jax`` and ``--framework tf`` run the same four blocks, timing rule and checks with
+the same model family (square dense layers, tanh, one CPU device per process) against each
+framework's own cross-process all-reduce: JAX's gloo CPU collectives through ``jax.distributed``
+(:mod:`redsrv.bench.train_jax`), TensorFlow's ``MultiWorkerMirroredStrategy`` with ring collectives
+(:mod:`redsrv.bench.train_tf`). There, "gloo" names that baseline and "hook" redsrv's adapter
+(``redsrv.jax.pmean``, ``ReductionServerStrategy``); both send one fused vector per dtype after
+the backward pass, which the raw block replays.
+
+Needs root, iproute2 and the framework; removes every namespace and process it created on every exit path.
 """
 
 from __future__ import annotations
@@ -49,15 +57,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from redsrv.bench import harness, report
-from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
+from redsrv.bench.netns import DEFAULT_PREFIX, IFNAME, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
 
-__all__ = ["add_parser", "Options", "run_train", "model_shape", "summarise", "Summary", "ModeRow", "format_summary"]
+__all__ = ["add_parser", "Options", "run_train", "model_shape", "init_params", "summarise", "Summary", "ModeRow",
+           "format_summary"]
 
-#: Frameworks with a worker here. ``--framework`` exists so that JAX and TensorFlow can follow.
-FRAMEWORKS = ("torch",)
-PLANNED_FRAMEWORKS = ("jax", "tf")
+#: Frameworks with a worker here: torch in this module, jax in :mod:`redsrv.bench.train_jax`, tf in
+#: :mod:`redsrv.bench.train_tf`.
+FRAMEWORKS = ("torch", "jax", "tf")
+#: The module each framework's worker needs, for a clear error where it is missing.
+FRAMEWORK_MODULES = {"torch": "torch", "jax": "jax", "tf": "tensorflow"}
 
-#: Blocks of a round, in the order they run. "gloo" is left out with --no-baseline.
+#: Blocks of a round, in the order they run. "gloo" is left out with --no-baseline. The names are
+#: the torch run's; with another framework "gloo" is that framework's own cross-process all-reduce
+#: and "hook" its redsrv adapter (:data:`LABELS`).
 MODES = ("gloo", "hook", "raw", "compute")
 
 #: Layer width: wide enough that a layer is one large matrix (few, big gradient tensors, as in
@@ -101,11 +114,11 @@ OVERHEAD_TARGET = 0.05
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b = subparsers.add_parser(
-        "train", help="DDP steps/s with the redsrv hook vs gloo DDP on an emulated rate-limited cluster (root)",
+        "train", help="training steps/s with redsrv vs the framework's own all-reduce (gloo DDP, JAX gloo, TF MWMS ring) "
+                      "on an emulated rate-limited cluster (root)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--framework", default="torch",
-                   help=f"training framework: {', '.join(FRAMEWORKS)} (default torch; "
-                        f"{' and '.join(PLANNED_FRAMEWORKS)} are planned)")
+                   help=f"training framework: {', '.join(FRAMEWORKS)} (default torch)")
     b.add_argument("--workers", type=int, default=4, metavar="N", help="worker count n (default 4)")
     b.add_argument("--reducers", type=int, default=None, metavar="M",
                    help="reducer count m, each on its own host (default: m = n)")
@@ -158,8 +171,7 @@ class Options:
 
     def validate(self) -> None:
         if self.framework not in FRAMEWORKS:
-            planned = " (planned)" if self.framework in PLANNED_FRAMEWORKS else ""
-            raise EmulationError(f"--framework {self.framework}{planned}: only {', '.join(FRAMEWORKS)} is implemented so far")
+            raise EmulationError(f"--framework {self.framework}: implemented are {', '.join(FRAMEWORKS)}")
         if self.workers < 2:
             raise EmulationError("--workers: need at least 2 workers")
         if self.reducers is not None and self.reducers < 1:
@@ -197,6 +209,24 @@ def model_shape(params: int, max_width: int = DEFAULT_WIDTH) -> tuple[int, int]:
         width = max(16, math.isqrt(params // MIN_LAYERS) // 16 * 16)
     layers = max(MIN_LAYERS, round(params / (width * (width + 1))))
     return layers, width
+
+
+def init_params(np: Any, layers: int, width: int, seed: int = 1234) -> list[Any]:
+    """[W0, b0, W1, b1, ...] of the JAX and TensorFlow workers' model (W is out x in, as torch's), float32
+    numpy arrays identical for a given seed: uniform in +-1/sqrt(width), the scale of torch's
+    ``nn.Linear`` (so the torch worker's learning rate holds).
+
+    >>> import numpy as np
+    >>> [p.shape for p in init_params(np, 2, 4)]
+    [(4, 4), (4,), (4, 4), (4,)]
+    """
+    rng = np.random.default_rng(seed)
+    bound = 1 / math.sqrt(width)
+    out = []
+    for _ in range(layers):
+        out.append(rng.uniform(-bound, bound, (width, width)).astype(np.float32))
+        out.append(rng.uniform(-bound, bound, (width,)).astype(np.float32))
+    return out
 
 
 def _main(a: argparse.Namespace) -> int:
@@ -259,6 +289,7 @@ class Summary:
     # when nothing of ours communicates (whole-machine busy minus our workers' CPU).
     other_load_rounds: list[float] = field(default_factory=list)
     correct: bool = True
+    framework: str = "torch"
 
     @property
     def speedup_met(self) -> bool | None:
@@ -285,7 +316,7 @@ class Summary:
 
 
 def summarise(blocks: Sequence[dict[str, Any]], *, n: int, m: int, grad_bytes: int, goodput: float,
-              compression: float = 1.0) -> Summary:
+              compression: float = 1.0, framework: str = "torch") -> Summary:
     """One row per mode in :data:`MODES` order, and the speedup and overhead as ratios of medians
     (with the same ratio per round, for the spread). ``compression``: the hook's wire
     compression factor, for the theory (gloo always sends float32)."""
@@ -309,7 +340,8 @@ def summarise(blocks: Sequence[dict[str, Any]], *, n: int, m: int, grad_bytes: i
             own_cpu_share=cpu / (wall * bs[0].get("cores", 1)) if wall else 0.0, correct=all(b["correct"] for b in bs)))
     by_mode = {r.mode: r for r in rows}
     summary = Summary(rows=rows, n=n, m=m, grad_bytes=grad_bytes, goodput=goodput,
-                      theory=report.theory_speedup(n, m, compression=compression), correct=all(r.correct for r in rows))
+                      theory=report.theory_speedup(n, m, compression=compression), correct=all(r.correct for r in rows),
+                      framework=framework)
     gloo, hook, raw, compute = (by_mode.get(k) for k in MODES)
     if gloo and hook:
         summary.speedup = gloo.median_s / hook.median_s
@@ -336,11 +368,17 @@ def _spread(values: Sequence[float], fmt: str) -> str:
     return f"{fmt.format(min(values))} to {fmt.format(max(values))}" if values else "-"
 
 
-_WHAT = {"gloo": "gloo DDP", "hook": "redsrv hook DDP", "raw": "raw allreduce", "compute": "compute only"}
+#: Per framework, what each block is, for the table and the plot.
+LABELS = {
+    "torch": {"gloo": "gloo DDP", "hook": "redsrv hook DDP", "raw": "raw allreduce", "compute": "compute only"},
+    "jax": {"gloo": "jax gloo pmean", "hook": "redsrv.jax pmean", "raw": "raw allreduce", "compute": "compute only"},
+    "tf": {"gloo": "MWMS ring", "hook": "redsrv strategy", "raw": "raw allreduce", "compute": "compute only"},
+}
 
 
 def format_summary(s: Summary) -> str:
     """The terminal table, then the speedup and the overhead against their targets."""
+    what = LABELS[s.framework]
     head = (f"{'mode':<16} {'median step':>11} {'min-max':>19} {'steps/s':>8} {'grad GB/s':>9} {'of G':>6} "
             f"{'CPU busy/ours':>13}  note")
     lines = [head, "-" * len(head)]
@@ -351,20 +389,21 @@ def format_summary(s: Summary) -> str:
         if not r.correct:
             notes.append("WRONG RESULTS")
         lines.append(
-            f"{_WHAT[r.mode]:<16} {_time(r.median_s):>11} {_time(r.min_s) + '-' + _time(r.max_s):>19} {r.steps_per_s:>8.3f} "
+            f"{what[r.mode]:<16} {_time(r.median_s):>11} {_time(r.min_s) + '-' + _time(r.max_s):>19} {r.steps_per_s:>8.3f} "
             f"{'-' if r.grad_gbps is None else f'{r.grad_gbps:.4f}':>9} "
             f"{'-' if r.of_goodput is None else f'{r.of_goodput:.3f}':>6} "
             f"{f'{r.cpu_busy:.0%}/{r.own_cpu_share:.0%}':>13}  {'; '.join(notes)}")
     lines.append("")
     if s.speedup is not None:
         met = "met" if s.speedup_met else "NOT met"
-        lines.append(f"speedup, hook DDP over gloo DDP: {s.speedup:.2f}x (theory {s.theory:.2f}x for the all-reduce alone "
-                     f"at its bounds; rounds {_spread(s.speedup_rounds, '{:.2f}')}x). Target >= {SPEEDUP_TARGET:.1f}x: {met}")
+        lines.append(f"speedup, {what['hook']} over {what['gloo']}: {s.speedup:.2f}x (theory {s.theory:.2f}x for the "
+                     f"all-reduce alone at its bounds; rounds {_spread(s.speedup_rounds, '{:.2f}')}x). "
+                     f"Target >= {SPEEDUP_TARGET:.1f}x: {met}")
     if s.overhead is not None:
         verdict = {True: "met", False: "NOT met", None: "not decided (the bounds straddle it)"}[s.overhead_met]
-        lines.append(f"hook overhead over a raw allreduce of the same buckets: at most {s.overhead:+.1%} = hook / raw - 1 "
-                     f"(rounds {_spread([100 * o for o in s.overhead_rounds], '{:+.1f}')}%), which includes the compute DDP "
-                     "could not hide behind communication")
+        lines.append(f"{what['hook']} overhead over a raw allreduce of the same buckets: at most {s.overhead:+.1%} = "
+                     f"hook / raw - 1 (rounds {_spread([100 * o for o in s.overhead_rounds], '{:+.1f}')}%), which includes "
+                     "the compute not hidden behind communication")
         if s.overhead_floor is not None and s.compute_s is not None:
             lines.append(f"  and at least {s.overhead_floor:+.1%} = (hook - raw - compute) / raw (rounds "
                          f"{_spread([100 * o for o in s.overhead_floor_rounds], '{:+.1f}')}%), as if none of the "
@@ -394,11 +433,11 @@ def plot(s: Summary, path: str, *, title: str) -> None:
         # Above the error bar, not inside it.
         ax.annotate(f"{_time(r.median_s)}\n{r.steps_per_s:.2f} steps/s", (bar.get_x() + bar.get_width() / 2, r.max_s),
                     ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
-    ax.set_xticks(xs, [_WHAT[r.mode] for r in s.rows])
+    ax.set_xticks(xs, [LABELS[s.framework][r.mode] for r in s.rows])
     ax.set_ylabel("step time, slowest rank (s)")
     notes = []
     if s.speedup is not None:
-        notes.append(f"speedup hook vs gloo {s.speedup:.2f}x (all-reduce theory {s.theory:.2f}x)")
+        notes.append(f"speedup redsrv vs baseline {s.speedup:.2f}x (all-reduce theory {s.theory:.2f}x)")
     if s.overhead is not None:
         floor = f"{s.overhead_floor:+.1%} to " if s.overhead_floor is not None else "at most "
         notes.append(f"hook over raw {floor}{s.overhead:+.1%}")
@@ -416,7 +455,8 @@ def _compression(wire_dtype: str | None) -> float:
 
 
 def _title(opts: dict[str, Any], model: dict[str, Any], day: str, cpus: int | None) -> str:
-    return (f"DDP, {model['params'] / 1e6:.1f}M params ({model['layers']} x {model['width']}^2 Linear), "
+    framework = {"torch": "DDP", "jax": "JAX", "tf": "Keras"}[opts.get("framework", "torch")]
+    return (f"{framework}, {model['params'] / 1e6:.1f}M params ({model['layers']} x {model['width']}^2 dense), "
             f"n={opts['workers']} m={opts['reducers'] or opts['workers']}, {format_rate(opts['rate_bps'])} per host"
             + (f", {opts['wire_dtype']} on the redsrv wire" if opts["wire_dtype"] else "") + f", {day}, {cpus} CPUs")
 
@@ -429,7 +469,8 @@ def _rereport(path: str) -> int:
     except (OSError, ValueError, KeyError) as exc:
         raise EmulationError(f"cannot read results from {path}: {exc}") from None
     s = summarise(blocks, n=opts["workers"], m=opts["reducers"] or opts["workers"], grad_bytes=model["grad_bytes"],
-                  goodput=doc["goodput_gbps"], compression=_compression(opts["wire_dtype"]))
+                  goodput=doc["goodput_gbps"], compression=_compression(opts["wire_dtype"]),
+                  framework=opts.get("framework", "torch"))
     print(format_summary(s))
     png = os.path.splitext(path)[0] + ".png"
     plot(s, png, title=_title(opts, model, doc["started"][:10], doc["machine"]["cpus"]))
@@ -444,23 +485,27 @@ def run_train(opts: Options) -> dict[str, Any]:
     """Build the cluster, run every round, write the JSON and PNG, remove the cluster. Returns the
     result document (also written to ``opts.out``)."""
     opts.validate()
-    if importlib.util.find_spec(opts.framework) is None:
-        raise EmulationError(f"--framework {opts.framework}: {opts.framework} is not installed (pip install 'redsrv[torch]')")
+    module = FRAMEWORK_MODULES[opts.framework]
+    if importlib.util.find_spec(module) is None:
+        raise EmulationError(f"--framework {opts.framework}: {module} is not installed (pip install 'redsrv[{opts.framework}]')")
     cluster = Cluster(opts.hosts, opts.rate_bps, prefix=opts.prefix)
     cluster.check()
     layers, width = model_shape(opts.params)
     goodput = tcp_goodput_bps(opts.rate_bps) / 8 / 1e9 if opts.rate_bps else 0.0
     started = datetime.datetime.now()
     source = harness.provenance(harness.torch_version())  # what the workers import, before other work changes it
+    source["machine"][opts.framework] = _version(module)
     stamp = started.strftime("%Y%m%d-%H%M%S")
     os.makedirs(opts.out, exist_ok=True)
     json_path = os.path.join(opts.out, f"train-{stamp}.json")
     png_path = os.path.join(opts.out, f"train-{stamp}.png")
     n, m = opts.workers, opts.m
+    step = (f"DDP gradient_as_bucket_view=True, bucket_cap_mb {opts.bucket_cap_mb:g}" if opts.framework == "torch"
+            else LABELS[opts.framework]["gloo"] + " vs " + LABELS[opts.framework]["hook"])
     _say(opts, f"redsrv bench train --framework {opts.framework}: n={n} workers on h0..h{n - 1}, m={m} reducers on "
                f"h{n}..h{n + m - 1}, {format_rate(opts.rate_bps)} per link (both directions); model {layers} x "
-               f"{width}x{width} Linear, batch {opts.batch}; DDP gradient_as_bucket_view=True, bucket_cap_mb "
-               f"{opts.bucket_cap_mb:g}" + (f"; {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
+               f"{width}x{width} dense, batch {opts.batch}; {step}"
+               + (f"; {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
                + f"; {opts.rounds} round(s) of {' / '.join(opts.modes)}, {opts.warmup} warm-up + {opts.steps} timed steps each")
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     if goodput:
@@ -477,7 +522,7 @@ def run_train(opts: Options) -> dict[str, Any]:
     model = {"layers": layers, "width": width, "params": built["params"], "grad_bytes": built["grad_bytes"],
              "buckets": next((b["buckets"] for b in blocks if b["mode"] == "raw"), None)}
     summary = summarise(blocks, n=n, m=m, grad_bytes=model["grad_bytes"], goodput=goodput,
-                        compression=_compression(opts.wire_dtype))
+                        compression=_compression(opts.wire_dtype), framework=opts.framework)
     doc: dict[str, Any] = {
         "benchmark": "redsrv bench train",
         "started": started.isoformat(timespec="seconds"),
@@ -485,8 +530,7 @@ def run_train(opts: Options) -> dict[str, Any]:
         **source,
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "model": model,
-        "ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": opts.bucket_cap_mb, "optimizer": "SGD",
-                "learning_rate": LEARNING_RATE, "zero_grad": "set_to_none=False"},
+        **_setup(opts),
         "goodput_gbps": goodput,
         "summary": summary.as_dict(),
         "blocks": blocks,
@@ -505,12 +549,42 @@ def run_train(opts: Options) -> dict[str, Any]:
     return doc
 
 
+def _setup(opts: Options) -> dict[str, Any]:
+    """How the framework's training step is set up, for the result file."""
+    if opts.framework == "torch":
+        return {"ddp": {"gradient_as_bucket_view": True, "bucket_cap_mb": opts.bucket_cap_mb, "optimizer": "SGD",
+                        "learning_rate": LEARNING_RATE, "zero_grad": "set_to_none=False"}}
+    from redsrv.bench import train_jax, train_tf
+
+    return {"training": {"jax": train_jax.SETUP, "tf": train_tf.SETUP}[opts.framework]}
+
+
+def _version(module: str) -> str | None:
+    """The installed version of a framework's distribution, for the result file."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in {"tensorflow": ("tensorflow", "tensorflow-cpu")}.get(module, (module,)):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
 def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodput: float,
                  tmp: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Reducers, workers, and every block merged over the ranks; also what rank 0 built (the
     parameter count and gradient bytes)."""
     n, m = opts.workers, opts.m
     env = harness.child_env(harness.write_secret(tmp))
+    if opts.framework == "jax":
+        from redsrv.bench import train_jax
+
+        env = train_jax.worker_env(env)
+    elif opts.framework == "tf":
+        from redsrv.bench import train_tf
+
+        env = train_tf.worker_env(env)
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
     pumps: list[threading.Thread] = []
     try:
@@ -520,7 +594,8 @@ def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodp
             "batch": opts.batch, "steps": opts.steps, "warmup": opts.warmup, "rounds": opts.rounds,
             "wire_dtype": opts.wire_dtype, "bucket_cap_mb": opts.bucket_cap_mb, "reducers": addresses,
             "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-train-{uuid.uuid4().hex[:8]}",
-            "op_timeout": OP_TIMEOUT_S, "tolerance": MATCH_TOLERANCE[opts.wire_dtype],
+            "op_timeout": OP_TIMEOUT_S, "tolerance": MATCH_TOLERANCE[opts.wire_dtype], "interface": IFNAME,
+            "tf_workers": [f"{cluster.hosts[r].ip}:{harness.GLOO_PORT}" for r in range(n)],
         }
         specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
         events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
@@ -541,7 +616,7 @@ def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodp
                 return None
             block = _merge(got)
             blocks.append(block)
-            _say(opts, _progress(block, len(blocks), total, built["grad_bytes"], goodput))
+            _say(opts, _progress(block, len(blocks), total, built["grad_bytes"], goodput, opts.framework))
             return f"the block after round {block['round'] + 1} {block['mode']}"
 
         # A hang detector, not a prediction: float32 gradients at 10% of G, a second of compute a step.
@@ -565,7 +640,7 @@ def _merge(got: dict[int, dict[str, Any]]) -> dict[str, Any]:
     return block
 
 
-def _progress(block: dict[str, Any], k: int, total: int, grad_bytes: int, goodput: float) -> str:
+def _progress(block: dict[str, Any], k: int, total: int, grad_bytes: int, goodput: float, framework: str) -> str:
     med = statistics.median(block["times"])
     rate = ""
     if block["mode"] != "compute":
@@ -574,7 +649,7 @@ def _progress(block: dict[str, Any], k: int, total: int, grad_bytes: int, goodpu
             rate += f" ({grad_bytes / med / 1e9 / goodput:.3f} G)"
     flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
     wrong = f" WRONG: {block['checks'][0]}" if not block["correct"] else ""
-    return (f"  [{k:>2}/{total}] round {block['round'] + 1} {_WHAT[block['mode']]:<16} median {_time(med):>9}  "
+    return (f"  [{k:>2}/{total}] round {block['round'] + 1} {LABELS[framework][block['mode']]:<16} median {_time(med):>9}  "
             f"({_time(min(block['times']))}-{_time(max(block['times']))}){rate}  CPU busy {block['cpu_busy']:.0%} "
             f"(ours {_own_share(block):.0%}){flag}{wrong}")
 
@@ -589,6 +664,14 @@ def _own_share(block: dict[str, Any]) -> float:
 
 def _worker(spec_json: str) -> int:
     spec = json.loads(spec_json)
+    if spec["framework"] == "jax":
+        from redsrv.bench import train_jax
+
+        return int(train_jax.worker(spec))
+    if spec["framework"] == "tf":
+        from redsrv.bench import train_tf
+
+        return int(train_tf.worker(spec))
     workers: dict[str, Callable[[dict[str, Any]], int]] = {"torch": _torch_worker}
     return workers[spec["framework"]](spec)
 

@@ -17,15 +17,27 @@ from redsrv.bench.train import Options, format_summary, model_shape, summarise
 G = 0.1196  # GB/s, TCP goodput at 1 Gbit/s
 
 
-@pytest.mark.parametrize("framework", ["jax", "tf"])
-def test_planned_frameworks_are_refused_clearly(framework):
-    with pytest.raises(EmulationError, match=rf"--framework {framework} \(planned\): only torch is implemented"):
-        Options(framework=framework).validate()
-
-
 def test_unknown_framework_is_refused():
-    with pytest.raises(EmulationError, match="--framework mxnet: only torch"):
+    with pytest.raises(EmulationError, match="--framework mxnet: implemented are torch, jax, tf"):
         Options(framework="mxnet").validate()
+
+
+@pytest.mark.parametrize("framework", train.FRAMEWORKS)
+def test_every_framework_has_labels_a_module_and_a_title(framework):
+    Options(framework=framework).validate()
+    assert set(train.LABELS[framework]) == set(train.MODES)
+    assert framework in train.FRAMEWORK_MODULES
+    title = train._title({"framework": framework, "workers": 4, "reducers": None, "rate_bps": 10**9, "wire_dtype": None},
+                         {"params": 25_178_112, "layers": 6, "width": 2048}, "2026-11-25", 2)
+    assert "25.2M params (6 x 2048^2 dense), n=4 m=4, 1 Gbit/s per host" in title
+
+
+def test_table_names_the_frameworks_own_blocks():
+    s = summarise(_blocks(), n=4, m=4, grad_bytes=10**8, goodput=G, framework="jax")
+    table = format_summary(s)
+    assert "jax gloo pmean" in table and "redsrv.jax pmean over jax gloo pmean: 1.25x" in table
+    assert "DDP" not in table
+    assert s.as_dict()["framework"] == "jax"
 
 
 @pytest.mark.parametrize("change,message", [
@@ -188,7 +200,7 @@ def _cli(*args, timeout=60):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--framework", "jax"], "--framework jax (planned): only torch is implemented so far"),
+    (["--framework", "mxnet"], "--framework mxnet: implemented are torch, jax, tf"),
     (["--rate", "fast"], "bad rate 'fast'"),
     (["--workers", "1"], "at least 2 workers"),
 ])
@@ -218,3 +230,60 @@ def test_rounds_shared_with_other_processes_are_named():
     s = summarise(blocks, n=4, m=4, grad_bytes=10**8, goodput=G)
     assert s.other_load_rounds == [pytest.approx(0.0), pytest.approx(0.5)]
     assert "round 2: 50%" in format_summary(s) and "round 1:" not in format_summary(s)
+
+
+def test_jax_workers_get_one_device_and_one_thread():
+    from redsrv.bench.train_jax import XLA_THREAD_FLAGS, worker_env
+
+    env = worker_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_dump_to=/x", "PATH": "/bin"})
+    flags = env["XLA_FLAGS"].split()
+    assert "--xla_dump_to=/x" in flags and not any("device_count" in f for f in flags)
+    assert all(flags.count(f) == 1 for f in XLA_THREAD_FLAGS)
+    assert env["JAX_PLATFORMS"] == "cpu" and env["PATH"] == "/bin"
+    assert worker_env(env)["XLA_FLAGS"] == env["XLA_FLAGS"]  # idempotent
+
+
+def test_jax_model_starts_identically_at_torchs_scale():
+    import numpy as np
+
+    from redsrv.bench.train import init_params
+
+    a, b = init_params(np, 3, 64), init_params(np, 3, 64)
+    assert [p.shape for p in a] == [(64, 64), (64,)] * 3 and all(p.dtype == np.float32 for p in a)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    bound = 1 / np.sqrt(64)  # torch's nn.Linear default, for which LEARNING_RATE was chosen
+    assert max(float(np.abs(p).max()) for p in a) <= bound
+    assert max(float(np.abs(p).max()) for p in a) > 0.9 * bound
+    assert not np.array_equal(a[0], a[2])  # layers differ from each other
+
+
+def test_tf_workers_get_their_cluster_only_from_the_benchmark():
+    from redsrv.bench.train_tf import worker_env
+
+    env = worker_env({"TF_CONFIG": '{"cluster": {}}', "PATH": "/bin"})
+    assert "TF_CONFIG" not in env and env["PATH"] == "/bin" and env["TF_CPP_MIN_LOG_LEVEL"] == "2"
+    assert worker_env({"TF_CPP_MIN_LOG_LEVEL": "0"})["TF_CPP_MIN_LOG_LEVEL"] == "0"
+
+
+def test_tf_recorder_notes_what_the_strategy_sends_and_passes_through():
+    import numpy as np
+
+    from redsrv.bench.train_tf import _Recorder
+
+    recorder = _Recorder()
+    calls = []
+    host = recorder.wrap(lambda site, timeout, *arrays: calls.append((site, timeout, len(arrays))) or list(arrays))
+    a, b = np.zeros(5, np.float32), np.zeros(3, np.int32)
+    assert host("s", 1.0, a, b) == [a, b]
+    assert recorder.layout == [(5, "float32"), (3, "int32")] and calls == [("s", 1.0, 2)]
+    host("s", None, a)
+    assert recorder.layout == [(5, "float32")]
+
+
+@pytest.mark.parametrize("framework,key", [("torch", "ddp"), ("jax", "training"), ("tf", "training")])
+def test_result_file_says_how_each_framework_trains(framework, key):
+    setup = train._setup(Options(framework=framework))
+    assert list(setup) == [key]
+    assert setup[key]["learning_rate"] == train.LEARNING_RATE
+    if framework != "torch":
+        assert {"baseline", "redsrv", "optimizer"} <= set(setup[key])

@@ -1,0 +1,282 @@
+"""The TensorFlow worker of ``redsrv bench train --framework tf`` (the orchestration, timing rule
+and report are :mod:`redsrv.bench.train`'s).
+
+Every process is one worker with one CPU device. The model is the other workers': a Keras stack
+of square ``Dense`` layers (tanh between them) with the same initial values on every rank
+(:func:`redsrv.bench.train.init_params`), each rank its own generated batch, loss = sum of squared
+errors / batch / replicas (Keras's optimizer sums the gradients over the replicas, so this is the
+mean gradient, as DDP's), ``keras.optimizers.SGD``. A custom training loop, so that every step is
+timed on every rank after a barrier, as the torch worker does. The blocks:
+
+  gloo     TensorFlow's own cross-process all-reduce: ``MultiWorkerMirroredStrategy`` with
+           ``CommunicationImplementation.RING`` (its cluster: one ``worker`` task per rank, as
+           ``TF_CONFIG`` would give it)
+  hook     the same step under redsrv's ``ReductionServerStrategy``
+  raw      the client's allreduce_async of exactly the arrays the strategy's host call sent in
+           the last hook step (recorded as they pass, as the torch worker records DDP's buckets)
+  compute  the same step on a copy of the model outside any strategy: forward, backward, SGD, no
+           communication
+
+The barrier and the digest exchange of the identical-parameters check go through the redsrv
+client directly (not through either strategy), untimed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redsrv.bench import harness
+from redsrv.bench.train import LEARNING_RATE, RAW_RTOL, _raw_data, init_params
+
+__all__ = ["worker", "worker_env", "SETUP"]
+
+#: The result file's description of the step.
+SETUP = {"optimizer": "keras.optimizers.SGD", "learning_rate": LEARNING_RATE, "loop": "custom (strategy.run in a tf.function)",
+         "baseline": "tf.distribute.MultiWorkerMirroredStrategy, CommunicationImplementation.RING, one CPU device per worker",
+         "redsrv": "redsrv.tf.ReductionServerStrategy (one fused vector per dtype)"}
+
+
+def worker_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a TensorFlow worker: no TF_CONFIG from outside (each worker is given its cluster
+    explicitly), C++ INFO and WARNING lines kept out of the log."""
+    out = {k: v for k, v in env.items() if k != "TF_CONFIG"}
+    out.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return out
+
+
+def worker(spec: dict[str, Any]) -> int:
+    w = _TfWorker(spec)
+    try:
+        w.run()
+    finally:
+        w.close()
+    return 0
+
+
+def _digest(arrays: Sequence[Any]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+class _Recorder:
+    """Notes the sizes and dtypes of the arrays the strategy's host call sends; ``layout`` is the
+    last call's. Left on in every hook step (a list per call, microseconds)."""
+
+    def __init__(self) -> None:
+        self.layout: list[tuple[int, str]] = []
+
+    def wrap(self, host_allreduce: Callable[..., Any]) -> Callable[..., Any]:
+        def recording(site: str, timeout: float | None, *arrays: Any) -> Any:
+            self.layout = [(int(a.size), a.dtype.name) for a in arrays]
+            return host_allreduce(site, timeout, *arrays)
+
+        return recording
+
+
+class _TfWorker:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        import tensorflow as tf
+
+        import redsrv.tf
+
+        self.tf = tf
+        self.spec = spec
+        self.rank, self.n = spec["rank"], spec["world"]
+        self.timeout = spec["op_timeout"]
+        # One compute thread per op, as torch's set_num_threads(1); the inter-op pool stays, since
+        # the ring's collectives run concurrently with each other.
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        self.strategies: dict[str, Any] = {}
+        if "gloo" in spec["modes"]:
+            # Created first: MultiWorkerMirroredStrategy must configure the runtime before any op runs.
+            resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+                tf.train.ClusterSpec({"worker": spec["tf_workers"]}), task_type="worker", task_id=self.rank,
+                rpc_layer="grpc")
+            options = tf.distribute.experimental.CommunicationOptions(
+                implementation=tf.distribute.experimental.CommunicationImplementation.RING, timeout_seconds=self.timeout)
+            self.strategies["gloo"] = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver,
+                                                                               communication_options=options)
+        environ = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+        # Once MultiWorkerMirroredStrategy has made this process a task of its cluster, a
+        # MirroredStrategy on the default "/device:CPU:0" crashes TensorFlow (SIGSEGV while it
+        # builds its own fallback collectives): name this task's device in full.
+        devices = list(self.strategies["gloo"].extended.worker_devices) if self.strategies else None
+        self.redsrv = redsrv.tf.ReductionServerStrategy(spec["reducers"], num_workers=self.n, worker_index=self.rank,
+                                                        devices=devices, job=spec["job"], op_timeout=self.timeout,
+                                                        environ=environ)
+        self.strategies["hook"] = self.redsrv
+        self.client = self.redsrv.cross_device_ops.client
+        self.recorder = _Recorder()
+        ops = self.redsrv.cross_device_ops
+        ops._host_allreduce = self.recorder.wrap(ops._host_allreduce)  # looked up when the step is traced
+        self.raw_inputs: list[Any] = []
+        self.raw_expected: list[Any] = []
+        self._barriers = 0
+
+    def close(self) -> None:
+        self.redsrv.close()
+
+    def _model(self) -> Any:
+        import keras
+
+        layers, width = self.spec["layers"], self.spec["width"]
+        stack: list[Any] = [keras.Input((width,))]
+        for i in range(layers):
+            stack.append(keras.layers.Dense(width, activation="tanh" if i < layers - 1 else None))
+        model = keras.Sequential(stack)
+        # Keras keeps kernels as in x out: the transpose of torch's (and init_params') out x in.
+        model.set_weights([w.T if w.ndim == 2 else w for w in self.initial])
+        return model
+
+    def _build(self) -> None:
+        import keras
+        import numpy as np
+
+        tf, spec = self.tf, self.spec
+        self.np = np
+        self.initial = init_params(np, spec["layers"], spec["width"])
+        self.params = sum(p.size for p in self.initial)
+        rng = np.random.default_rng(1000 + self.rank)  # every rank its own data, as in data parallelism
+        self.x = tf.constant(rng.standard_normal((spec["batch"], spec["width"]), dtype=np.float32))
+        self.y = tf.constant(rng.standard_normal((spec["batch"], spec["width"]), dtype=np.float32))
+        self.models: dict[str, Any] = {}
+        self.steps: dict[str, Callable[[], Any]] = {}
+        for mode, strategy in self.strategies.items():
+            with strategy.scope():
+                model = self._model()
+                optimizer = keras.optimizers.SGD(LEARNING_RATE)
+            self.models[mode] = model
+            self.steps[mode] = self._step(strategy, model, optimizer, strategy.num_replicas_in_sync)
+        model = self._model()  # no strategy: the compute-only step
+        self.models["compute"] = model
+        self.steps["compute"] = self._step(None, model, keras.optimizers.SGD(LEARNING_RATE), 1)
+
+    def _step(self, strategy: Any, model: Any, optimizer: Any, replicas: int) -> Callable[[], Any]:
+        tf = self.tf
+        x, y, batch = self.x, self.y, self.spec["batch"]
+
+        def replica_step() -> Any:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(model(x, training=True) - y)) / (batch * replicas)
+            variables = model.trainable_variables
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))
+            return loss
+
+        @tf.function
+        def step() -> Any:
+            return replica_step() if strategy is None else strategy.run(replica_step)
+
+        return step
+
+    def run(self) -> None:
+        self._build()
+        harness.emit(event="ready")
+        harness.emit(event="model", params=self.params, grad_bytes=sum(p.nbytes for p in self.initial))
+        blocks = {"gloo": self._train_block, "hook": self._train_block, "raw": self._raw_block, "compute": self._compute_block}
+        for rnd in range(self.spec["rounds"]):
+            for mode in self.spec["modes"]:
+                harness.emit(event="block", round=rnd, mode=mode, **blocks[mode](mode, rnd))
+        harness.emit(event="done")
+
+    def _barrier(self) -> None:
+        self._barriers += 1
+        self.client.barrier(key=("bench-barrier", self._barriers), timeout=self.timeout)
+
+    def _timed(self, step: Callable[[int], None]) -> tuple[list[float], harness.CpuMeter]:
+        """Warm-up (the first step traces), then the timed steps, each after a barrier."""
+        meter = harness.CpuMeter(self.spec["reducer_pids"])
+        times: list[float] = []
+        for i in range(self.spec["warmup"] + self.spec["steps"]):
+            self._barrier()
+            timed = i >= self.spec["warmup"]
+            if timed:
+                meter.start()
+            t0 = time.perf_counter()
+            step(i)
+            elapsed = time.perf_counter() - t0
+            if timed:
+                meter.stop()
+                times.append(elapsed)
+        return times, meter
+
+    def _weights(self, mode: str) -> list[Any]:
+        """This worker's parameters as init_params lays them out (kernels back to out x in)."""
+        return [w.T if w.ndim == 2 else w for w in self.models[mode].get_weights()]
+
+    def _run_step(self, mode: str) -> None:
+        # Eager function calls return when the function has run (TensorFlow's default synchronous
+        # execution); reading the loss waits for it explicitly.
+        loss = self.steps[mode]()
+        for value in (self.strategies[mode].experimental_local_results(loss) if mode in self.strategies else [loss]):
+            value.numpy()
+
+    def _train_block(self, mode: str, rnd: int) -> dict[str, Any]:
+        times, meter = self._timed(lambda _i: self._run_step(mode))
+        if mode == "hook":
+            self.redsrv.check()
+        mine = self._weights(mode)
+        same = self._ranks_identical(mine)
+        check: dict[str, Any] = {"ranks_identical": same}
+        correct = same
+        if mode == "hook" and "gloo" in self.models:
+            check.update(self._hook_vs_gloo(mine))
+            correct = correct and check["match"]
+        return {"times": times, "correct": correct, "check": check, **meter.fields()}
+
+    def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
+        np = self.np
+        layout = self.recorder.layout
+        if [(a.size, a.dtype.name) for a in self.raw_inputs] != layout:
+            self.raw_inputs, self.raw_expected = [], []
+            for b, (numel, dtype) in enumerate(layout):
+                base, mean = _raw_data(np, numel, np.dtype(dtype), bucket=b, rank=self.rank, n=self.n)
+                self.raw_inputs.append(base)
+                self.raw_expected.append(mean)
+        results: list[Any] = []
+        client, wire = self.client, self.spec["wire_dtype"]
+
+        def step(i: int) -> None:
+            futures = [client.allreduce_async(a, op="mean", key=("raw", rnd, i, b), wire_dtype=wire, timeout=self.timeout)
+                       for b, a in enumerate(self.raw_inputs)]
+            results[:] = [client.wait(f, timeout=self.timeout) for f in futures]
+
+        times, meter = self._timed(step)
+        sizes_ok = sum(numel for numel, _ in layout) == self.params
+        values_ok = all(np.allclose(r, e, rtol=RAW_RTOL[wire], atol=0) for r, e in zip(results, self.raw_expected, strict=True))
+        return {"times": times, "correct": sizes_ok and values_ok, **meter.fields(), "buckets": layout,
+                "check": {"bucket_elements_equal_params": sizes_ok, "results_exact": values_ok}}
+
+    def _compute_block(self, mode: str, rnd: int) -> dict[str, Any]:
+        model = self.models["compute"]
+        model.set_weights(self.models["hook"].get_weights())  # start where the hook model is, every round
+
+        times, meter = self._timed(lambda _i: self._run_step("compute"))
+        return {"times": times, "correct": True, "check": {"separate_model": True}, **meter.fields()}
+
+    def _ranks_identical(self, params: Sequence[Any]) -> bool:
+        """Bit-identical models on every rank: each rank's digest, all-gathered by the client."""
+        from redsrv.core import collectives
+
+        np = self.np
+        self._barriers += 1
+        mine = np.frombuffer(bytes.fromhex(_digest(params)), dtype=np.uint8)
+        gathered = collectives.allgather(self.client, mine, key=("bench-digest", self._barriers), timeout=self.timeout)
+        return all(np.array_equal(g, mine) for g in gathered)
+
+    def _hook_vs_gloo(self, hook: Sequence[Any]) -> dict[str, Any]:
+        """As the torch worker's: largest |hook - gloo| over the largest distance the gloo model moved."""
+        np = self.np
+        diff = moved = 0.0
+        for ph, pg, p0 in zip(hook, self._weights("gloo"), self.initial, strict=True):
+            diff = max(diff, float(np.abs(ph - pg).max()))
+            moved = max(moved, float(np.abs(pg - p0).max()))
+        relative = diff / moved if moved else math.inf
+        tolerance = self.spec["tolerance"]
+        return {"hook_vs_gloo": relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
