@@ -78,7 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         "client's, 1024; 0 leaves it unset)")
     b.add_argument("--piece-kib", type=int, default=None, metavar="KIB",
                    help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default: the reducer's, "
-                        "128): a chunk's sum leaves in pieces of this size as they arrive; 0 sends whole chunks")
+                        "512): a chunk's sum leaves in pieces of this size as they arrive; 0 sends whole chunks")
     b.add_argument("--tcp-congestion", default=None, metavar="NAME",
                    help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
                         "client's, cubic); gloo keeps the system default")
