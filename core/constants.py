@@ -50,9 +50,9 @@ CHUNKS_PER_SPAN = 32
 #: n=m=4 at 1 Gbit/s, 64 MiB, same-run pair on 2026-11-24: 1.46x gloo at 0.956 of the line rate
 #: against 1.43x at 0.938 with whole chunks (n=2 0.98x against 0.96x), CPU per GB within the
 #: noise (docs/benchmarks/history.md, "2026-11-24, later: cut-through forwarding"). 512 KiB rather
-#: than 128 since 2026-11-25: six alternated pairs at n=m=4, 64 MiB, 1 Gbit/s spent 10-18% less
-#: CPU per GB (workers 1.55-2.15 s against 1.76-2.39) at the same or better speed (0.592-0.611 s
-#: against 0.585-0.654 s), 16 MiB unchanged within the noise; a piece's extra latency is 4 ms at
+#: than 128 since 2026-11-25: six alternated pairs at n=m=4, 64 MiB, 1 Gbit/s spent 6-18% less
+#: CPU per GB (workers 1.55-2.15 s against 1.76-2.39) at the same or better speed (0.592-0.642 s
+#: against 0.585-0.729 s), 16 MiB unchanged within the noise; a piece's extra latency is 4 ms at
 #: 1 Gbit/s, less on faster links (docs/performance.md, "Settings and what they cost").
 DEFAULT_RESULT_PIECE_BYTES = 512 * 1024
 
