@@ -10,7 +10,9 @@ with W and R the worker and reducer NIC bandwidths; D_w and D_r the bytes per se
 thread of the worker's client and of a reducer process moves each way (kernel copies and TCP
 included: a core's ceiling, not the network's); t the client's I/O threads (``REDSRV_IO_THREADS``:
 the plan recommends the smallest t with t·D_w >= W, at most one per worker core and one per
-reducer address, since a loop serves whole reducers); p the reducer processes per host (each one
+reducer address, since a loop serves whole reducers). The threads share one interpreter: the share
+g of a client's work that holds CPython's GIL runs one thread at a time, so t·D_w is capped at
+D_w/g whatever t (the worker term is G / min(W, min(t, 1/g)·D_w)); p the reducer processes per host (each one
 event loop on its own port: `redsrv reducer --processes p`, listed as ``host:P-Q``); c the cores
 per reducer host and S the bytes of contributions one core reduces per second. Above
 t·D_w the worker's CPU, not its NIC, limits it. The rule every vendor states and nobody
@@ -47,6 +49,14 @@ DEFAULT_IO_THREAD_GBPS = 2.44
 #: accelerators.
 DEFAULT_WORKER_CORES = 8
 
+#: Share of a worker client's CPU spent holding CPython's GIL (in the interpreter rather than in
+#: system calls and copies, which release it): ``perf record`` on a worker of the emulated
+#: cluster put 42% of its samples in the Python interpreter (docs/performance.md, "What limits
+#: it now"). That part runs one thread at a time, so one client process moves at most D_w / 0.42,
+#: about 2.4 I/O threads' worth, however many it has. A roofline, not a measured scaling: 0 for a
+#: free-threaded Python (``--gil-share 0``).
+CLIENT_GIL_SHARE = 0.42
+
 #: Bottleneck names, in the order ties are broken (the network first: a NIC at its line rate is
 #: the outcome the plan aims for).
 WORKER_NIC, WORKER_IO, REDUCER_NIC, REDUCER_IO, REDUCER_CPU = (
@@ -74,11 +84,13 @@ class Plan:
     reducer_io_gbps: float = DEFAULT_IO_THREAD_GBPS  # per reducer process, each way
     reducer_processes: int = 1  # per reducer host
     worker_cores: int = DEFAULT_WORKER_CORES
+    gil_share: float = CLIENT_GIL_SHARE
 
     @property
     def worker_path_gbps(self) -> float:
-        """GB/s the worker's client moves each way: its I/O threads, one core each at most."""
-        return min(self.worker_io_threads, self.worker_cores) * self.worker_io_gbps
+        """GB/s the worker's client moves each way: its I/O threads, one core each at most and
+        1/g threads' worth at most (the GIL)."""
+        return _worker_path(self.worker_io_threads, self.worker_cores, self.gil_share, self.worker_io_gbps)
 
     @property
     def worker_cpu_bound(self) -> bool:
@@ -90,7 +102,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
          worker_io_gbps: float = DEFAULT_IO_THREAD_GBPS, reducer_io_gbps: float = DEFAULT_IO_THREAD_GBPS,
          reducer_processes: int | None = None, reducers: int | None = None, worker_price: float | None = None,
          reducer_price: float | None = None, worker_cores: int = DEFAULT_WORKER_CORES,
-         io_threads: int | None = None) -> Plan:
+         io_threads: int | None = None, gil_share: float = CLIENT_GIL_SHARE) -> Plan:
     """Recommend reducer hosts, processes per host and the client's I/O threads (or evaluate
     ``reducers`` / ``reducer_processes`` / ``io_threads``) for ``workers`` workers.
 
@@ -99,7 +111,10 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     (8, 'worker NIC', 1.75, 1)
     >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32)
     >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers, p.reducer_processes, p.worker_io_threads
-    ('worker NIC', '100%', 8, 6, 6)
+    ('worker I/O thread (CPU)', '46%', 4, 6, 3)
+    >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, gil_share=0)
+    >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers, p.worker_io_threads
+    ('worker NIC', '100%', 8, 6)
     >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, io_threads=1)
     >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers
     ('worker I/O thread (CPU)', '20%', 2)
@@ -112,12 +127,16 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         raise ValueError("need at least one reducer and one reducer process per host")
     if worker_cores < 1 or (io_threads is not None and io_threads < 1):
         raise ValueError("need at least one worker core and one client I/O thread")
+    if not 0 <= gil_share <= 1:
+        raise ValueError(f"gil_share is a share of the client's CPU, in 0..1; got {gil_share}")
     w = worker_gbit / 8  # GB/s
     r = reducer_gbit / 8
-    # Enough client I/O threads to fill the worker's NIC, one core each at most.
-    enough_threads = min(worker_cores, max(1, math.ceil(w / worker_io_gbps - 1e-9)))
+    # Enough client I/O threads to fill the worker's NIC, one core each at most, and none past
+    # the GIL's cap (1/g threads' worth), where more add nothing.
+    gil_threads = math.ceil(1 / gil_share - 1e-9) if gil_share > 0 else worker_cores
+    enough_threads = min(worker_cores, gil_threads, max(1, math.ceil(w / worker_io_gbps - 1e-9)))
     t = io_threads if io_threads is not None else enough_threads
-    worker_path = min(t, worker_cores) * worker_io_gbps
+    worker_path = _worker_path(t, worker_cores, gil_share, worker_io_gbps)
     host_cpu = reducer_cores * core_gbps
     # Enough event loops to fill the NIC (or the cores' summing rate), one core each at most.
     enough_processes = min(reducer_cores, max(1, math.ceil(min(r, host_cpu) / reducer_io_gbps - 1e-9)))
@@ -128,7 +147,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     m = reducers if reducers is not None else max(1, math.ceil(workers * min(w, worker_path) / per_reducer - 1e-9))
     # A client loop serves whole reducers (core/client_io.py): no more loops than reducer addresses.
     t = min(t, m * p)
-    worker_path = min(t, worker_cores) * worker_io_gbps
+    worker_path = _worker_path(t, worker_cores, gil_share, worker_io_gbps)
     limits = {WORKER_NIC: w, WORKER_IO: worker_path, REDUCER_NIC: m * r / workers, REDUCER_IO: m * loops / workers,
               REDUCER_CPU: m * host_cpu / workers}
     bottleneck = min(limits, key=lambda k: limits[k])
@@ -140,6 +159,10 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
             lift = (f"set REDSRV_IO_THREADS={enough_threads}" if enough_threads <= m * p else
                     f"a client loop serves whole reducers: list at least {enough_threads} reducer addresses "
                     f"(redsrv reducer --processes) and set REDSRV_IO_THREADS={enough_threads}")
+        elif enough_threads == gil_threads < worker_cores:
+            lift = (f"the client's Python holds the GIL for about {gil_share:.0%} of its work, so one worker process "
+                    f"moves at most {worker_io_gbps / gil_share:.2f} GB/s whatever REDSRV_IO_THREADS: run several worker "
+                    f"processes per host (one per GPU), each planned with its share of the NIC")
         else:
             lift = f"one per core of its {worker_cores} already: only faster cores lift it, more reducers do not"
         warnings.append(
@@ -163,7 +186,14 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         cost = m * reducer_price / (workers * worker_price)
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
                 algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
-                worker_cores)
+                worker_cores, gil_share)
+
+
+def _worker_path(threads: int, cores: int, gil_share: float, per_thread: float) -> float:
+    """GB/s a client moves each way on ``threads`` I/O threads: one core each at most, and at
+    most 1/``gil_share`` threads' worth (the share that holds the GIL runs one at a time)."""
+    useful = min(threads, cores, 1 / gil_share if gil_share > 0 else cores)
+    return useful * per_thread
 
 
 def _listed(processes: int) -> str:
@@ -285,6 +315,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help=f"cores a worker's client I/O threads may use (default {DEFAULT_WORKER_CORES})")
     p.add_argument("--io-threads", type=int,
                    help="evaluate this many client I/O threads per worker (REDSRV_IO_THREADS) instead of recommending")
+    p.add_argument("--gil-share", type=float, default=CLIENT_GIL_SHARE,
+                   help=f"share of a client's CPU that holds the GIL, capping its I/O threads at 1/share threads' worth "
+                        f"(default {CLIENT_GIL_SHARE}; 0 for a free-threaded Python)")
     p.add_argument("--reducers", type=int, help="evaluate this many reducer hosts instead of recommending")
     p.add_argument("--reducer-processes", type=int,
                    help="evaluate this many `redsrv reducer` processes per reducer host instead of recommending")
@@ -328,7 +361,7 @@ def _main(args: argparse.Namespace) -> int:
              worker_io_gbps=worker_io or DEFAULT_IO_THREAD_GBPS, reducer_io_gbps=reducer_io or DEFAULT_IO_THREAD_GBPS,
              reducer_processes=args.reducer_processes, reducers=args.reducers,
              worker_price=args.worker_price, reducer_price=args.reducer_price, worker_cores=args.worker_cores,
-             io_threads=args.io_threads)
+             io_threads=args.io_threads, gil_share=args.gil_share)
     if args.json:
         print(json.dumps({**asdict(p), "worker_cpu_bound": p.worker_cpu_bound,
                           **({"measured": measured} if measured else {})}, indent=1))
@@ -337,7 +370,9 @@ def _main(args: argparse.Namespace) -> int:
     rows = [
         ("workers x NIC", f"{p.workers} x {p.worker_gbps:g} Gbit/s"),
         ("worker data path", f"{worker_path:.2f} GB/s each way = {worker_path * 8:.1f} Gbit/s "
-         f"({p.worker_io_threads} I/O thread(s) x {p.worker_io_gbps:.2f} GB/s: set REDSRV_IO_THREADS={p.worker_io_threads})"
+         f"({p.worker_io_threads} I/O thread(s) x {p.worker_io_gbps:.2f} GB/s"
+         + (f", capped by the GIL ({p.gil_share:.0%} of the work)" if p.worker_io_threads * p.gil_share > 1 else "")
+         + f": set REDSRV_IO_THREADS={p.worker_io_threads})"
          + ("  (recommended)" if args.io_threads is None else "")),
         ("reducers x NIC x cores", f"{p.reducers} x {p.reducer_gbps:g} Gbit/s x {p.reducer_cores}"
          + ("  (recommended)" if args.reducers is None else "")),
