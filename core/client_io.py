@@ -95,7 +95,6 @@ class IOLoops:
     :meth:`start`."""
 
     def __init__(self, config: Config, ops: OpTable) -> None:
-        self.config = config
         self.stop = threading.Event()  # one for every loop: the client is closing
         self.streams: list[list[Stream]] = []
         count = max(1, min(config.io_threads, len(config.reducers)))  # a loop serves whole reducers
@@ -114,9 +113,6 @@ class IOLoops:
     @property
     def threads(self) -> list[threading.Thread]:
         return [loop.thread for loop in self.loops if loop.thread is not None]
-
-    def on_loop(self) -> bool:
-        return any(loop.on_loop() for loop in self.loops)
 
     def all_streams(self) -> list[Stream]:
         return [stream for streams in self.streams for stream in streams]
@@ -199,8 +195,8 @@ class IOLoop:
         return self.thread is threading.current_thread()
 
     def own_streams(self) -> list[Stream]:
-        streams = self.group.streams
-        return [stream for r in range(self.index, len(streams), len(self.group.loops)) for stream in streams[r]]
+        group = self.group
+        return [stream for r, streams in enumerate(group.streams) if group.owner(r) is self for stream in streams]
 
     def _run(self) -> None:
         selector = self.selector
