@@ -1,8 +1,13 @@
-"""``redsrv bench local``: loopback all-reduce throughput per size and reducer CPU per GB.
+"""``redsrv bench local``: loopback all-reduce throughput per size, and worker and reducer CPU per GB.
 
 Workers and reducers are processes on 127.0.0.1, so this measures the implementation's CPU
 efficiency (memory copies on shared cores), not a network speed-up: use it as a quick
 regression check. Comparisons with ring all-reduce belong on an emulated network.
+
+CPU per GB divides CPU seconds by the GB reduced (each worker's buffer size x workers x reps):
+the reducers' column is their processes' CPU, the workers' column all worker processes' CPU
+(each worker pushes its buffer once and pulls the result once per GB of its own). Both count
+only the timed repetitions.
 """
 
 from __future__ import annotations
@@ -25,16 +30,18 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     b = subparsers.add_parser(
-        "local", help="loopback throughput per size and reducer CPU per GB (quick regression check)",
+        "local", help="loopback throughput per size, worker and reducer CPU per GB (quick regression check)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     b.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
     b.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="sizes in MiB (default 1 4 16 64 256)")
     b.add_argument("--reps", type=int, default=5, help="timed repetitions per size (default 5, after 2 warm-ups)")
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress float32 on the wire")
+    b.add_argument("--io-threads", type=int, default=None,
+                   help="each worker's client I/O threads (default: REDSRV_IO_THREADS, else 1)")
     b.add_argument("--json", help="write every rep to this JSON file")
     b.set_defaults(func=lambda a: run_local_bench(workers=a.workers, reducers=a.reducers, sizes_mib=a.sizes, reps=a.reps,
-                                                  wire_dtype=a.wire_dtype, json_path=a.json))
+                                                  wire_dtype=a.wire_dtype, json_path=a.json, io_threads=a.io_threads))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -48,8 +55,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps: int, wire_dtype: str | None,
-                    json_path: str | None, warmup: int = 2) -> int:
-    print(f"redsrv bench local: {workers} workers, {reducers} reducers on 127.0.0.1, float32"
+                    json_path: str | None, warmup: int = 2, io_threads: int | None = None) -> int:
+    from redsrv import Config
+
+    threads = Config.from_env(io_threads=io_threads).io_threads  # the flag, else REDSRV_IO_THREADS, validated
+    print(f"redsrv bench local: {workers} workers ({threads} I/O thread(s) each), {reducers} reducers on 127.0.0.1, float32"
           + (f" ({wire_dtype} on the wire)" if wire_dtype else "") + f", {reps} reps after {warmup} warm-ups", flush=True)
     print("  loopback measures CPU efficiency, not network speed-ups (see `redsrv bench emulate`)", flush=True)
     fleet = start_reducers(reducers)
@@ -58,12 +68,13 @@ def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps
     try:
         with tempfile.TemporaryDirectory(prefix="redsrv-bench-") as tmp:
             outs = [os.path.join(tmp, f"rank{r}.json") for r in range(workers)]
-            spec = {"sizes": sizes_mib, "reps": reps, "warmup": warmup, "wire_dtype": wire_dtype}
+            spec = {"sizes": sizes_mib, "reps": reps, "warmup": warmup, "wire_dtype": wire_dtype, "io_threads": threads}
             for r in range(workers):
                 procs.append(subprocess.Popen([
                     sys.executable, "-m", "redsrv.bench.local", "worker", json.dumps(spec), str(r), str(workers),
                     ",".join(fleet.addresses), outs[r], ",".join(str(p.pid) for p in fleet.procs)]))
-            print(f"  {'size':>9} {'median':>10} {'min':>9} {'max':>9} {'algbw GB/s':>11} {'reducer CPU s/GB':>17}")
+            print(f"  {'size':>9} {'median':>10} {'min':>9} {'max':>9} {'algbw GB/s':>11} {'reducer CPU s/GB':>17} "
+                  f"{'worker CPU s/GB':>16}")
             for p in procs:
                 p.wait(timeout=600)
             if any(p.returncode for p in procs):
@@ -76,17 +87,20 @@ def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps
             for i, size in enumerate(sizes_mib):
                 times = [max(rep["sizes"][i]["times"][k] for rep in reports) for k in range(reps)]
                 cpu = reports[0]["sizes"][i]["reducer_cpu"]  # only rank 0 measures the reducers
+                worker_cpu = sum(rep["sizes"][i]["worker_cpu"] for rep in reports)
                 nbytes = int(size * 2**20) // 4 * 4
                 reduced_gb = nbytes * workers * reps / 1e9
                 median = statistics.median(times)
                 row = {"size_bytes": nbytes, "times": times, "median_s": median, "algbw_gbps": nbytes / median / 1e9,
-                       "reducer_cpu_s_per_gb": cpu / reduced_gb if reduced_gb else 0.0}
+                       "reducer_cpu_s_per_gb": cpu / reduced_gb if reduced_gb else 0.0,
+                       "worker_cpu_s_per_gb": worker_cpu / reduced_gb if reduced_gb else 0.0}
                 rows.append(row)
                 print(f"  {size:>7.1f}Mi {median * 1000:>8.2f}ms {min(times) * 1000:>7.2f}ms {max(times) * 1000:>7.2f}ms "
-                      f"{row['algbw_gbps']:>11.3f} {row['reducer_cpu_s_per_gb']:>17.3f}")
+                      f"{row['algbw_gbps']:>11.3f} {row['reducer_cpu_s_per_gb']:>17.3f} {row['worker_cpu_s_per_gb']:>16.3f}")
         if json_path:
             with open(json_path, "w") as f:
-                json.dump({"workers": workers, "reducers": reducers, "wire_dtype": wire_dtype, "rows": rows}, f, indent=1)
+                json.dump({"workers": workers, "reducers": reducers, "io_threads": threads, "wire_dtype": wire_dtype,
+                           "rows": rows}, f, indent=1)
             print(f"  wrote {json_path}")
         return 0
     finally:
@@ -100,7 +114,8 @@ def _worker(spec_json: str, rank: str, world: str, reducers: str, out: str, redu
     spec = json.loads(spec_json)
     r, n = int(rank), int(world)
     result: dict = {"sizes": []}  # type: ignore[type-arg]
-    with redsrv.Client(reducers.split(","), rank=r, world_size=n, job="bench-local", wire_dtype=spec["wire_dtype"]) as client:
+    with redsrv.Client(reducers.split(","), rank=r, world_size=n, job="bench-local", wire_dtype=spec["wire_dtype"],
+                       io_threads=spec["io_threads"]) as client:
         # Rank 0 reads the reducers' CPU time around the timed loop (all ranks are in lockstep).
         reducer_pids = [int(p) for p in reducer_pids_csv.split(",")] if r == 0 else []
         for size in spec["sizes"]:
@@ -111,17 +126,25 @@ def _worker(spec_json: str, rank: str, world: str, reducers: str, out: str, redu
                 client.barrier()
                 client.allreduce(x)
             cpu_before = sum(cpu_seconds(p) for p in reducer_pids)
+            own_before = _own_cpu_seconds()
             for _ in range(spec["reps"]):
                 client.barrier()
                 start = time.perf_counter()
                 client.allreduce(x)
                 times.append(time.perf_counter() - start)
             client.barrier()
+            own = _own_cpu_seconds() - own_before
             cpu = sum(cpu_seconds(p) for p in reducer_pids) - cpu_before
-            result["sizes"].append({"size": size, "times": times, "reducer_cpu": cpu})
+            result["sizes"].append({"size": size, "times": times, "reducer_cpu": cpu, "worker_cpu": own})
     with open(out, "w") as f:
         json.dump(result, f)
     return 0
+
+
+def _own_cpu_seconds() -> float:
+    """User + system CPU seconds of this process, every thread (the client's I/O loops included)."""
+    t = os.times()
+    return t.user + t.system
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ the slowest of the worker's NIC and data path, and the reducer hosts' NIC, data 
 
 with W and R the worker and reducer NIC bandwidths; D_w and D_r the bytes per second one I/O
 thread of the worker's client and of a reducer process moves each way (kernel copies and TCP
-included: a core's ceiling, not the network's); t the client's I/O threads (one today); p the
-reducer processes per host (each one event loop on its own port: `redsrv reducer --processes p`,
-listed as ``host:P-Q``);
-c the cores per reducer host and S the bytes of contributions one core reduces per second. Above
+included: a core's ceiling, not the network's); t the client's I/O threads (``REDSRV_IO_THREADS``:
+the plan recommends the smallest t with t·D_w >= W, at most one per worker core and one per
+reducer address, since a loop serves whole reducers). The threads share one interpreter: the share
+g of a client's work that holds CPython's GIL runs one thread at a time, so t·D_w is capped at
+D_w/g whatever t (the worker term is G / min(W, min(t, 1/g)·D_w)); p the reducer processes per host (each one
+event loop on its own port: `redsrv reducer --processes p`, listed as ``host:P-Q``); c the cores
+per reducer host and S the bytes of contributions one core reduces per second. Above
 t·D_w the worker's CPU, not its NIC, limits it. The rule every vendor states and nobody
 automates: aggregate reducer bandwidth m·R must reach aggregate worker bandwidth n·W, or the
 reducers become the bottleneck. The ring figure assumes ring all-reduce reaches the worker line
@@ -41,9 +44,18 @@ DEFAULT_CORE_GBPS = 0.85
 #: each may do better, and a busy one worse: `redsrv plan --measure` reads it on yours.
 DEFAULT_IO_THREAD_GBPS = 2.44
 
-#: The worker's client moves all its bytes on one I/O thread (``core/client_io.py``: one selector
-#: loop per client). There is no setting for more yet.
-CLIENT_IO_THREADS = 1
+#: Cores of a worker host the plan lets the client's I/O threads use when not told
+#: (``--worker-cores``): one thread per core at most, and a training host's other cores feed its
+#: accelerators.
+DEFAULT_WORKER_CORES = 8
+
+#: Share of a worker client's CPU spent holding CPython's GIL (in the interpreter rather than in
+#: system calls and copies, which release it): ``perf record`` on a worker of the emulated
+#: cluster put 42% of its samples in the Python interpreter (docs/performance.md, "What limits
+#: it now"). That part runs one thread at a time, so one client process moves at most D_w / 0.42,
+#: about 2.4 I/O threads' worth, however many it has. A roofline, not a measured scaling: 0 for a
+#: free-threaded Python (``--gil-share 0``).
+CLIENT_GIL_SHARE = 0.42
 
 #: Bottleneck names, in the order ties are broken (the network first: a NIC at its line rate is
 #: the outcome the plan aims for).
@@ -68,29 +80,44 @@ class Plan:
     warnings: tuple[str, ...]
     reducer_cost_fraction: float | None
     worker_io_gbps: float = DEFAULT_IO_THREAD_GBPS  # per I/O thread, each way
-    worker_io_threads: int = CLIENT_IO_THREADS
+    worker_io_threads: int = 1  # REDSRV_IO_THREADS
     reducer_io_gbps: float = DEFAULT_IO_THREAD_GBPS  # per reducer process, each way
     reducer_processes: int = 1  # per reducer host
+    worker_cores: int = DEFAULT_WORKER_CORES
+    gil_share: float = CLIENT_GIL_SHARE
+
+    @property
+    def worker_path_gbps(self) -> float:
+        """GB/s the worker's client moves each way: its I/O threads, one core each at most and
+        1/g threads' worth at most (the GIL)."""
+        return _worker_path(self.worker_io_threads, self.worker_cores, self.gil_share, self.worker_io_gbps)
 
     @property
     def worker_cpu_bound(self) -> bool:
         """The worker's own data path, not its NIC, caps it."""
-        return self.worker_io_threads * self.worker_io_gbps < self.worker_gbps / 8
+        return self.worker_path_gbps < self.worker_gbps / 8
 
 
 def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores: int, core_gbps: float = DEFAULT_CORE_GBPS,
          worker_io_gbps: float = DEFAULT_IO_THREAD_GBPS, reducer_io_gbps: float = DEFAULT_IO_THREAD_GBPS,
          reducer_processes: int | None = None, reducers: int | None = None, worker_price: float | None = None,
-         reducer_price: float | None = None) -> Plan:
-    """Recommend reducer hosts and processes per host (or evaluate ``reducers`` /
-    ``reducer_processes``) for ``workers`` workers.
+         reducer_price: float | None = None, worker_cores: int = DEFAULT_WORKER_CORES,
+         io_threads: int | None = None, gil_share: float = CLIENT_GIL_SHARE) -> Plan:
+    """Recommend reducer hosts, processes per host and the client's I/O threads (or evaluate
+    ``reducers`` / ``reducer_processes`` / ``io_threads``) for ``workers`` workers.
 
     >>> p = plan(workers=8, worker_gbit=10, reducer_gbit=10, reducer_cores=32)
-    >>> p.reducers, p.bottleneck, round(p.speedup, 2)
-    (8, 'worker NIC', 1.75)
+    >>> p.reducers, p.bottleneck, round(p.speedup, 2), p.worker_io_threads
+    (8, 'worker NIC', 1.75, 1)
     >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32)
-    >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers, p.reducer_processes
-    ('worker I/O thread (CPU)', '20%', 2, 6)
+    >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers, p.reducer_processes, p.worker_io_threads
+    ('worker I/O thread (CPU)', '46%', 4, 6, 3)
+    >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, gil_share=0)
+    >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers, p.worker_io_threads
+    ('worker NIC', '100%', 8, 6)
+    >>> p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, io_threads=1)
+    >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers
+    ('worker I/O thread (CPU)', '20%', 2)
     """
     if workers < 2 or worker_gbit <= 0 or reducer_gbit <= 0 or reducer_cores < 1 or core_gbps <= 0:
         raise ValueError("need workers >= 2 and positive bandwidths, cores and core throughput")
@@ -98,9 +125,18 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         raise ValueError("need positive data-path ceilings (GB/s per I/O thread)")
     if (reducer_processes is not None and reducer_processes < 1) or (reducers is not None and reducers < 1):
         raise ValueError("need at least one reducer and one reducer process per host")
+    if worker_cores < 1 or (io_threads is not None and io_threads < 1):
+        raise ValueError("need at least one worker core and one client I/O thread")
+    if not 0 <= gil_share <= 1:
+        raise ValueError(f"gil_share is a share of the client's CPU, in 0..1; got {gil_share}")
     w = worker_gbit / 8  # GB/s
     r = reducer_gbit / 8
-    worker_path = CLIENT_IO_THREADS * worker_io_gbps
+    # Enough client I/O threads to fill the worker's NIC, one core each at most, and none past
+    # the GIL's cap (1/g threads' worth), where more add nothing.
+    gil_threads = math.ceil(1 / gil_share - 1e-9) if gil_share > 0 else worker_cores
+    enough_threads = min(worker_cores, gil_threads, max(1, math.ceil(w / worker_io_gbps - 1e-9)))
+    t = io_threads if io_threads is not None else enough_threads
+    worker_path = _worker_path(t, worker_cores, gil_share, worker_io_gbps)
     host_cpu = reducer_cores * core_gbps
     # Enough event loops to fill the NIC (or the cores' summing rate), one core each at most.
     enough_processes = min(reducer_cores, max(1, math.ceil(min(r, host_cpu) / reducer_io_gbps - 1e-9)))
@@ -109,6 +145,9 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     per_reducer = min(r, loops, host_cpu)  # what one reducer host takes in per second
     # No more reducers than the workers can feed: a CPU-bound worker sends below its line rate.
     m = reducers if reducers is not None else max(1, math.ceil(workers * min(w, worker_path) / per_reducer - 1e-9))
+    # A client loop serves whole reducers (core/client_io.py): no more loops than reducer addresses.
+    t = min(t, m * p)
+    worker_path = _worker_path(t, worker_cores, gil_share, worker_io_gbps)
     limits = {WORKER_NIC: w, WORKER_IO: worker_path, REDUCER_NIC: m * r / workers, REDUCER_IO: m * loops / workers,
               REDUCER_CPU: m * host_cpu / workers}
     bottleneck = min(limits, key=lambda k: limits[k])
@@ -116,11 +155,20 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     ring = w * workers / (2 * (workers - 1))
     warnings = []
     if worker_path < w:
+        if t < enough_threads:
+            lift = (f"set REDSRV_IO_THREADS={enough_threads}" if enough_threads <= m * p else
+                    f"a client loop serves whole reducers: list at least {enough_threads} reducer addresses "
+                    f"(redsrv reducer --processes) and set REDSRV_IO_THREADS={enough_threads}")
+        elif enough_threads == gil_threads < worker_cores:
+            lift = (f"the client's Python holds the GIL for about {gil_share:.0%} of its work, so one worker process "
+                    f"moves at most {worker_io_gbps / gil_share:.2f} GB/s whatever REDSRV_IO_THREADS: run several worker "
+                    f"processes per host (one per GPU), each planned with its share of the NIC")
+        else:
+            lift = f"one per core of its {worker_cores} already: only faster cores lift it, more reducers do not"
         warnings.append(
             f"a worker's client moves at most {worker_path:.2f} GB/s each way ({worker_path * 8:.1f} Gbit/s) on its "
-            f"{CLIENT_IO_THREADS} I/O thread: above that NIC speed the worker's CPU, not its {worker_gbit:g} Gbit/s NIC, "
-            f"is the bottleneck ({worker_path / w:.0%} of its line rate). The client has one I/O thread today; no setting "
-            f"gives it more, and more reducers do not help")
+            f"{t} I/O thread(s): above that NIC speed the worker's CPU, not its {worker_gbit:g} Gbit/s NIC, "
+            f"is the bottleneck ({worker_path / w:.0%} of its line rate): {lift}")
     if m * r < workers * min(w, worker_path):
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
                         f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck")
@@ -137,8 +185,15 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     if worker_price is not None and reducer_price is not None and worker_price > 0:
         cost = m * reducer_price / (workers * worker_price)
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
-                algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, CLIENT_IO_THREADS,
-                reducer_io_gbps, p)
+                algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
+                worker_cores, gil_share)
+
+
+def _worker_path(threads: int, cores: int, gil_share: float, per_thread: float) -> float:
+    """GB/s a client moves each way on ``threads`` I/O threads: one core each at most, and at
+    most 1/``gil_share`` threads' worth (the share that holds the GIL runs one at a time)."""
+    useful = min(threads, cores, 1 / gil_share if gil_share > 0 else cores)
+    return useful * per_thread
 
 
 def _listed(processes: int) -> str:
@@ -256,12 +311,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--worker-gbit", type=float, required=True, help="worker NIC bandwidth, Gbit/s")
     p.add_argument("--reducer-gbit", type=float, required=True, help="reducer NIC bandwidth, Gbit/s")
     p.add_argument("--reducer-cores", type=int, default=8, help="cores per reducer host (default 8)")
+    p.add_argument("--worker-cores", type=int, default=DEFAULT_WORKER_CORES,
+                   help=f"cores a worker's client I/O threads may use (default {DEFAULT_WORKER_CORES})")
+    p.add_argument("--io-threads", type=int,
+                   help="evaluate this many client I/O threads per worker (REDSRV_IO_THREADS) instead of recommending")
+    p.add_argument("--gil-share", type=float, default=CLIENT_GIL_SHARE,
+                   help=f"share of a client's CPU that holds the GIL, capping its I/O threads at 1/share threads' worth "
+                        f"(default {CLIENT_GIL_SHARE}; 0 for a free-threaded Python)")
     p.add_argument("--reducers", type=int, help="evaluate this many reducer hosts instead of recommending")
     p.add_argument("--reducer-processes", type=int,
                    help="evaluate this many `redsrv reducer` processes per reducer host instead of recommending")
     p.add_argument("--core-gbps", type=float, help=f"GB/s of contributions one core reduces (default {DEFAULT_CORE_GBPS})")
     p.add_argument("--worker-io-gbps", type=float,
-                   help=f"GB/s the worker's client I/O thread moves each way (default {DEFAULT_IO_THREAD_GBPS})")
+                   help=f"GB/s one of the worker's client I/O threads moves each way (default {DEFAULT_IO_THREAD_GBPS})")
     p.add_argument("--reducer-io-gbps", type=float,
                    help=f"GB/s one reducer process moves each way (default {DEFAULT_IO_THREAD_GBPS})")
     p.add_argument("--measure", action="store_true",
@@ -298,16 +360,20 @@ def _main(args: argparse.Namespace) -> int:
              reducer_cores=args.reducer_cores, core_gbps=core_gbps or DEFAULT_CORE_GBPS,
              worker_io_gbps=worker_io or DEFAULT_IO_THREAD_GBPS, reducer_io_gbps=reducer_io or DEFAULT_IO_THREAD_GBPS,
              reducer_processes=args.reducer_processes, reducers=args.reducers,
-             worker_price=args.worker_price, reducer_price=args.reducer_price)
+             worker_price=args.worker_price, reducer_price=args.reducer_price, worker_cores=args.worker_cores,
+             io_threads=args.io_threads, gil_share=args.gil_share)
     if args.json:
         print(json.dumps({**asdict(p), "worker_cpu_bound": p.worker_cpu_bound,
                           **({"measured": measured} if measured else {})}, indent=1))
         return 0
-    worker_path = p.worker_io_threads * p.worker_io_gbps
+    worker_path = p.worker_path_gbps
     rows = [
         ("workers x NIC", f"{p.workers} x {p.worker_gbps:g} Gbit/s"),
         ("worker data path", f"{worker_path:.2f} GB/s each way = {worker_path * 8:.1f} Gbit/s "
-         f"({p.worker_io_threads} I/O thread x {p.worker_io_gbps:.2f} GB/s)"),
+         f"({p.worker_io_threads} I/O thread(s) x {p.worker_io_gbps:.2f} GB/s"
+         + (f", capped by the GIL ({p.gil_share:.0%} of the work)" if p.worker_io_threads * p.gil_share > 1 else "")
+         + f": set REDSRV_IO_THREADS={p.worker_io_threads})"
+         + ("  (recommended)" if args.io_threads is None else "")),
         ("reducers x NIC x cores", f"{p.reducers} x {p.reducer_gbps:g} Gbit/s x {p.reducer_cores}"
          + ("  (recommended)" if args.reducers is None else "")),
         ("reducer processes per host", f"{p.reducer_processes} x {p.reducer_io_gbps:.2f} GB/s each way "

@@ -2,10 +2,11 @@
 
 ``Client.allreduce_async`` splits a flat array across the reducers (:mod:`chunker`), queues each
 chunk on the least-loaded stream to its reducer, and returns at once. The calling thread writes
-what each socket takes at once; one I/O loop per client (``selectors``) writes the rest as the
-sockets drain and pulls finished chunks straight into the result array, so both directions of
-the link stay busy. Operations are matched by key, never by arrival order; every one has a
-deadline, and the loop keeps them all.
+what each socket takes at once; the client's I/O loops (``selectors``; one by default,
+``REDSRV_IO_THREADS`` of them, each owning the streams of a fixed subset of the reducers) write
+the rest as the sockets drain and pull finished chunks straight into the result array, so both
+directions of the link stay busy. Operations are matched by key, never by arrival order; every
+one has a deadline, and the loops keep them all.
 
 The client is split by responsibility; :class:`Client` here is the facade (the public API,
 argument checks, keys) over:
@@ -14,36 +15,39 @@ argument checks, keys) over:
   thread that runs futures' done-callbacks (``Completions``);
 - :mod:`client_dispatch`: ``Dispatcher``, operations -> PUSH frames within the push windows;
 - :mod:`client_receive`: ``Receiver``, RESULT and ERROR frames -> finished or failed operations;
-- :mod:`client_io`: ``IOLoop``, the ``redsrv-io`` thread (selector, streams, writers, deadlines,
-  heartbeats and ACKs);
+- :mod:`client_io`: ``IOLoops``, the ``redsrv-io`` thread or threads (``IOLoop``: selector,
+  streams, writers, deadlines, heartbeats and ACKs);
 - :mod:`client_session`: ``Session``, connections, the handshake and recovery (the
   ``redsrv-reconnect`` thread).
 
-Threads: callers' threads submit and write what the sockets take at once; ``redsrv-io`` does all
-reading and the rest of the writing; ``redsrv-reconnect`` runs only while a reducer is lost;
+Threads: callers' threads submit and write what the sockets take at once; ``redsrv-io`` (with k
+loops ``redsrv-io-0`` .. ``redsrv-io-{k-1}``) does all reading and the rest of the writing, each
+loop for its own reducers; ``redsrv-reconnect`` runs only while a reducer is lost;
 ``redsrv-done`` (started at the first done-callback) runs done-callbacks, so no user code runs on
-the I/O loop.
+an I/O loop.
 
 The locking rule. Locks are taken only in this order, and a thread holding one never takes one
 listed before it::
 
     Dispatcher.lock  ->  IOLoop.lock  ->  OpTable.lock | Op.lock | Completions' condition
 
-- ``Dispatcher.lock`` (re-entrant): the pending chunks, every stream's push-window count
-  (``Stream.queued``), and the session's recovery state (``recovering``, ``reconnector``,
-  ``reconnected``, swaps of ``IOLoop.streams[r]``).
-- ``IOLoop.lock``: each stream's ``FrameWriter``, ``want_write`` and ``dead``, the loop's
-  ``wants_write`` list, and unregistering a stream from the selector.
+- ``Dispatcher.lock`` (re-entrant, one per client, shared by the loops): the pending chunks,
+  every stream's push-window count (``Stream.queued``), and the session's recovery state
+  (``recovering``, ``reconnector``, ``reconnected``, swaps of ``IOLoops.streams[r]``).
+- ``IOLoop.lock`` (one per loop; a thread holds at most one loop's lock at a time, so the
+  loops' locks need no order among themselves): each of its streams' ``FrameWriter``,
+  ``want_write`` and ``dead``, the loop's ``wants_write`` list, and unregistering a stream from
+  its selector.
 - The last three are leaves, held briefly, never two at once and never while calling out:
-  ``OpTable.lock`` the op table (key -> ``Op``), ``closed``, ``broken`` and the failure counts;
-  ``Op.lock`` one operation's outstanding chunks and contributor counts; the condition of
-  ``Completions`` its callback queue.
+  ``OpTable.lock`` the op table (key -> ``Op``), ``closed``, ``broken``, the completed and failure
+  counts; ``Op.lock`` one operation's outstanding chunks and contributor counts; the condition
+  of ``Completions`` its callback queue.
 
 Futures are settled and writers' ``done`` callbacks run with no lock held, except the
-dispatcher's (a chunk written inline re-enters it). Owned by the loop alone, no lock: the
-selector's registrations, each stream's ``FrameReader``, ``result`` and frame counts,
-``Op.received``, ``PendingPush.saved``. Byte and operation counters are updated without a lock
-(metrics only).
+dispatcher's (a chunk written inline re-enters it). Owned by one loop, no lock: its selector's
+registrations, each of its streams' ``FrameReader``, ``result`` and frame counts, the places
+``(reducer, chunk)`` of its reducers in ``Op.received``, ``PendingPush.saved``, its slot of the
+pulled-bytes counter. Other byte counters are updated without a lock (metrics only).
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ import numpy as np
 from . import chunker, wire
 from . import constants as C
 from .client_dispatch import Dispatcher
-from .client_io import IOLoop
+from .client_io import IOLoops
 from .client_ops import Completions, Contributors, Op, OpTable, PendingPush, ReduceFuture, label
 from .client_receive import Receiver
 from .client_session import Session
@@ -109,7 +113,7 @@ class Client:
         pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
         self._ops = OpTable()
         self._completions = Completions("redsrv-done")
-        self._io = IOLoop(config, self._ops)
+        self._io = IOLoops(config, self._ops)
         self._dispatcher = Dispatcher(config, self._io, self._timeline, pushed_at)
         self._receiver = Receiver(config, self._ops, self._timeline, pushed_at)
         self._session = Session(config, self._ops, self._io, self._dispatcher, self._receiver)
@@ -342,7 +346,7 @@ class Client:
         self._dispatcher.clear()
         self._io.close(deadline)
         self._session.close(deadline)
-        self._io.close_selector(on_loop=self._io.on_loop())
+        self._io.close_selectors()
         self._completions.close(max(0.0, deadline - time.monotonic()))
         if self._timeline is not None:
             try:

@@ -19,7 +19,7 @@ from .client_ops import Op, PendingPush, label
 from .timeline import Timeline
 
 if TYPE_CHECKING:
-    from .client_io import IOLoop, Stream
+    from .client_io import IOLoops, Stream
     from .client_session import Session
     from .config import Config
 
@@ -31,7 +31,7 @@ class Dispatcher:
     windows. :attr:`lock` is the client's outermost lock (see :mod:`client`); ``session`` is set
     by the client."""
 
-    def __init__(self, config: Config, io: IOLoop, timeline: Timeline | None,
+    def __init__(self, config: Config, io: IOLoops, timeline: Timeline | None,
                  pushed_at: dict[tuple[int, int, int], float]) -> None:
         self.config = config
         self.io = io

@@ -1,7 +1,10 @@
-"""The client's I/O loop: one ``selectors`` loop thread (``redsrv-io``) serves every stream to
-every reducer. It writes what callers' threads could not write at once, reads result frames
-(handing them to the :class:`~client_receive.Receiver`), keeps the deadlines, sends heartbeats and
-ACKs, and installs the streams the session's reconnect thread made.
+"""The client's I/O loops: ``REDSRV_IO_THREADS`` (k, default 1) ``selectors`` loop threads
+(``redsrv-io``, or ``redsrv-io-0`` .. ``redsrv-io-{k-1}``), each serving the streams of a fixed
+subset of the reducers (:meth:`IOLoops.owner`). A loop writes what callers' threads could not
+write at once, reads result frames (handing them to the :class:`~client_receive.Receiver`), keeps
+its streams' deadlines, sends their heartbeats and ACKs, and installs the streams the session's
+reconnect thread made for its reducers. One loop moves a few GB/s each way
+(docs/performance.md); more loops let one worker use more cores.
 
 See :mod:`client` for the locking rule.
 """
@@ -29,7 +32,7 @@ if TYPE_CHECKING:
     from .client_session import Session
     from .config import Config
 
-__all__ = ["Stream", "IOLoop", "shutdown"]
+__all__ = ["Stream", "IOLoop", "IOLoops", "shutdown"]
 
 log = logging.getLogger("redsrv.client")
 
@@ -39,14 +42,15 @@ _FRAMES_PER_TURN = 16
 
 
 class Stream:
-    """One connection to one reducer: its reader and writer (both driven by the I/O loop;
-    callers' threads may write too, under :attr:`IOLoop.lock`) and the result frame being
-    received."""
+    """One connection to one reducer: its reader and writer (both driven by the I/O loop that
+    owns the reducer, number ``loop``; callers' threads may write too, under that loop's
+    :attr:`IOLoop.lock`) and the result frame being received."""
 
     def __init__(self, receiver: Receiver, max_payload: int, reducer: int, index: int, sock: socket.socket,
-                 incarnation: int, heartbeat: float, now: float) -> None:
+                 incarnation: int, heartbeat: float, now: float, loop: int = 0) -> None:
         self.reducer = reducer
         self.index = index
+        self.loop = loop
         self.sock = sock
         self.peer = peer_name(sock)
         self.incarnation = incarnation
@@ -83,20 +87,90 @@ class Stream:
         return view
 
 
-class IOLoop:
-    """The selector, the streams (``streams[reducer]``: one list per reducer) and the loop thread.
-
-    :meth:`send_frame` may be called from any thread; everything else runs on the loop (or
-    before it starts). ``receiver`` and ``session`` are set by the client before :meth:`start`."""
+class IOLoops:
+    """The client's k I/O loops and the streams they serve (``streams[reducer]``: one list per
+    reducer, shared by the loops). Reducer r belongs to loop ``r % k`` for the client's life, its
+    reconnected streams included, so each stream has one loop thread that reads it, flushes it
+    and keeps its deadlines. ``receiver`` and ``session`` are set by the client before
+    :meth:`start`."""
 
     def __init__(self, config: Config, ops: OpTable) -> None:
-        self.config = config
-        self.ops = ops
+        self.stop = threading.Event()  # one for every loop: the client is closing
+        self.streams: list[list[Stream]] = []
+        count = max(1, min(config.io_threads, len(config.reducers)))  # a loop serves whole reducers
+        self.loops = [IOLoop(config, ops, self, i, "redsrv-io" if count == 1 else f"redsrv-io-{i}")
+                      for i in range(count)]
         self.receiver: Receiver
         self.session: Session
-        self.lock = threading.Lock()  # the streams' writers, want_write, dead, wants_write, unregistering
-        self.stop = threading.Event()
-        self.streams: list[list[Stream]] = []
+
+    def owner(self, reducer: int) -> IOLoop:
+        return self.loops[reducer % len(self.loops)]
+
+    def start(self) -> None:
+        for loop in self.loops:
+            loop.start()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return [loop.thread for loop in self.loops if loop.thread is not None]
+
+    def all_streams(self) -> list[Stream]:
+        return [stream for streams in self.streams for stream in streams]
+
+    def send_frame(self, stream: Stream, views: Any, done: Any) -> None:
+        """Write a frame to ``stream`` from any thread (see :meth:`IOLoop.send_frame`)."""
+        self.loops[stream.loop].send_frame(stream, views, done)
+
+    def set_events(self, stream: Stream, events: int) -> None:
+        """On the stream's loop only, or before the loops start."""
+        self.loops[stream.loop].set_events(stream, events)
+
+    def abandon(self, stream: Stream) -> None:
+        self.loops[stream.loop].abandon(stream)
+
+    def wake(self, reducer: int) -> None:
+        self.owner(reducer).waker.wake()
+
+    def shutdown_all(self) -> None:
+        for stream in self.all_streams():
+            shutdown(stream.sock)
+
+    def close(self, deadline: float) -> None:
+        """Stop every loop (waiting for each until ``deadline``, except the one this runs on) and
+        close every stream. The selectors stay open for :meth:`close_selectors`."""
+        self.stop.set()
+        for loop in self.loops:
+            with loop.lock:  # one loop's lock at a time: a thread never holds two (see client)
+                for stream in loop.own_streams():
+                    _say_goodbye(stream)
+        self.shutdown_all()
+        for loop in self.loops:
+            loop.join(deadline)
+        for stream in self.all_streams():
+            try:
+                stream.sock.close()
+            except OSError:
+                pass
+
+    def close_selectors(self) -> None:
+        for loop in self.loops:
+            loop.close_selector(on_loop=loop.on_loop())
+
+
+class IOLoop:
+    """One loop thread: its selector and waker, and the streams of the reducers it owns.
+
+    :meth:`send_frame` may be called from any thread; everything else runs on the loop (or
+    before it starts)."""
+
+    def __init__(self, config: Config, ops: OpTable, group: IOLoops, index: int, name: str) -> None:
+        self.config = config
+        self.ops = ops
+        self.group = group
+        self.index = index
+        self.name = name
+        self.lock = threading.Lock()  # its streams' writers, want_write, dead, wants_write, unregistering
+        self.stop = group.stop
         self.selector = selectors.DefaultSelector()
         self.waker = Waker()
         self.selector.register(self.waker.read_end, selectors.EVENT_READ, None)
@@ -105,15 +179,24 @@ class IOLoop:
         self.thread: threading.Thread | None = None
         self.teardown_on_loop = False
 
+    @property
+    def receiver(self) -> Receiver:
+        return self.group.receiver
+
+    @property
+    def session(self) -> Session:
+        return self.group.session
+
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="redsrv-io", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
         self.thread.start()
 
     def on_loop(self) -> bool:
         return self.thread is threading.current_thread()
 
-    def all_streams(self) -> list[Stream]:
-        return [stream for streams in self.streams for stream in streams]
+    def own_streams(self) -> list[Stream]:
+        group = self.group
+        return [stream for r, streams in enumerate(group.streams) if group.owner(r) is self for stream in streams]
 
     def _run(self) -> None:
         selector = self.selector
@@ -131,16 +214,16 @@ class IOLoop:
                 if self.wants_write:
                     self._watch_writes()
                 if self.session.reconnected:
-                    self.session.install_reconnected()
+                    self.session.install_reconnected(self)
                 if self.now >= next_tick:
                     next_tick = self.now + C.TICK_INTERVAL_S
                     self._tick()
         except Exception as exc:  # never let a bug leave a future unresolved
-            log.exception("the I/O loop of rank %d failed", self.config.rank)
+            log.exception("the I/O loop %s of rank %d failed", self.name, self.config.rank)
             self.session.fail(PeerError(f"internal error in the client's I/O loop: {exc!r}", job=self.config.job,
                                         rank=self.config.rank))
         finally:
-            for stream in self.all_streams():
+            for stream in self.own_streams():
                 self.abandon(stream)
             if self.teardown_on_loop:  # close() ran on this thread: the selector was left to us
                 self.close_selector()
@@ -160,11 +243,13 @@ class IOLoop:
             self.stream_broken(stream, ConnectionBroken("internal", f"internal error: {exc!r}"), direction)
 
     def _tick(self) -> None:
-        """Deadlines: operations, reducers that went silent or stopped reading, heartbeats."""
+        """Deadlines: operations (on loop 0: they span the reducers), its reducers that went
+        silent or stopped reading, heartbeats."""
         now = self.now
-        self.receiver.expire(now)
+        if self.index == 0:
+            self.receiver.expire(now)
         silent_for = self.config.heartbeat_timeout
-        for stream in self.all_streams():
+        for stream in self.own_streams():
             if stream.dead:
                 continue
             writer, reader = stream.writer, stream.reader
@@ -270,30 +355,15 @@ class IOLoop:
         for done in leftovers:
             done(False)
 
-    def shutdown_all(self) -> None:
-        for stream in self.all_streams():
-            shutdown(stream.sock)
-
-    def close(self, deadline: float) -> None:
-        """Stop the loop (waiting for it until ``deadline``) and close every stream and the selector."""
-        self.stop.set()
-        with self.lock:
-            for stream in self.all_streams():
-                _say_goodbye(stream)
-        self.shutdown_all()
-        loop = self.thread
-        on_loop = self.on_loop()
-        if loop is not None and not on_loop:
-            self.waker.wake()
-            loop.join(max(0.0, deadline - time.monotonic()))
-        elif loop is None:
-            for stream in self.all_streams():
+    def join(self, deadline: float) -> None:
+        """After :attr:`stop` is set: wait for the loop to end (not from the loop itself), or
+        abandon the streams of a loop that never started."""
+        if self.thread is None:
+            for stream in self.own_streams():
                 self.abandon(stream)
-        for stream in self.all_streams():
-            try:
-                stream.sock.close()
-            except OSError:
-                pass
+        elif not self.on_loop():
+            self.waker.wake()
+            self.thread.join(max(0.0, deadline - time.monotonic()))
 
     def close_selector(self, on_loop: bool = False) -> None:
         if on_loop:

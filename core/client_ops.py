@@ -129,8 +129,9 @@ class Op:
     max_count: int = 0
     all_ranks: int = -1  # intersection of contributor bitmaps
     lock: threading.Lock = field(default_factory=threading.Lock)
-    # Chunks whose result is arriving in pieces (cut-through), touched on the I/O loop only:
-    # (reducer, index) -> elements received so far, and when the first piece arrived.
+    # Chunks whose result is arriving in pieces (cut-through), each place touched only on the
+    # I/O loop that owns its reducer: (reducer, index) -> elements received so far, and when
+    # the first piece arrived.
     received: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     # What it takes to send each outstanding chunk again after a reconnect (R22).
     pushes: dict[tuple[int, int], PendingPush] = field(default_factory=dict)
@@ -163,7 +164,7 @@ class OpTable:
         self.closed = False
         self.broken: BaseException | None = None
         self.failed: dict[str, int] = {}  # operations failed, by error type, for metrics
-        self.completed = 0  # updated on the I/O loop only
+        self.completed = 0  # operations that finished with a result
 
     def get(self, key: int) -> Op | None:
         with self.lock:
@@ -182,11 +183,13 @@ class OpTable:
         return True
 
     def remove(self, op: Op) -> bool:
-        """Take ``op`` out of the table: True if it was still there (it has not failed meanwhile)."""
+        """Take ``op`` out of the table as completed: True if it was still there (it has not
+        failed meanwhile)."""
         with self.lock:
             if self.ops.get(op.key) is not op:
                 return False
             del self.ops[op.key]
+            self.completed += 1
             return True
 
     def fail(self, op: Op, error: BaseException) -> None:

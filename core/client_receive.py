@@ -1,6 +1,8 @@
 """The client's receive side: turns RESULT frames into finished chunks and finished operations,
 ERROR frames into typed errors, and expires operations past their deadline. Runs on the I/O
-loop (:mod:`client_io`), called by each stream's :class:`~transport.FrameReader`.
+loops (:mod:`client_io`), called by each stream's :class:`~transport.FrameReader` on the loop
+that owns the stream; with several loops, one operation's chunks may finish on several at once
+(each writes its own slice of the result and its own ``Op.received`` places).
 
 See :mod:`client` for the locking rule.
 """
@@ -82,7 +84,11 @@ class Receiver:
         self.pushed_at = pushed_at  # (key, reducer, chunk) -> push end, written by the dispatcher
         # Keep each result until every rank has it, for a reducer that restarts before they do.
         self.keep_copies = config.reconnect_window > 0 and config.mode is wire.StragglerMode.ALL
-        self.bytes_pulled = 0
+        self.pulled = [0] * config.io_threads  # result bytes by I/O loop: each slot has one writer, no lock
+
+    @property
+    def bytes_pulled(self) -> int:
+        return sum(self.pulled)
 
     def on_error(self, stream: Stream, frame: wire.Error) -> None:
         self._on_error_frame(stream, frame)
@@ -151,7 +157,7 @@ class Receiver:
             self._copy_piece(stream, incoming, target)
         if op.mean and contributors > 1:
             np.divide(target, contributors, out=target, casting="unsafe")
-        self.bytes_pulled += incoming.data_len
+        self.pulled[stream.loop] += incoming.data_len
         place = (stream.reducer, chunk_index)
         whole = incoming.stop == chunk.stop
         if whole:
@@ -187,7 +193,6 @@ class Receiver:
         if self.timeline is not None:
             self.timeline.span(f"allreduce {label(op.label)}", "operations", op.started, time.monotonic(),
                                bytes=op.out.nbytes, contributors=op.min_count)
-        self.ops.completed += 1
         op.future.contributors = Contributors(
             op.min_count, op.max_count, tuple(r for r in range(self.config.world_size) if op.all_ranks >> r & 1))
         # Wakes the waiters here; the future's done-callbacks run on the completion thread (ReduceFuture).

@@ -1,7 +1,8 @@
 """The client's session with the reducer fleet: connecting and the handshake, a broken client,
 and transparent recovery (RELIABILITY R22): when a connection to a reducer breaks, a reconnect
 thread (``redsrv-reconnect``, only while a reducer is lost) makes new streams within the
-reconnect window and the I/O loop installs them and resends what the reducer has not answered.
+reconnect window and the I/O loop that owns the reducer installs them and resends what the
+reducer has not answered.
 
 See :mod:`client` for the locking rule.
 """
@@ -21,7 +22,7 @@ import numpy as np
 
 from . import auth, wire
 from . import constants as C
-from .client_io import IOLoop, Stream, shutdown
+from .client_io import IOLoop, IOLoops, Stream, shutdown
 from .client_ops import OpTable, PendingPush
 from .errors import (
     AuthenticationError,
@@ -50,7 +51,7 @@ class Session:
     """Connections to every reducer and their recovery. ``recovering``, ``reconnector`` and
     ``reconnected`` are guarded by the dispatcher's lock, which also guards ``io.streams[r]`` swaps."""
 
-    def __init__(self, config: Config, ops: OpTable, io: IOLoop, dispatcher: Dispatcher, receiver: Receiver) -> None:
+    def __init__(self, config: Config, ops: OpTable, io: IOLoops, dispatcher: Dispatcher, receiver: Receiver) -> None:
         self.config = config
         self.ops = ops
         self.io = io
@@ -109,7 +110,7 @@ class Session:
             set_send_lowat(sock, cfg.send_lowat_bytes)
             sock.setblocking(False)
             stream = Stream(self.receiver, cfg.max_frame_payload, reducer, index, sock, incarnation, heartbeat,
-                            time.monotonic())
+                            time.monotonic(), loop=self.io.owner(reducer).index)
             if register:
                 self.io.set_events(stream, selectors.EVENT_READ)  # before the loop starts: no race
             return stream
@@ -262,20 +263,23 @@ class Session:
                         close_streams(streams)
                         return
                     self.reconnected.append((reducer, streams))
-                self.io.waker.wake()
+                self.io.wake(reducer)
                 backoff = C.CONNECT_BACKOFF_INITIAL_S
             stop.wait(backoff)
             backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
 
-    def install_reconnected(self) -> None:
-        """On the loop: serve the streams the reconnect thread made, and resend, in their
-        original order and ahead of newer work, the chunks of the reducer that are unanswered."""
+    def install_reconnected(self, loop: IOLoop) -> None:
+        """On ``loop``: serve the streams the reconnect thread made for the reducers it owns, and
+        resend, in their original order and ahead of newer work, the chunks of such a reducer
+        that are unanswered."""
         io, dispatcher = self.io, self.dispatcher
         while True:
             with dispatcher.lock:
-                if not self.reconnected:
+                mine = next((entry for entry in self.reconnected if io.owner(entry[0]) is loop), None)
+                if mine is None:
                     return
-                reducer, streams = self.reconnected.popleft()
+                self.reconnected.remove(mine)
+                reducer, streams = mine
                 old = io.streams[reducer]
                 io.streams[reducer] = streams
             for stream in old:

@@ -281,6 +281,7 @@ class Config:
     chunk_bytes: int = C.DEFAULT_CHUNK_BYTES
     chunks_per_span: int = C.CHUNKS_PER_SPAN
     streams_per_reducer: int = C.DEFAULT_STREAMS_PER_REDUCER
+    io_threads: int = C.DEFAULT_IO_THREADS  # client I/O loops; reducer r's streams are on loop r % io_threads
     push_window_chunks: int = C.DEFAULT_PUSH_WINDOW_CHUNKS
     send_lowat_bytes: int = C.DEFAULT_SEND_LOWAT_BYTES
     tcp_congestion: str | None = C.DEFAULT_TCP_CONGESTION  # None: the system default
@@ -336,6 +337,8 @@ class Config:
             object.__setattr__(self, "tcp_congestion", congestion_setting(self.tcp_congestion))
         if self.streams_per_reducer > 64:
             raise ConfigError(f"streams_per_reducer must be <= 64, got {self.streams_per_reducer}")
+        if not 1 <= self.io_threads <= C.MAX_IO_THREADS:
+            raise ConfigError(f"io_threads (REDSRV_IO_THREADS) must be in 1..{C.MAX_IO_THREADS}, got {self.io_threads}")
 
     @property
     def mode(self) -> StragglerMode:

@@ -81,6 +81,15 @@ RAMP_FIRST_CHUNK_BYTES = 64 * 1024
 #: cannot fill a link.
 DEFAULT_STREAMS_PER_REDUCER = 1
 
+#: I/O loop threads per client (``REDSRV_IO_THREADS``), each serving the streams of every k-th
+#: reducer. One moves a few GB/s each way on one core (docs/performance.md), more than a 10 or
+#: 25 Gbit/s NIC; a faster NIC needs more (``redsrv plan`` says how many). One is also the
+#: cheapest: each loop is a thread with its own selector and wake-ups.
+DEFAULT_IO_THREADS = 1
+#: More loops than this is more likely a typo than a plan (a loop serves whole reducers, and a
+#: worker talks to at most a few dozen).
+MAX_IO_THREADS = 64
+
 #: TCP congestion control of every data connection (worker and reducer side), where the system
 #: allows it; ``None`` keeps the system default. Each link of a reduction server carries one flow
 #: per peer (four per link at n=m=4), each crossing two shared bottlenecks, and the flows pause

@@ -94,6 +94,7 @@ def main() -> int:
         client = redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"],
                                **spec.get("config", {}))
         report["connected_at"] = time.time()
+        report["io_threads"] = sorted(t.name for t in client._io.threads)
         if spec.get("loop_until_error"):
             x = make_input(1, spec["rank"], spec.get("loop_size", 1000), "float32")
             original = x.copy()

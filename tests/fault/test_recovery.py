@@ -86,9 +86,10 @@ class Training:
         assert not any(t.is_alive() for t in self.threads), "a rank hung"
 
 
-def train_through(procs, fault: Callable[[list], None], job: str, steps: int = 30) -> Training:  # type: ignore[no-untyped-def]
+def train_through(procs, fault: Callable[[list], None], job: str, steps: int = 30,  # type: ignore[no-untyped-def]
+                  config: dict[str, float] | None = None) -> Training:
     reducers = [procs.start_reducer() for _ in range(2)]
-    training = Training([r.address for r in reducers], steps, RECOVERING, job)
+    training = Training([r.address for r in reducers], steps, {**RECOVERING, **(config or {})}, job)
     training.start()
     assert training.reached[4].wait(60), "training did not get going"
     fault(reducers)
@@ -96,13 +97,17 @@ def train_through(procs, fault: Callable[[list], None], job: str, steps: int = 3
     return training
 
 
-def test_a_reducer_killed_and_restarted_on_its_address_costs_no_step_and_no_wrong_sum(procs) -> None:  # type: ignore[no-untyped-def]
+# With two I/O loops the killed reducer is the second's (reducer r is on loop r % 2): its streams
+# are reinstalled there while loop 0 keeps the other reducer's and the operation deadlines.
+@pytest.mark.parametrize(("io_threads", "victim"), [(1, 0), (2, 1)], ids=["one-loop", "two-loops"])
+def test_a_reducer_killed_and_restarted_on_its_address_costs_no_step_and_no_wrong_sum(  # type: ignore[no-untyped-def]
+        procs, io_threads: int, victim: int) -> None:
     def kill_and_restart(reducers: list) -> None:  # type: ignore[type-arg]
-        reducers[0].signal(signal.SIGKILL)
-        reducers[0].proc.wait(10)
-        procs.restart_reducer(reducers[0])
+        reducers[victim].signal(signal.SIGKILL)
+        reducers[victim].proc.wait(10)
+        procs.restart_reducer(reducers[victim])
 
-    training = train_through(procs, kill_and_restart, "killed")
+    training = train_through(procs, kill_and_restart, "killed", config={"io_threads": io_threads})
     assert training.errors == [] and training.wrong == []
     assert all(len(training.step_seconds[s]) == WORLD for s in range(training.steps))
 

@@ -31,6 +31,24 @@ def test_float32_sums_are_bitwise_the_rank_order_sum(fleet, workers, n: int, m: 
             assert results[rank][f"r{i}"].tobytes() == expected.tobytes(), (size, rank)
 
 
+@pytest.mark.parametrize("io_threads", [1, 2, 3])
+def test_sums_stay_the_rank_order_sum_whatever_the_number_of_io_threads(fleet, workers, io_threads: int) -> None:  # type: ignore[no-untyped-def]
+    n, sizes = 3, [1, 300_007, 3_000_001]
+    env = {"REDSRV_IO_THREADS": str(io_threads), "REDSRV_STREAMS_PER_REDUCER": "2"}
+    spec = ops(*({"size": s, "seed": 20 + i} for i, s in enumerate(sizes)), {"size": sizes[1], "seed": 30, "op": "mean"})
+    results, reports = workers(fleet(3), n, spec, env=env).wait()
+    assert all(r["error"] is None for r in reports), reports
+    loops = ["redsrv-io"] if io_threads == 1 else [f"redsrv-io-{i}" for i in range(io_threads)]
+    assert all(r["io_threads"] == loops for r in reports), reports
+    for i, size in enumerate(sizes):
+        expected = rank_order_sum([make_input(20 + i, r, size, "float32") for r in range(n)])
+        for rank in range(n):
+            assert results[rank][f"r{i}"].tobytes() == expected.tobytes(), (size, rank)
+    mean = rank_order_sum([make_input(30, r, sizes[1], "float32") for r in range(n)]) / n
+    for rank in range(n):
+        assert results[rank][f"r{len(sizes)}"].tobytes() == mean.tobytes(), rank
+
+
 def test_tens_of_mib(fleet, workers) -> None:  # type: ignore[no-untyped-def]
     size = 24 * 2**20 // 4
     results, reports = workers(fleet(2), 2, ops({"size": size, "seed": 7})).wait()

@@ -1,5 +1,6 @@
-"""The client serves every stream from one I/O loop: many reducers and streams cost a worker one
-thread, and a bug in that loop fails the operations in flight instead of leaving them to hang."""
+"""The client serves every stream from one I/O loop (or ``REDSRV_IO_THREADS`` of them): many
+reducers and streams cost a worker one thread, and a bug in that loop fails the operations in
+flight instead of leaving them to hang."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _client_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name == "redsrv-io")
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("redsrv-io"))
 
 
 def test_many_reducers_and_streams_cost_a_worker_one_thread() -> None:
@@ -37,6 +38,38 @@ def test_many_reducers_and_streams_cost_a_worker_one_thread() -> None:
             while threading.active_count() > before + 2 and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert threading.active_count() == before + 2
+        assert _client_threads() == []
+    finally:
+        for d in daemons:
+            d.stop()
+
+
+@pytest.mark.parametrize("io_threads", [2, 3])
+def test_k_io_threads_each_serve_their_reducers_and_close_ends_them_all(io_threads: int) -> None:
+    daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(4)]
+    addresses = [f"{host}:{port}" for host, port in (d.start() for d in daemons)]
+    names = [f"redsrv-io-{i}" for i in range(io_threads)]
+    try:
+        with redsrv.Client(addresses, rank=0, world_size=2, job="k-loops", streams_per_reducer=2, io_threads=io_threads) as a, \
+             redsrv.Client(addresses, rank=1, world_size=2, job="k-loops", streams_per_reducer=2, io_threads=io_threads) as b:
+            assert _client_threads() == sorted(names * 2)
+            for client in (a, b):  # reducer r's streams are registered with loop r % k and no other
+                for r, streams in enumerate(client._streams):
+                    for i, loop in enumerate(client._io.loops):
+                        registered = {key.fileobj for key in loop.selector.get_map().values()}
+                        assert all((s.sock in registered) == (i == r % io_threads) for s in streams), (r, i)
+            for step in range(3):
+                x = np.arange(2_000_000, dtype=np.float32) + step
+                fa, fb = a.allreduce_async(x, key=step), b.allreduce_async(x * 2, key=step)
+                assert np.array_equal(a.wait(fa), x * 3)
+                assert np.array_equal(b.wait(fb), x * 3)
+            assert a.bytes_pulled == b.bytes_pulled == 3 * x.nbytes
+            assert a.ops_completed == b.ops_completed == 3
+        assert _client_threads() == []
+        # More loops than reducers: the extra ones would serve nothing, so they are not started.
+        with redsrv.Client(addresses[:1], rank=0, world_size=1, job="k-one", io_threads=io_threads) as c:
+            assert _client_threads() == ["redsrv-io"]
+            assert np.array_equal(c.allreduce(np.ones(10, np.float32)), np.ones(10, np.float32))
         assert _client_threads() == []
     finally:
         for d in daemons:
@@ -111,8 +144,8 @@ def test_done_callbacks_run_in_completion_order_on_a_thread_that_is_not_the_io_l
                 assert np.array_equal(partner.allreduce(x, key=step, timeout=10), x * 2)
                 assert np.array_equal(client.wait(future, timeout=10), x * 2)
             assert all_ran.wait(10), f"callbacks ran for {[s for s, _ in ran]} only"
-            loop = client._io.thread
-            assert loop is not None and loop.name == "redsrv-io"
+            [loop] = client._io.threads
+            assert loop.name == "redsrv-io"
             assert [step for step, _ in ran] == list(range(5))
             assert all(thread is not loop for _, thread in ran), [thread.name for _, thread in ran]
             assert {thread.name for _, thread in ran} == {"redsrv-done"}

@@ -98,11 +98,20 @@ def test_config_is_frozen() -> None:
         ({"REDSRV_CHUNK_BYTES": "0"}, "chunk_bytes must be >= 1"),
         ({"REDSRV_CHUNKS_PER_SPAN": "0"}, "chunks_per_span must be >= 1"),
         ({"REDSRV_RESULT_PIECE_BYTES": "-1"}, "result_piece_bytes must be >= 0"),
+        ({"REDSRV_IO_THREADS": "0"}, r"io_threads \(REDSRV_IO_THREADS\) must be in 1\.\.64, got 0"),
+        ({"REDSRV_IO_THREADS": "65"}, r"must be in 1\.\.64, got 65"),
+        ({"REDSRV_IO_THREADS": "two"}, "REDSRV_IO_THREADS='two' is not a valid int"),
     ],
 )
 def test_invalid_settings_fail_at_start_up(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config.from_env(env)
+
+
+def test_io_threads_come_from_the_environment_or_an_argument_and_default_to_one() -> None:
+    assert Config.from_env({}).io_threads == 1
+    assert Config.from_env({"REDSRV_IO_THREADS": "3"}).io_threads == 3
+    assert Config.from_env({"REDSRV_IO_THREADS": "3"}, io_threads=2).io_threads == 2
 
 
 def test_secret_file_is_read_and_never_shown(tmp_path) -> None:  # type: ignore[no-untyped-def]

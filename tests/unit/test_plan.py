@@ -6,7 +6,16 @@ import json
 
 import pytest
 
-from redsrv.cli.plan import DEFAULT_IO_THREAD_GBPS, REDUCER_IO, WORKER_IO, WORKER_NIC, measure_core_gbps, measure_data_path, plan
+from redsrv.cli.plan import (
+    CLIENT_GIL_SHARE,
+    DEFAULT_IO_THREAD_GBPS,
+    REDUCER_IO,
+    WORKER_IO,
+    WORKER_NIC,
+    measure_core_gbps,
+    measure_data_path,
+    plan,
+)
 
 #: A data path far above any NIC here, for the tests of the network terms alone.
 FAST_PATH = {"worker_io_gbps": 1000.0, "reducer_io_gbps": 1000.0}
@@ -40,28 +49,72 @@ def test_network_bound_worker_below_its_data_path_reaches_line_rate() -> None:
 
 
 def test_a_100_gbit_worker_is_cpu_bound_on_one_io_thread() -> None:
-    p = plan(workers=64, worker_gbit=100, reducer_gbit=32, reducer_cores=8)
-    assert p.bottleneck == WORKER_IO and p.worker_cpu_bound
+    p = plan(workers=64, worker_gbit=100, reducer_gbit=32, reducer_cores=8, io_threads=1)
+    assert p.bottleneck == WORKER_IO and p.worker_cpu_bound and p.worker_io_threads == 1
     assert p.algbw_gbps == pytest.approx(DEFAULT_IO_THREAD_GBPS)
     assert p.line_rate_fraction == pytest.approx(DEFAULT_IO_THREAD_GBPS / 12.5)  # 20%, not 100%
     # Reducers sized for what the workers can send (64 x 2.44 GB/s over 4 GB/s per host), not for
     # their line rate (which would be 200), with two processes to fill each 32 Gbit/s NIC.
     assert (p.reducers, p.reducer_processes) == (40, 2)
     assert p.speedup == pytest.approx(DEFAULT_IO_THREAD_GBPS / (12.5 * 64 / 126))
-    assert any("one I/O thread today" in w for w in p.warnings)
+    assert any("set REDSRV_IO_THREADS=3" in w for w in p.warnings)  # ceil(1 / 0.42): the GIL's cap
+
+
+def test_the_plan_recommends_the_io_threads_that_fill_the_worker_nic() -> None:
+    # Without the GIL (a free-threaded Python): ceil(12.5 / 2.44) = 6 threads fill 100 Gbit/s.
+    p = plan(workers=64, worker_gbit=100, reducer_gbit=32, reducer_cores=8, gil_share=0)
+    assert p.worker_io_threads == 6 and not p.worker_cpu_bound and p.bottleneck == WORKER_NIC
+    assert p.line_rate_fraction == pytest.approx(1.0) and p.reducers == 200  # now sized for the line rate
+    assert not any("REDSRV_IO_THREADS" in w for w in p.warnings)
+
+
+def test_the_gil_caps_one_client_process_whatever_its_io_threads() -> None:
+    p = plan(workers=64, worker_gbit=100, reducer_gbit=32, reducer_cores=8)
+    assert p.worker_io_threads == 3 and p.worker_cpu_bound and p.bottleneck == WORKER_IO
+    assert p.algbw_gbps == pytest.approx(DEFAULT_IO_THREAD_GBPS / CLIENT_GIL_SHARE)
+    assert any("holds the GIL" in w and "several worker processes per host" in w for w in p.warnings)
+    more = plan(workers=64, worker_gbit=100, reducer_gbit=32, reducer_cores=8, io_threads=8)
+    assert more.algbw_gbps == pytest.approx(p.algbw_gbps)  # threads past the cap add nothing
+
+
+@pytest.mark.parametrize(("gbit", "gil_share", "threads"),
+                         [(19.5, CLIENT_GIL_SHARE, 1), (19.6, CLIENT_GIL_SHARE, 2), (39.0, CLIENT_GIL_SHARE, 2),
+                          (39.1, CLIENT_GIL_SHARE, 3), (100, CLIENT_GIL_SHARE, 3), (100, 0.0, 6), (400, 0.0, 8)])
+def test_recommended_io_threads_are_the_smallest_that_cover_the_nic_capped_by_the_cores_and_the_gil(
+        gbit: float, gil_share: float, threads: int) -> None:
+    p = plan(workers=4, worker_gbit=gbit, reducer_gbit=1000, reducer_cores=64, gil_share=gil_share)
+    assert p.worker_io_threads == threads  # 8 cores by default: 400 Gbit/s gets 8, not ceil(50 / 2.44) = 21
+    ceiling = 8 * DEFAULT_IO_THREAD_GBPS if gil_share == 0 else DEFAULT_IO_THREAD_GBPS / gil_share
+    assert p.worker_cpu_bound == (gbit / 8 > ceiling)
+
+
+def test_io_threads_one_per_core_already_says_so() -> None:
+    p = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, worker_cores=2)
+    assert p.worker_io_threads == 2 and p.bottleneck == WORKER_IO
+    assert p.algbw_gbps == pytest.approx(2 * DEFAULT_IO_THREAD_GBPS)
+    assert any("one per core of its 2 already" in w for w in p.warnings)
+
+
+def test_a_client_has_no_more_io_threads_than_reducer_addresses() -> None:
+    # One reducer process on one host: a client loop serves whole reducers, so one loop.
+    p = plan(workers=2, worker_gbit=100, reducer_gbit=100, reducer_cores=32, reducers=1, reducer_processes=1)
+    assert p.worker_io_threads == 1 and p.worker_cpu_bound
+    assert any("list at least 3 reducer addresses" in w for w in p.warnings)
 
 
 def test_worker_ceiling_scales_the_cpu_bound_prediction() -> None:
-    slow = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, worker_io_gbps=1.0)
-    fast = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, worker_io_gbps=2.0)
+    slow = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, worker_io_gbps=1.0, io_threads=1)
+    fast = plan(workers=8, worker_gbit=100, reducer_gbit=100, reducer_cores=32, worker_io_gbps=2.0, io_threads=1)
     assert slow.algbw_gbps == pytest.approx(1.0) and fast.algbw_gbps == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("ceiling", [1.0, 2.44, 5.0])
 def test_crossover_from_network_to_cpu_at_eight_times_the_ceiling(ceiling: float) -> None:
     crossover_gbit = ceiling * 8
-    below = plan(workers=4, worker_gbit=crossover_gbit * 0.99, reducer_gbit=1000, reducer_cores=64, worker_io_gbps=ceiling)
-    above = plan(workers=4, worker_gbit=crossover_gbit * 1.01, reducer_gbit=1000, reducer_cores=64, worker_io_gbps=ceiling)
+    below = plan(workers=4, worker_gbit=crossover_gbit * 0.99, reducer_gbit=1000, reducer_cores=64, worker_io_gbps=ceiling,
+                 io_threads=1)
+    above = plan(workers=4, worker_gbit=crossover_gbit * 1.01, reducer_gbit=1000, reducer_cores=64, worker_io_gbps=ceiling,
+                 io_threads=1)
     assert below.bottleneck == WORKER_NIC and below.line_rate_fraction == pytest.approx(1.0)
     assert above.bottleneck == WORKER_IO and above.algbw_gbps == pytest.approx(ceiling)
     assert above.line_rate_fraction == pytest.approx(1 / 1.01)
@@ -83,6 +136,12 @@ def test_invalid_inputs() -> None:
         plan(workers=2, worker_gbit=1, reducer_gbit=1, reducer_cores=1, worker_io_gbps=0)
     with pytest.raises(ValueError):
         plan(workers=2, worker_gbit=1, reducer_gbit=1, reducer_cores=1, reducer_processes=0)
+    with pytest.raises(ValueError):
+        plan(workers=2, worker_gbit=1, reducer_gbit=1, reducer_cores=1, io_threads=0)
+    with pytest.raises(ValueError):
+        plan(workers=2, worker_gbit=1, reducer_gbit=1, reducer_cores=1, worker_cores=0)
+    with pytest.raises(ValueError):
+        plan(workers=2, worker_gbit=1, reducer_gbit=1, reducer_cores=1, gil_share=1.5)
 
 
 def test_measure_runs_the_real_state_machine() -> None:
@@ -123,3 +182,16 @@ def test_reducer_processes_are_capped_by_the_cores() -> None:
     assert p.reducer_processes == 2 and p.bottleneck == REDUCER_IO
     assert p.algbw_gbps == pytest.approx(2 * DEFAULT_IO_THREAD_GBPS)
     assert any("one per core already" in w for w in p.warnings)
+
+
+def test_cli_recommends_io_threads_in_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    from redsrv.cli import main
+
+    assert main(["plan", "--workers", "8", "--worker-gbit", "100", "--reducer-gbit", "100", "--reducer-cores", "32",
+                 "--gil-share", "0"]) == 0
+    assert "6 I/O thread(s) x 2.44 GB/s: set REDSRV_IO_THREADS=6)  (recommended)" in capsys.readouterr().out
+    assert main(["plan", "--workers", "8", "--worker-gbit", "100", "--reducer-gbit", "100", "--reducer-cores", "32",
+                 "--io-threads", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["worker_io_threads"] == 1 and out["worker_cpu_bound"]
+    assert any("set REDSRV_IO_THREADS=3" in w for w in out["warnings"])
