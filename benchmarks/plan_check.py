@@ -65,7 +65,7 @@ def predict_seconds(*, n: int, m: int, rate_bps: int, size_bytes: int, mtu: int 
 
     >>> seconds, bottleneck = predict_seconds(n=4, m=2, rate_bps=10**9, size_bytes=64 * 2**20)
     >>> round(seconds, 3), bottleneck
-    (1.122, 'reducer NIC')
+    (1.123, 'reducer NIC')
     """
     gbit = tcp_goodput_bps(rate_bps, mtu) / 1e9
     p = plan(workers=n, worker_gbit=gbit, reducer_gbit=gbit, reducer_cores=1, reducers=m)
