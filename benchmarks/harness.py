@@ -36,7 +36,7 @@ from redsrv.cli.fleet import readline_within, stop_processes
 __all__ = ["MARK", "GLOO_PORT", "Terminated", "raise_on_signals", "say", "add_run_arguments", "run_command", "cleanup",
            "write_secret", "child_env", "start_reducers", "spawn_workers", "terminate_and_drain", "collect", "RankGather",
            "merge_ranks", "tail", "finish_files", "provenance", "command_line", "torch_version", "emit", "cpu_stat",
-           "CpuMeter", "exact_data"]
+           "CpuMeter", "exact_data", "timed_steps"]
 
 #: Prefix of the lines on a worker's stdout that carry results (anything else is ignored).
 MARK = "@@redsrv-bench "
@@ -445,3 +445,24 @@ def exact_data(dtype: np.dtype, size: int, rank: int, n: int) -> tuple[np.ndarra
     base = np.tile(pattern + rank % 4, reps)[:count].astype(dtype)
     expected = np.tile(pattern * n + sum(r % 4 for r in range(n)), reps)[:count].astype(dtype)
     return base, expected
+
+
+def timed_steps(step: Callable[[int], None], *, warmup: int, steps: int, barrier: Callable[[], None],
+                reducer_pids: Sequence[int]) -> tuple[list[float], CpuMeter]:
+    """``bench train``'s timing rule for every framework: ``warmup`` untimed steps (the first
+    compiles or traces), then ``steps`` timed ones, each after a barrier; CPU is counted over the
+    timed steps only."""
+    meter = CpuMeter(reducer_pids)
+    times: list[float] = []
+    for i in range(warmup + steps):
+        barrier()
+        timed = i >= warmup
+        if timed:
+            meter.start()
+        t0 = time.perf_counter()
+        step(i)
+        elapsed = time.perf_counter() - t0
+        if timed:
+            meter.stop()
+            times.append(elapsed)
+    return times, meter

@@ -812,21 +812,8 @@ class _TorchWorker:
         harness.emit(event="done")
 
     def _timed(self, step: Callable[[int], None]) -> tuple[list[float], harness.CpuMeter]:
-        """Warm-up, then the timed steps, each after a barrier; CPU counted over the timed ones."""
-        meter = harness.CpuMeter(self.spec["reducer_pids"])
-        times: list[float] = []
-        for i in range(self.spec["warmup"] + self.spec["steps"]):
-            self.dist.barrier()
-            timed = i >= self.spec["warmup"]
-            if timed:
-                meter.start()
-            t0 = time.perf_counter()
-            step(i)
-            elapsed = time.perf_counter() - t0
-            if timed:
-                meter.stop()
-                times.append(elapsed)
-        return times, meter
+        return harness.timed_steps(step, warmup=self.spec["warmup"], steps=self.spec["steps"], barrier=self.dist.barrier,
+                                   reducer_pids=self.spec["reducer_pids"])
 
     def _train_step(self, name: str) -> None:
         opt = self.optimizers[name]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -189,21 +188,8 @@ class _JaxWorker:
         client.wait_at_barrier(f"redsrv-bench-{self._barriers}", int(self.timeout * 1000))
 
     def _timed(self, step: Callable[[int], None]) -> tuple[list[float], harness.CpuMeter]:
-        """Warm-up (the first step compiles), then the timed steps, each after a barrier."""
-        meter = harness.CpuMeter(self.spec["reducer_pids"])
-        times: list[float] = []
-        for i in range(self.spec["warmup"] + self.spec["steps"]):
-            self._barrier()
-            timed = i >= self.spec["warmup"]
-            if timed:
-                meter.start()
-            t0 = time.perf_counter()
-            step(i)
-            elapsed = time.perf_counter() - t0
-            if timed:
-                meter.stop()
-                times.append(elapsed)
-        return times, meter
+        return harness.timed_steps(step, warmup=self.spec["warmup"], steps=self.spec["steps"], barrier=self._barrier,
+                                   reducer_pids=self.spec["reducer_pids"])
 
     def _local(self, params: Sequence[Any]) -> list[Any]:
         """This process's copy of each parameter, as numpy."""

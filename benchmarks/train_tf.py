@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -190,21 +189,8 @@ class _TfWorker:
         self.client.barrier(key=("bench-barrier", self._barriers), timeout=self.timeout)
 
     def _timed(self, step: Callable[[int], None]) -> tuple[list[float], harness.CpuMeter]:
-        """Warm-up (the first step traces), then the timed steps, each after a barrier."""
-        meter = harness.CpuMeter(self.spec["reducer_pids"])
-        times: list[float] = []
-        for i in range(self.spec["warmup"] + self.spec["steps"]):
-            self._barrier()
-            timed = i >= self.spec["warmup"]
-            if timed:
-                meter.start()
-            t0 = time.perf_counter()
-            step(i)
-            elapsed = time.perf_counter() - t0
-            if timed:
-                meter.stop()
-                times.append(elapsed)
-        return times, meter
+        return harness.timed_steps(step, warmup=self.spec["warmup"], steps=self.spec["steps"], barrier=self._barrier,
+                                   reducer_pids=self.spec["reducer_pids"])
 
     def _weights(self, mode: str) -> list[Any]:
         """This worker's parameters as init_params lays them out (kernels back to out x in)."""
