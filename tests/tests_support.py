@@ -105,3 +105,36 @@ def poll(predicate, timeout: float, what: str, every: float = 0.05):  # type: ig
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.1f}s: {what} (last value {value!r})")
         time.sleep(every)
+
+
+def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # type: ignore[type-arg]
+    """What the JAX and TF smoke runs of ``redsrv bench train`` (one fused float32 vector per
+    step, 3 timed steps, one round) must show: nothing left behind, every block correct, identical
+    ranks, the redsrv-trained model equal to the baseline's, and the rate limit in force."""
+    import psutil
+
+    from redsrv.bench.netns import our_namespaces
+    from redsrv.bench.train import MODES
+
+    assert our_namespaces(prefix) == [], "namespaces left behind"
+    children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+    assert not children, f"processes left behind: {[c.cmdline() for c in children]}"
+    blocks = doc["blocks"]
+    assert [(b["round"], b["mode"]) for b in blocks] == [(0, m) for m in MODES]
+    for b in blocks:
+        assert b["correct"], f"{b['mode']}: {b['checks']}"
+        assert len(b["times"]) == 3 and all(t > 0 for t in b["times"])
+    gloo_checks = [c for b in blocks if b["mode"] == "gloo" for c in b["checks"]]
+    assert all(c["ranks_identical"] for c in gloo_checks), gloo_checks
+    hook_checks = [c for b in blocks if b["mode"] == "hook" for c in b["checks"]]
+    assert all(c["ranks_identical"] and c["match"] and c["moved"] > 0 for c in hook_checks), hook_checks
+    model = doc["model"]
+    assert model["buckets"] == [[model["params"], "float32"]]  # one fused float32 vector per step
+    assert model["grad_bytes"] == 4 * model["params"]
+    assert doc["ok"] and doc["summary"]["correct"] and doc["summary"]["framework"] == framework
+    assert doc["machine"][framework]
+    rows = {r["mode"]: r for r in doc["summary"]["rows"]}
+    assert rows.keys() == set(MODES)
+    for mode in ("gloo", "hook", "raw"):
+        assert rows[mode]["grad_gbps"] <= doc["goodput_gbps"] * 1.05, rows[mode]
+    assert doc["summary"]["speedup"] > 0

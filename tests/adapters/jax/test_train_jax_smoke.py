@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import os
 
-import psutil
 import pytest
 
-from redsrv.bench.netns import our_namespaces
-from redsrv.bench.train import MODES, Options, run_train
+from redsrv.bench.train import Options, run_train
 
-from tests_support import why_no_namespaces
+from tests_support import check_fused_train_run, why_no_namespaces
 
 pytest.importorskip("jax")
 pytestmark = [pytest.mark.netns, pytest.mark.jax, pytest.mark.slow, pytest.mark.timeout(120)]
@@ -32,25 +30,4 @@ def test_jax_two_workers_two_reducers_small_model(tmp_path):
     prefix = f"rstj{os.getpid() % 100000}"
     doc = run_train(Options(framework="jax", workers=2, reducers=2, rate_bps=10**9, params=2_000_000, steps=3, warmup=1,
                             rounds=1, out=str(tmp_path), prefix=prefix, quiet=True))
-    assert our_namespaces(prefix) == [], "namespaces left behind"
-    children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
-    assert not children, f"processes left behind: {[c.cmdline() for c in children]}"
-    blocks = doc["blocks"]
-    assert [(b["round"], b["mode"]) for b in blocks] == [(0, m) for m in MODES]
-    for b in blocks:
-        assert b["correct"], f"{b['mode']}: {b['checks']}"
-        assert len(b["times"]) == 3 and all(t > 0 for t in b["times"])
-    gloo_checks = [c for b in blocks if b["mode"] == "gloo" for c in b["checks"]]
-    assert all(c["ranks_identical"] for c in gloo_checks), gloo_checks
-    hook_checks = [c for b in blocks if b["mode"] == "hook" for c in b["checks"]]
-    assert all(c["ranks_identical"] and c["match"] and c["moved"] > 0 for c in hook_checks), hook_checks
-    model = doc["model"]
-    assert model["buckets"] == [[model["params"], "float32"]]  # one fused float32 vector
-    assert model["grad_bytes"] == 4 * model["params"]
-    assert doc["ok"] and doc["summary"]["correct"] and doc["summary"]["framework"] == "jax"
-    assert doc["machine"]["jax"]
-    rows = {r["mode"]: r for r in doc["summary"]["rows"]}
-    assert rows.keys() == set(MODES)
-    for mode in ("gloo", "hook", "raw"):
-        assert rows[mode]["grad_gbps"] <= doc["goodput_gbps"] * 1.05, rows[mode]
-    assert doc["summary"]["speedup"] > 0
+    check_fused_train_run(doc, "jax", prefix)
