@@ -219,6 +219,8 @@ class FrameReader:
         decoder = self.decoder
         if isinstance(event, wire.PayloadWanted):
             step = self.on_header(event.header)
+            if self.stopped:  # the owner closed the connection from its callback
+                return False
             if step is WAIT:
                 self._waiting = True
                 return False
@@ -230,6 +232,8 @@ class FrameReader:
             return False
         if isinstance(event, wire.PayloadLanded):
             more = self.on_payload()
+            if self.stopped:
+                return True
             if more is not None:
                 decoder.land_payload(*more)
                 return False

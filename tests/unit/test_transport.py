@@ -247,6 +247,31 @@ def test_the_real_reader_fed_one_byte_at_a_time_lands_every_frame_as_when_fed_wh
     assert reader.decoder.between_frames
 
 
+def test_an_owner_that_closes_the_connection_from_its_callback_stops_the_reader_there() -> None:
+    # The reducer closes a connection from inside its callbacks (a refused push, a fatal error);
+    # whatever the callback returns then must not be acted on.
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        frames = [_result_frame(key, 0, np.arange(8, dtype=np.int32)) for key in (1, 2)]
+        a.sendall(b"".join(header + bytes(payload) for header, payload in frames))
+        asked: list[int] = []
+        reader: FrameReader
+
+        def on_header(header: wire.FrameHeader) -> tuple[memoryview, str]:
+            asked.append(header.fields[0])
+            return memoryview(bytearray(1)), "a bitmap"
+
+        def on_payload() -> tuple[memoryview, str]:
+            reader.release()
+            return memoryview(bytearray(32)), "the data"  # a stale answer, after the close
+
+        reader = FrameReader(b, max_payload=1 << 20, now=time.monotonic(), data_frame=wire.FrameType.RESULT, sender="the test",
+                             on_header=on_header, on_payload=on_payload, on_error=lambda _e: None)
+        reader.read(time.monotonic(), 16)
+        assert reader.stopped and asked == [1], "the reader went on after its owner closed the connection"
+
+
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.create_connection(server.getsockname(), timeout=5)
