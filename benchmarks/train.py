@@ -697,6 +697,21 @@ class _BucketRecorder:
         return recording_hook
 
 
+def raw_data_for(np: Any, layout: Sequence[tuple[int, str]], *, rank: int, n: int) -> tuple[list[Any], list[Any]]:
+    """The raw block's inputs and expected means for every bucket of ``layout`` (elements, dtype
+    name), as :func:`_raw_data` makes them; every framework's worker replays its buckets so."""
+    pairs = [_raw_data(np, numel, np.dtype(dtype), bucket=b, rank=rank, n=n) for b, (numel, dtype) in enumerate(layout)]
+    return [base for base, _ in pairs], [mean for _, mean in pairs]
+
+
+def run_blocks(spec: dict[str, Any], blocks: dict[str, Callable[[str, int], dict[str, Any]]]) -> None:
+    """A worker's rounds: each mode's block in turn, each reported as it ends, then "done"."""
+    for rnd in range(spec["rounds"]):
+        for mode in spec["modes"]:
+            harness.emit(event="block", round=rnd, mode=mode, **blocks[mode](mode, rnd))
+    harness.emit(event="done")
+
+
 def _raw_data(np: Any, numel: int, dtype: Any, *, bucket: int, rank: int, n: int) -> tuple[Any, Any]:
     """The raw block's input for one bucket and the mean over ranks. Values depend on the position
     with a prime period (no power-of-two chunk boundary lines up with it) and on the bucket, so a
@@ -806,10 +821,7 @@ class _TorchWorker:
         harness.emit(event="ready")
         harness.emit(event="model", params=self.params, grad_bytes=sum(p.numel() * p.element_size() for p in self.initial))
         blocks = {"gloo": self._ddp_block, "hook": self._ddp_block, "raw": self._raw_block, "compute": self._compute_block}
-        for rnd in range(self.spec["rounds"]):
-            for mode in self.spec["modes"]:
-                harness.emit(event="block", round=rnd, mode=mode, **blocks[mode](mode, rnd))
-        harness.emit(event="done")
+        run_blocks(self.spec, blocks)
 
     def _timed(self, step: Callable[[int], None]) -> tuple[list[float], harness.CpuMeter]:
         return harness.timed_steps(step, warmup=self.spec["warmup"], steps=self.spec["steps"], barrier=self.dist.barrier,
@@ -841,11 +853,7 @@ class _TorchWorker:
 
         layout = self.recorder.layout
         if [(a.size, a.dtype.name) for a in self.raw_inputs] != layout:
-            self.raw_inputs, self.raw_expected = [], []
-            for b, (numel, dtype) in enumerate(layout):
-                base, mean = _raw_data(np, numel, np.dtype(dtype), bucket=b, rank=self.rank, n=self.n)
-                self.raw_inputs.append(base)
-                self.raw_expected.append(mean)
+            self.raw_inputs, self.raw_expected = raw_data_for(np, layout, rank=self.rank, n=self.n)
         results: list[Any] = []
 
         def step(i: int) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redsrv.bench import harness
-from redsrv.bench.train import LEARNING_RATE, RAW_RTOL, _raw_data, init_params
+from redsrv.bench.train import LEARNING_RATE, RAW_RTOL, init_params, raw_data_for, run_blocks
 
 __all__ = ["worker", "worker_env", "SETUP"]
 
@@ -179,10 +179,7 @@ class _TfWorker:
         harness.emit(event="ready")
         harness.emit(event="model", params=self.params, grad_bytes=sum(p.nbytes for p in self.initial))
         blocks = {"gloo": self._train_block, "hook": self._train_block, "raw": self._raw_block, "compute": self._compute_block}
-        for rnd in range(self.spec["rounds"]):
-            for mode in self.spec["modes"]:
-                harness.emit(event="block", round=rnd, mode=mode, **blocks[mode](mode, rnd))
-        harness.emit(event="done")
+        run_blocks(self.spec, blocks)
 
     def _barrier(self) -> None:
         self._barriers += 1
@@ -220,11 +217,7 @@ class _TfWorker:
         np = self.np
         layout = self.recorder.layout
         if [(a.size, a.dtype.name) for a in self.raw_inputs] != layout:
-            self.raw_inputs, self.raw_expected = [], []
-            for b, (numel, dtype) in enumerate(layout):
-                base, mean = _raw_data(np, numel, np.dtype(dtype), bucket=b, rank=self.rank, n=self.n)
-                self.raw_inputs.append(base)
-                self.raw_expected.append(mean)
+            self.raw_inputs, self.raw_expected = raw_data_for(np, layout, rank=self.rank, n=self.n)
         results: list[Any] = []
         client, wire = self.client, self.spec["wire_dtype"]
 
