@@ -52,11 +52,14 @@ pulled-bytes counter. Other byte counters are updated without a lock (metrics on
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import hashlib
 import itertools
 import logging
+import sys
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +87,21 @@ _WIRE_OPS = {"sum": wire.ReduceOp.SUM, "mean": wire.ReduceOp.SUM, "min": wire.Re
 OPS = tuple(_WIRE_OPS)
 _COMPRESSED = {"bfloat16": wire.numpy_dtype(wire.DType.BFLOAT16), "float16": wire.numpy_dtype(wire.DType.FLOAT16)}
 _AUTO_KEY_BIT = 1 << 63
+
+# Clients still open when the interpreter exits are closed by an atexit hook, while their I/O
+# threads still run. Later, during finalisation, Python ends a daemon thread the moment it asks
+# for the GIL, and one that held the dispatcher's lock then would leave a close() from __del__
+# waiting on that lock forever (seen with JAX, whose threads keep the process busy at exit).
+_open_clients: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in list(_open_clients):
+        try:
+            client.close()
+        except Exception as exc:  # one client's failure must not keep the others open
+            log.warning("closing a redsrv client at exit: %s", exc)
 
 
 class Client:
@@ -126,6 +144,7 @@ class Client:
             self._teardown()
             raise
         self._io.start()
+        _open_clients.add(self)
 
     # --- public API ---
 
@@ -247,6 +266,7 @@ class Client:
         """Idempotent and bounded by ``close_timeout``. Pending operations fail with
         :class:`ClientClosedError`."""
         error = ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} was closed with the operation pending")
+        _open_clients.discard(self)
         if self._ops.close(error):
             self._teardown()
 
@@ -257,6 +277,8 @@ class Client:
         self.close()
 
     def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the atexit hook closed every open client; threads may be gone by now (see _open_clients)
         ops = self.__dict__.get("_ops")
         if ops is not None and not ops.closed:
             try:

@@ -4,6 +4,9 @@ flight instead of leaving them to hang."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -11,6 +14,8 @@ import numpy as np
 import pytest
 
 import redsrv
+
+from conftest import child_env
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -194,3 +199,44 @@ def test_a_blocking_done_callback_stalls_neither_the_loop_nor_other_operations()
             assert outcome == [True]
     finally:
         daemon.stop()
+
+
+# Registered before redsrv is imported, so it runs after redsrv's own atexit hook (LIFO) and
+# before finalisation, when daemon threads still run: it reports what the hook left behind.
+_EXIT_WITHOUT_CLOSE = textwrap.dedent("""
+    import atexit, sys, threading
+
+    def report():
+        alive = sorted(t.name for t in threading.enumerate() if t.name.startswith("redsrv-"))
+        print("closed" if client._closed else "open", alive, flush=True)
+
+    atexit.register(report)
+    import numpy as np
+    import redsrv
+    client = redsrv.Client([sys.argv[1]], rank=0, world_size=1, job="exit", op_timeout=10)
+    assert client.allreduce(np.ones(1 << 20, np.float32))[0] == 1
+    if sys.argv[2] == "lost":
+        client.allreduce_async(np.ones(1 << 22, np.float32), key=1)  # in flight when the script ends
+        sys.stdout.write("pushed\\n"); sys.stdout.flush()
+        sys.stdin.readline()  # the test kills the reducer meanwhile
+""")
+
+
+@pytest.mark.parametrize("state", ["idle", "lost"])
+def test_a_script_that_ends_without_close_exits_with_its_client_closed_before_finalisation(procs, fleet,  # type: ignore[no-untyped-def]
+                                                                                           state: str) -> None:
+    """A daemon thread that holds a client lock when finalisation ends it would leave ``__del__``'s
+    close() waiting forever (it did under JAX); the atexit hook closes every open client while its
+    threads still run, so nothing is left for finalisation."""
+    (reducer,) = fleet(1)
+    child = procs.popen([sys.executable, "-c", _EXIT_WITHOUT_CLOSE, reducer.address, state], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+    if state == "lost":
+        assert child.stdout.readline().strip() == "pushed"
+        reducer.proc.kill()
+        reducer.proc.wait(10)
+        child.stdin.write("\n")
+        child.stdin.flush()
+    out, err = child.communicate(timeout=30)
+    assert child.returncode == 0, err
+    assert out.strip().splitlines()[-1] == "closed []", (out, err)
