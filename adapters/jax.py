@@ -23,10 +23,12 @@ reducer fleet adds the processes together::
 How one collective runs (no host-side rendezvous between the device threads):
 
 1. The leaves of the pytree are concatenated into one flat vector per dtype ("one fused exchange
-   per dtype"), padded to a multiple of the local axis size, and ``lax.psum_scatter`` leaves each
+   per dtype"), except leaves of at least :data:`UNFUSED_BYTES`, which travel alone (their copy
+   into a fused vector and back costs more than it saves: :func:`redsrv.core.fusion.unfuse_large`).
+   Each vector is padded to a multiple of the local axis size, and ``lax.psum_scatter`` leaves each
    local device with the local sum of its own slice.
 2. One ``io_callback`` per device sends that device's slices to the reducers under the key
-   ``(call site, phase, dtype, device, counter)`` and returns the sums over all processes.
+   ``(call site, phase, vector, dtype, device, counter)`` and returns the sums over all processes.
    The call site (module, function, line) is fixed at trace time, the counter counts executions
    of that site on that device, so keys are identical on every process without any agreement at
    run time. Callbacks are ``ordered=True``: each device runs them in program order, so no two
@@ -86,11 +88,17 @@ __all__ = [
     "check",
     "checked",
     "SUPPORTED_DTYPES",
+    "UNFUSED_BYTES",
 ]
 
 #: dtypes the reducers sum (the core's numeric wire dtypes, ``redsrv.core.wire``). ``float64``/``int64``
 #: need ``jax_enable_x64``.
 SUPPORTED_DTYPES = tuple(wire.numpy_dtype(wire.DTYPE_NAMES[name]) for name in wire.NUMERIC_DTYPE_NAMES)
+
+#: Leaves of at least this many bytes are exchanged alone, not fused with the others of their dtype:
+#: fused, each step would copy them into a fresh vector and out again, which XLA's CPU allocator
+#: pays in page faults (docs/performance.md, "End-to-end training: JAX and Keras").
+UNFUSED_BYTES = 4 << 20
 
 #: Namespace of every key this adapter sends, so they never collide with a user's own client keys.
 _KEY_PREFIX = "redsrv.jax"
@@ -212,7 +220,7 @@ class Communicator:
             failed = self._error is not None
         if failed:
             return _poison(slices)  # the step is lost already; do not wait on peers for it
-        keys = [self._keys.key(*site, s.dtype.name, device, call) for s in slices]
+        keys = [self._keys.key(*site, vector, s.dtype.name, device, call) for vector, s in enumerate(slices)]
         try:
             futures = [self.client.allreduce_async(np.ascontiguousarray(s), op=op, key=key, wire_dtype=wire_dtype,
                                                    timeout=self.timeout)
@@ -283,7 +291,8 @@ def psum(x: Any, axis_name: Any, *, comm: Communicator | None = None, wire_dtype
     """Sum ``x`` (an array or any pytree) over ``axis_name`` on every device of every process.
 
     Use inside ``jax.shard_map`` or ``jax.pmap`` (also under ``jit``) where you would use
-    ``lax.psum``; differentiable like it. The tree travels as one flat vector per dtype.
+    ``lax.psum``; differentiable like it. The tree travels as one flat vector per dtype (leaves of
+    :data:`UNFUSED_BYTES` or more alone).
     ``wire_dtype="bf16"``/``"fp16"`` compresses floats on the wire (sums still accumulate in fp32).
     Supported dtypes: :data:`SUPPORTED_DTYPES`; anything else is a ``TypeError`` at trace time.
     """
@@ -451,10 +460,13 @@ def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: 
     """psum_scatter over the local devices, one callback per device, all_gather back."""
     local = _local_size(axes)
     slices, layouts = [], []
-    for group in fusion.group_by_dtype(leaves):  # one fused exchange per dtype
+    for group in fusion.unfuse_large(fusion.group_by_dtype(leaves), UNFUSED_BYTES):
         if group.total == 0:
             continue
-        flat = jnp.concatenate([leaves[i].reshape(-1) for i in group.members])  # fusion.fuse, traced
+        if len(group.members) == 1:
+            flat = leaves[group.members[0]].reshape(-1)  # a bitcast in XLA: no copy
+        else:
+            flat = jnp.concatenate([leaves[i].reshape(-1) for i in group.members])  # fusion.fuse, traced
         padded = -(-group.total // local) * local  # psum_scatter needs a multiple of the axis size
         if padded != group.total:
             flat = jnp.pad(flat, (0, padded - group.total))

@@ -33,7 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-__all__ = ["FusedGroup", "fuse", "group_by_dtype", "members_by_dtype", "split"]
+__all__ = ["FusedGroup", "fuse", "group_by_dtype", "members_by_dtype", "split", "unfuse_large"]
 
 
 class _Shaped(Protocol):
@@ -100,6 +100,30 @@ def group_by_dtype(arrays: Sequence[_Shaped]) -> list[FusedGroup]:
     """
     return [FusedGroup(dtype, indices, tuple(tuple(int(n) for n in arrays[i].shape) for i in indices))
             for dtype, indices in members_by_dtype([array.dtype for array in arrays])]
+
+
+def unfuse_large(groups: Sequence[FusedGroup], min_bytes: int) -> list[FusedGroup]:
+    """``groups`` with every member of at least ``min_bytes`` taken out into a group of its own,
+    placed before what stays fused of its dtype. Fusing such an array saves no round trip worth
+    its copy: its bytes fill the pipeline by themselves, and a framework that fuses inside a
+    compiled step (JAX) pays the concatenation and the split in fresh buffers every step. Every
+    rank computes the same groups from the same shapes.
+
+    >>> import numpy as np
+    >>> groups = group_by_dtype([np.zeros(4, np.float32), np.zeros(1000, np.float32), np.zeros(2, np.float32)])
+    >>> [g.members for g in unfuse_large(groups, min_bytes=4000)]
+    [(1,), (0, 2)]
+    """
+    if min_bytes < 1:
+        raise ValueError(f"min_bytes must be positive, got {min_bytes}")
+    out: list[FusedGroup] = []
+    for group in groups:
+        large = {k for k, size in enumerate(group.sizes) if size * group.dtype.itemsize >= min_bytes}
+        out += [FusedGroup(group.dtype, (group.members[k],), (group.shapes[k],)) for k in sorted(large)]
+        rest = [k for k in range(len(group.members)) if k not in large]
+        if rest:
+            out.append(FusedGroup(group.dtype, tuple(group.members[k] for k in rest), tuple(group.shapes[k] for k in rest)))
+    return out
 
 
 def fuse(arrays: Sequence[np.ndarray[Any, Any]], group: FusedGroup) -> np.ndarray[Any, Any]:

@@ -37,6 +37,23 @@ def test_fuse_then_split_gives_back_every_array_in_its_group(specs: list, seed: 
             assert part.tobytes() == given_arrays[index].tobytes()
 
 
+@settings(max_examples=200, deadline=None)
+@given(arrays, st.integers(1, 64))
+def test_unfuse_large_puts_each_large_array_alone_and_keeps_the_rest_fused(specs: list, min_bytes: int) -> None:  # type: ignore[type-arg]
+    given_arrays = [np.zeros(shape, dtype) for dtype, shape in specs]
+    groups = fusion.unfuse_large(fusion.group_by_dtype(given_arrays), min_bytes)
+    assert sorted(i for g in groups for i in g.members) == list(range(len(given_arrays)))  # each array once
+    for group in groups:
+        assert all(given_arrays[i].dtype == group.dtype for i in group.members)
+        large = [i for i in group.members if given_arrays[i].nbytes >= min_bytes]
+        assert not large or group.members == tuple(large[:1])  # a large array is alone in its group
+        assert list(group.members) == sorted(group.members)
+    fused = [g for g in groups if not (len(g.members) == 1 and given_arrays[g.members[0]].nbytes >= min_bytes)]
+    assert len({g.dtype for g in fused}) == len(fused)  # what stays fused: one group per dtype
+    with pytest.raises(ValueError):
+        fusion.unfuse_large(groups, 0)
+
+
 def test_split_gives_views_and_ignores_padding() -> None:
     arrays = [np.zeros((2, 3), np.float32), np.zeros(4, np.float32)]
     (group,) = fusion.group_by_dtype(arrays)

@@ -163,16 +163,36 @@ def test_a_tree_travels_as_one_exchange_per_dtype_under_deterministic_keys(comm,
     assert len(keys) == 2 * 2 * 3
     by_key = {k: (dtype, size) for k, dtype, size in keys}
     assert len(by_key) == len(keys), "a key was used twice"
-    prefix, where, phase, dtype, device, call = keys[0][0]
+    prefix, where, phase, vector, dtype, device, call = keys[0][0]
     # the call site by module, function and line (and a digest of the stack outside JAX): never a
     # file path, which differs between hosts
     assert prefix == "redsrv.jax"
     assert re.fullmatch(re.escape(__name__) + r":test_a_tree_travels\S*\.<lambda>:\d+#[0-9a-f]{12}", where), where
-    assert {(k[0][2], k[0][3], k[1]) for k in keys} == {("fwd", "float32", "float32"), ("fwd", "bfloat16", "bfloat16"),
+    assert {(k[0][2], k[0][4], k[1]) for k in keys} == {("fwd", "float32", "float32"), ("fwd", "bfloat16", "bfloat16"),
                                                         ("int", "int32", "int32")}
-    assert {k[0][4] for k in keys} == {0, 1} and {k[0][5] for k in keys} == {0, 1}
+    assert {k[0][5] for k in keys} == {0, 1} and {k[0][6] for k in keys} == {0, 1}
     # each device sends half of the padded flat vector: float32 holds 15 + 1 elements -> 8 each
     assert {size for k, dtype, size in keys if dtype == "float32"} == {8}
+
+
+def test_a_leaf_of_unfused_bytes_or_more_travels_alone_and_sums_stay_exact(comm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    keys = []
+    submit = comm.client.allreduce_async
+
+    def record(x, **kwargs):  # type: ignore[no-untyped-def]
+        keys.append((kwargs["key"][3], x.dtype.name, x.size))
+        return submit(x, **kwargs)
+
+    monkeypatch.setattr(comm.client, "allreduce_async", record)
+    monkeypatch.setattr(rjax, "UNFUSED_BYTES", 15 * 4)  # "a" (15 float32 per device) alone, "s" fused
+    tree = tree_inputs()
+    ours = jax.pmap(lambda t: rjax.psum(t, AXIS), axis_name=AXIS)(tree)
+    comm.check()
+    assert_trees_equal(ours, jax.pmap(lambda t: lax.psum(t, AXIS), axis_name=AXIS)(tree))
+    # per device: "a" alone (15 -> 16 padded, 8 each), the rest of float32 ("s": 1 -> 2, 1 each),
+    # bfloat16 ("h" is 14 bytes: fused, alone in its dtype), int32
+    assert sorted((vector, dtype, size) for vector, dtype, size in keys if dtype == "float32") == \
+        [(0, "float32", 8), (0, "float32", 8), (1, "float32", 1), (1, "float32", 1)]
 
 
 def test_wire_dtype_compresses_floats_only(comm) -> None:  # type: ignore[no-untyped-def]
