@@ -315,7 +315,9 @@ def provenance(torch: str | None) -> dict[str, Any]:
     from redsrv import __version__
 
     return {"machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release(),
-                        "python": platform.python_version(), "torch": torch, "speed": machine_speed()},
+                        "python": platform.python_version(), "torch": torch, "speed": machine_speed(),
+                        # allocator settings change how much a fresh buffer costs (docs/performance.md)
+                        "glibc_tunables": os.environ.get("GLIBC_TUNABLES")},
             "redsrv": {"version": str(__version__), "source": _source_revision()}}
 
 
