@@ -70,8 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="redsrv compresses float32 to this on the wire (gloo keeps --dtype)")
     b.add_argument("--chunk-kib", type=int, default=None, help="redsrv pipeline chunk size in KiB (default: the client's)")
     b.add_argument("--chunks-per-span", type=int, default=None, metavar="N",
-                   help="redsrv full chunks per reducer span (REDSRV_CHUNKS_PER_SPAN; default: the client's, 32): more "
-                        "shortens the one-chunk tail and costs CPU per chunk")
+                   help="redsrv full chunks per reducer span (REDSRV_CHUNKS_PER_SPAN; default: the client's, 1 with "
+                        "cut-through): more shortens the one-chunk tail and costs CPU per chunk")
     b.add_argument("--streams", type=int, default=None, help="redsrv TCP streams per reducer (default: the client's)")
     b.add_argument("--send-lowat-kib", type=int, default=None, metavar="KIB",
                    help="TCP_NOTSENT_LOWAT of redsrv's data sockets in KiB (REDSRV_SEND_LOWAT_BYTES; default: the "

@@ -279,7 +279,7 @@ class Config:
     deadline: float = 0.0
     wire_dtype: str | None = None
     chunk_bytes: int = C.DEFAULT_CHUNK_BYTES
-    chunks_per_span: int = C.CHUNKS_PER_SPAN
+    chunks_per_span: int | None = None  # None: 32 where results leave whole, else chunk_bytes (constants.CHUNKS_PER_SPAN)
     streams_per_reducer: int = C.DEFAULT_STREAMS_PER_REDUCER
     io_threads: int = C.DEFAULT_IO_THREADS  # client I/O loops; reducer r's streams are on loop r % io_threads
     push_window_chunks: int = C.DEFAULT_PUSH_WINDOW_CHUNKS
@@ -326,6 +326,8 @@ class Config:
                                 "stall_warning"))
         for name in ("chunk_bytes", "chunks_per_span", "streams_per_reducer", "heartbeat_misses", "max_frame_payload",
                      "job_budget_bytes"):
+            if name == "chunks_per_span" and self.chunks_per_span is None:
+                continue
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_frame_payload:

@@ -39,7 +39,14 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 #: two alternated pairs, n=2 0.98x gloo against 0.96x at +10% CPU per GB, n=4 0.965 of the line
 #: rate against 0.952 at +25% (docs/benchmarks/history.md, "2026-11-24: fewer wake-ups"); on a CPU-bound host that costs more
 #: than the tail saves, so 32 stays the default. Since cut-through (RESULT_PIECE_BYTES below) the
-#: one-chunk tail remains only where results leave whole: the straggler modes, or pieces off.
+#: one-chunk tail remains only where results leave whole: the straggler modes, pieces off, and
+#: broadcasts, so only those use it by default (``Config.chunks_per_span=None``); with cut-through,
+#: full chunks are ``chunk_bytes``. Many operations of a few MiB each (DDP buckets, JAX's leaves)
+#: otherwise cost the reducers per chunk: four workers sending 100 MB a step as 7 operations over
+#: four reducers on loopback cost the reducers 0.68-0.72 CPU s per step against 0.46-0.54 as one
+#: operation, and 0.53 with full chunks; at n=m=4, 1 Gbit/s, 16 and 64 MiB single operations ran
+#: the same within the noise (two alternated pairs, 2026-11-25, docs/performance.md, "Settings
+#: and what they cost").
 CHUNKS_PER_SPAN = 32
 
 #: Cut-through (REDSRV_RESULT_PIECE_BYTES): where every rank must contribute (the default
