@@ -42,11 +42,10 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 #: one-chunk tail remains only where results leave whole: the straggler modes, pieces off, and
 #: broadcasts, so only those use it by default (``Config.chunks_per_span=None``); with cut-through,
 #: full chunks are ``chunk_bytes``. Many operations of a few MiB each (DDP buckets, JAX's leaves)
-#: otherwise cost the reducers per chunk: four workers sending 100 MB a step as 7 operations over
-#: four reducers on loopback cost the reducers 0.68-0.72 CPU s per step against 0.46-0.54 as one
-#: operation, and 0.53 with full chunks; at n=m=4, 1 Gbit/s, 16 and 64 MiB single operations ran
-#: the same within the noise (two alternated pairs, 2026-11-25, docs/performance.md, "Settings
-#: and what they cost").
+#: otherwise cost the reducers per chunk: JAX training at n=m=4, 1 Gbit/s (7 operations a step)
+#: cost the reducers 0.92-1.03 CPU s per step with 32 per span and 0.79 with full chunks, and ran
+#: 0.87-0.91x against 0.97x gloo; 16 and 64 MiB single operations ran the same within the noise
+#: (2026-11-25, docs/performance.md, "End-to-end training: JAX and Keras").
 CHUNKS_PER_SPAN = 32
 
 #: Cut-through (REDSRV_RESULT_PIECE_BYTES): where every rank must contribute (the default

@@ -81,3 +81,30 @@ def test_chunks_per_span_sets_how_finely_a_large_message_is_cut() -> None:
         for d in daemons:
             d.stop()
     assert closed[16] - closed[8] >= 8  # 8 more full chunks per span, one ramp step fewer at each end
+
+
+@pytest.mark.parametrize(("mode", "per_span"), [("all", 1), ("first_m", 32)])
+def test_by_default_full_chunks_are_chunk_bytes_where_reducers_cut_through_and_32_per_span_elsewhere(
+        mode: str, per_span: int) -> None:
+    """With cut-through (straggler mode ``all``) a span has no one-chunk tail to bound, so a
+    message of a few MiB goes in full chunks of ``chunk_bytes`` instead of 32 small ones per span
+    (constants.CHUNKS_PER_SPAN); where results leave whole (first_m here) 32 per span stay."""
+    daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(2)]
+    addresses = [f"{h}:{p}" for h, p in (d.start() for d in daemons)]
+    span_bytes = 4 * 2**20
+    size = 2 * span_bytes // 4  # 4 MiB of float32 per reducer span
+    job = f"auto-{mode}"
+    options = {"min_contributors": 2} if mode == "first_m" else {}
+    clients = [redsrv.Client(addresses, rank=r, world_size=2, job=job, straggler_mode=mode, **options) for r in range(2)]
+    try:
+        futures = [c.allreduce_async(np.full(size, r + 1, dtype=np.float32), key=1) for r, c in enumerate(clients)]
+        for c, f in zip(clients, futures):
+            assert np.array_equal(c.wait(f), np.full(size, 3, dtype=np.float32))
+        closed = _chunks_closed(daemons, job)
+    finally:
+        for c in clients:
+            c.close()
+        for d in daemons:
+            d.stop()
+    full = min(2**20, max(256 * 2**10, span_bytes // per_span))  # within MIN_FULL_CHUNK_BYTES..chunk_bytes
+    assert 2 * (span_bytes // full) <= closed <= 2 * (span_bytes // full + 8)  # plus the ramps
