@@ -90,10 +90,14 @@ def test_cut_through_wakes_the_reducer_per_piece_only_where_sums_leave_in_pieces
     host, port = daemon.start()
     address = f"{host}:{port}"
     try:
-        with redsrv.Client([address], rank=0, world_size=2, job="all") as a0, \
-             redsrv.Client([address], rank=1, world_size=2, job="all") as a1, \
-             redsrv.Client([address], rank=0, world_size=2, job="firstm", straggler_mode="first_m", min_contributors=2) as f0, \
-             redsrv.Client([address], rank=1, world_size=2, job="firstm", straggler_mode="first_m", min_contributors=2) as f1:
+        # The same chunks in both jobs (by default the straggler mode picks the chunk size too).
+        same = {"chunks_per_span": 32}
+        with redsrv.Client([address], rank=0, world_size=2, job="all", **same) as a0, \
+             redsrv.Client([address], rank=1, world_size=2, job="all", **same) as a1, \
+             redsrv.Client([address], rank=0, world_size=2, job="firstm", straggler_mode="first_m", min_contributors=2,
+                           **same) as f0, \
+             redsrv.Client([address], rank=1, world_size=2, job="firstm", straggler_mode="first_m", min_contributors=2,
+                           **same) as f1:
             x = np.arange(1_000_000, dtype=np.float32)
             for c0, c1 in ((a0, a1), (f0, f1)):
                 fut = c0.allreduce_async(x, key=1)
