@@ -712,6 +712,75 @@ def run_blocks(spec: dict[str, Any], blocks: dict[str, Callable[[str, int], dict
     harness.emit(event="done")
 
 
+class RawReplay:
+    """Every framework worker's raw block: the client's all-reduce of exactly the buckets the
+    adapter sent (``layout``: elements and dtype name of each), timed like the training blocks and
+    checked against the expected means (:func:`raw_data_for`, made again when the layout changes)."""
+
+    def __init__(self, *, rank: int, n: int) -> None:
+        self.rank, self.n = rank, n
+        self.inputs: list[Any] = []
+        self.expected: list[Any] = []
+
+    def block(self, client: Any, layout: Sequence[tuple[int, str]], *, params: int, wire_dtype: str | None,
+              timeout: float, rnd: int, timed: Callable[[Callable[[int], None]], tuple[list[float], harness.CpuMeter]],
+              ) -> dict[str, Any]:
+        import numpy as np
+
+        layout = list(layout)
+        if [(a.size, a.dtype.name) for a in self.inputs] != layout:
+            self.inputs, self.expected = raw_data_for(np, layout, rank=self.rank, n=self.n)
+        results: list[Any] = []
+
+        def step(i: int) -> None:
+            futures = [client.allreduce_async(a, op="mean", key=("raw", rnd, i, b), wire_dtype=wire_dtype, timeout=timeout)
+                       for b, a in enumerate(self.inputs)]
+            results[:] = [client.wait(f, timeout=timeout) for f in futures]
+
+        times, meter = timed(step)
+        sizes_ok = sum(numel for numel, _ in layout) == params
+        values_ok = all(np.allclose(r, e, rtol=RAW_RTOL[wire_dtype], atol=0) for r, e in zip(results, self.expected, strict=True))
+        return {"times": times, "correct": sizes_ok and values_ok, **meter.fields(), "buckets": layout,
+                "check": {"bucket_elements_equal_params": sizes_ok, "results_exact": values_ok}}
+
+
+def hook_vs_gloo(hook: Sequence[Any], gloo: Sequence[Any], initial: Sequence[Any], tolerance: float) -> dict[str, Any]:
+    """The largest |hook - gloo| parameter difference over the largest distance training moved the
+    gloo model from ``initial``, against ``tolerance``. Any array type with ``-``, ``abs`` and
+    ``.max()`` (numpy, torch).
+
+    >>> import numpy as np
+    >>> hook_vs_gloo([np.array([1.0, 2.5])], [np.array([1.0, 3.0])], [np.array([0.0, 1.0])], 0.5)["hook_vs_gloo"]
+    0.25
+    """
+    diff = moved = 0.0
+    for ph, pg, p0 in zip(hook, gloo, initial, strict=True):
+        diff = max(diff, float(abs(ph - pg).max()))
+        moved = max(moved, float(abs(pg - p0).max()))
+    relative = diff / moved if moved else math.inf
+    return {"hook_vs_gloo": relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
+
+
+def trained_block(times: list[float], meter: harness.CpuMeter, ranks_identical: bool,
+                  agreement: dict[str, Any] | None) -> dict[str, Any]:
+    """A training block's report: correct when the model is bit-identical on every rank and, for
+    the hook block of a round whose gloo block ran first (the same steps on the same data), equal
+    to the gloo model within tolerance (``agreement``, from :func:`hook_vs_gloo`)."""
+    check: dict[str, Any] = {"ranks_identical": ranks_identical, **(agreement or {})}
+    correct = ranks_identical and (agreement is None or bool(agreement["match"]))
+    return {"times": times, "correct": correct, "check": check, **meter.fields()}
+
+
+def params_digest(arrays: Sequence[Any]) -> str:
+    """A hash of the parameters' bytes (numpy arrays): equal on two ranks only if the models are identical."""
+    import numpy as np
+
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8).data)
+    return h.hexdigest()
+
+
 def _raw_data(np: Any, numel: int, dtype: Any, *, bucket: int, rank: int, n: int) -> tuple[Any, Any]:
     """The raw block's input for one bucket and the mean over ranks. Values depend on the position
     with a prime period (no power-of-two chunk boundary lines up with it) and on the bucket, so a
@@ -726,14 +795,6 @@ def _raw_data(np: Any, numel: int, dtype: Any, *, bucket: int, rank: int, n: int
     base = (position + rank % 4 + 1).astype(dtype)
     mean = (position + sum(r % 4 for r in range(n)) / n + 1).astype(dtype)
     return base, mean
-
-
-def _digest(params: Sequence[Any]) -> str:
-    """A hash of the parameters' bytes: equal on two ranks only if the models are identical."""
-    h = hashlib.blake2b(digest_size=16)
-    for p in params:
-        h.update(p.detach().contiguous().view(-1).numpy().data)
-    return h.hexdigest()
 
 
 def _torch_worker(spec: dict[str, Any]) -> int:
@@ -770,8 +831,7 @@ class _TorchWorker:
         self.recorder = _BucketRecorder()
         self.models: dict[str, Any] = {}
         self.optimizers: dict[str, Any] = {}
-        self.raw_inputs: list[Any] = []
-        self.raw_expected: list[Any] = []
+        self.raw = RawReplay(rank=self.rank, n=self.n)
 
     def close(self) -> None:
         self.client.close()
@@ -840,33 +900,11 @@ class _TorchWorker:
     def _ddp_block(self, mode: str, rnd: int) -> dict[str, Any]:
         times, meter = self._timed(lambda _i: self._train_step(mode))
         same = self._ranks_identical(list(self.models[mode].parameters()))
-        check: dict[str, Any] = {"ranks_identical": same}
-        correct = same
-        if mode == "hook" and "gloo" in self.models:
-            # The gloo block of this round ran first: both models took the same steps on the same data.
-            check.update(self._hook_vs_gloo())
-            correct = correct and check["match"]
-        return {"times": times, "correct": correct, "check": check, **meter.fields()}
+        return trained_block(times, meter, same, self._hook_vs_gloo() if mode == "hook" and "gloo" in self.models else None)
 
     def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
-        import numpy as np
-
-        layout = self.recorder.layout
-        if [(a.size, a.dtype.name) for a in self.raw_inputs] != layout:
-            self.raw_inputs, self.raw_expected = raw_data_for(np, layout, rank=self.rank, n=self.n)
-        results: list[Any] = []
-
-        def step(i: int) -> None:
-            futures = [self.client.allreduce_async(a, op="mean", key=("raw", rnd, i, b), wire_dtype=self.spec["wire_dtype"],
-                                                   timeout=self.timeout) for b, a in enumerate(self.raw_inputs)]
-            results[:] = [self.client.wait(f, timeout=self.timeout) for f in futures]
-
-        times, meter = self._timed(step)
-        sizes_ok = sum(numel for numel, _ in layout) == self.params
-        rtol = RAW_RTOL[self.spec["wire_dtype"]]
-        values_ok = all(np.allclose(r, e, rtol=rtol, atol=0) for r, e in zip(results, self.raw_expected, strict=True))
-        return {"times": times, "correct": sizes_ok and values_ok, **meter.fields(), "buckets": layout,
-                "check": {"bucket_elements_equal_params": sizes_ok, "results_exact": values_ok}}
+        return self.raw.block(self.client, self.recorder.layout, params=self.params, wire_dtype=self.spec["wire_dtype"],
+                              timeout=self.timeout, rnd=rnd, timed=self._timed)
 
     def _compute_block(self, mode: str, rnd: int) -> dict[str, Any]:
         ddp = self.models["hook"]
@@ -881,21 +919,14 @@ class _TorchWorker:
     def _ranks_identical(self, params: Sequence[Any]) -> bool:
         """Bit-identical models on every rank: a gloo all_gather of each rank's digest."""
         torch = self.torch
-        mine = torch.frombuffer(bytearray(bytes.fromhex(_digest(params))), dtype=torch.int64)
+        mine = torch.frombuffer(bytearray(bytes.fromhex(params_digest([p.detach().numpy() for p in params]))), dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(self.n)]
         self.dist.all_gather(gathered, mine)
         return all(torch.equal(t, mine) for t in gathered)
 
     def _hook_vs_gloo(self) -> dict[str, Any]:
-        """Largest |hook - gloo| parameter difference over the largest distance training moved the
-        gloo model from the initial parameters."""
-        diff = moved = 0.0
-        for ph, pg, p0 in zip(self.models["hook"].parameters(), self.models["gloo"].parameters(), self.initial, strict=True):
-            diff = max(diff, float((ph.detach() - pg.detach()).abs().max()))
-            moved = max(moved, float((pg.detach() - p0).abs().max()))
-        relative = diff / moved if moved else math.inf
-        tolerance = self.spec["tolerance"]
-        return {"hook_vs_gloo": relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
+        return hook_vs_gloo([p.detach() for p in self.models["hook"].parameters()],
+                            [p.detach() for p in self.models["gloo"].parameters()], self.initial, self.spec["tolerance"])
 
 
 if __name__ == "__main__":

@@ -20,13 +20,11 @@ with one thread: the workers and reducers share the machine's cores.
 from __future__ import annotations
 
 import functools
-import hashlib
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from redsrv.bench import harness
-from redsrv.bench.train import LEARNING_RATE, RAW_RTOL, init_params, raw_data_for, run_blocks
+from redsrv.bench.train import LEARNING_RATE, RawReplay, hook_vs_gloo, init_params, params_digest, run_blocks, trained_block
 
 __all__ = ["worker", "worker_env", "XLA_THREAD_FLAGS", "SETUP"]
 
@@ -44,13 +42,6 @@ def worker_env(env: dict[str, str]) -> dict[str, str]:
     more: that flag is dropped), single-threaded XLA."""
     kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_FLAG) and f not in XLA_THREAD_FLAGS]
     return dict(env, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*kept, *XLA_THREAD_FLAGS]))
-
-
-def _digest(arrays: Sequence[Any]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for a in arrays:
-        h.update(a.tobytes())
-    return h.hexdigest()
 
 
 def _use_gloo_interface(interface: str) -> None:
@@ -98,8 +89,7 @@ class _JaxWorker:
         self.comm = redsrv.jax.init(spec["reducers"], rank=self.rank, world_size=self.n, job=spec["job"],
                                     op_timeout=self.timeout, set_default=False)
         self.layout: list[tuple[int, str]] = []
-        self.raw_inputs: list[Any] = []
-        self.raw_expected: list[Any] = []
+        self.raw = RawReplay(rank=self.rank, n=self.n)
         self._barriers = 0
 
     def close(self) -> None:
@@ -204,30 +194,11 @@ class _JaxWorker:
         times, meter = self._timed(one)
         mine = self._local(self.models[mode])
         same = self._ranks_identical(mine)
-        check: dict[str, Any] = {"ranks_identical": same}
-        correct = same
-        if mode == "hook" and "gloo" in self.models:
-            check.update(self._hook_vs_gloo(mine))
-            correct = correct and check["match"]
-        return {"times": times, "correct": correct, "check": check, **meter.fields()}
+        return trained_block(times, meter, same, self._hook_vs_gloo(mine) if mode == "hook" and "gloo" in self.models else None)
 
     def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
-        np = self.np
-        if not self.raw_inputs:
-            self.raw_inputs, self.raw_expected = raw_data_for(np, self.layout, rank=self.rank, n=self.n)
-        results: list[Any] = []
-        client, wire = self.comm.client, self.spec["wire_dtype"]
-
-        def step(i: int) -> None:
-            futures = [client.allreduce_async(a, op="mean", key=("raw", rnd, i, b), wire_dtype=wire, timeout=self.timeout)
-                       for b, a in enumerate(self.raw_inputs)]
-            results[:] = [client.wait(f, timeout=self.timeout) for f in futures]
-
-        times, meter = self._timed(step)
-        sizes_ok = sum(numel for numel, _ in self.layout) == self.params
-        values_ok = all(np.allclose(r, e, rtol=RAW_RTOL[wire], atol=0) for r, e in zip(results, self.raw_expected, strict=True))
-        return {"times": times, "correct": sizes_ok and values_ok, **meter.fields(), "buckets": self.layout,
-                "check": {"bucket_elements_equal_params": sizes_ok, "results_exact": values_ok}}
+        return self.raw.block(self.comm.client, self.layout, params=self.params, wire_dtype=self.spec["wire_dtype"],
+                              timeout=self.timeout, rnd=rnd, timed=self._timed)
 
     def _compute_block(self, mode: str, rnd: int) -> dict[str, Any]:
         step, (x, y) = self.steps["compute"], self.data["hook"]
@@ -249,19 +220,12 @@ class _JaxWorker:
         assert client is not None
         self._barriers += 1
         tag = f"redsrv-bench-digest-{self._barriers}"
-        mine = _digest(params)
+        mine = params_digest(params)
         client.key_value_set(f"{tag}/{self.rank}", mine)
         ms = int(self.timeout * 1000)
         return all(client.blocking_key_value_get(f"{tag}/{r}", ms) == mine for r in range(self.n))
 
     def _hook_vs_gloo(self, hook: Sequence[Any]) -> dict[str, Any]:
-        """As the torch worker's: largest |hook - gloo| over the largest distance the gloo model moved."""
-        np = self.np
-        diff = moved = 0.0
-        for ph, pg, p0 in zip(hook, self._local(self.models["gloo"]), self.initial, strict=True):
-            diff = max(diff, float(np.abs(ph - pg).max()))
-            moved = max(moved, float(np.abs(pg - p0).max()))
-        relative = diff / moved if moved else math.inf
-        tolerance = self.spec["tolerance"]
-        return {"hook_vs_gloo": relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
+        """As the torch worker's (:func:`redsrv.bench.train.hook_vs_gloo`)."""
+        return hook_vs_gloo(hook, self._local(self.models["gloo"]), self.initial, self.spec["tolerance"])
 

@@ -23,14 +23,12 @@ client directly (not through either strategy), untimed.
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from redsrv.bench import harness
-from redsrv.bench.train import LEARNING_RATE, RAW_RTOL, init_params, raw_data_for, run_blocks
+from redsrv.bench.train import LEARNING_RATE, RawReplay, hook_vs_gloo, init_params, params_digest, run_blocks, trained_block
 
 __all__ = ["worker", "worker_env", "SETUP"]
 
@@ -55,13 +53,6 @@ def worker(spec: dict[str, Any]) -> int:
     finally:
         w.close()
     return 0
-
-
-def _digest(arrays: Sequence[Any]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for a in arrays:
-        h.update(a.tobytes())
-    return h.hexdigest()
 
 
 class _Recorder:
@@ -115,8 +106,7 @@ class _TfWorker:
         self.recorder = _Recorder()
         ops = self.redsrv.cross_device_ops
         ops._host_allreduce = self.recorder.wrap(ops._host_allreduce)  # looked up when the step is traced
-        self.raw_inputs: list[Any] = []
-        self.raw_expected: list[Any] = []
+        self.raw = RawReplay(rank=self.rank, n=self.n)
         self._barriers = 0
 
     def close(self) -> None:
@@ -206,31 +196,11 @@ class _TfWorker:
             self.redsrv.check()
         mine = self._weights(mode)
         same = self._ranks_identical(mine)
-        check: dict[str, Any] = {"ranks_identical": same}
-        correct = same
-        if mode == "hook" and "gloo" in self.models:
-            check.update(self._hook_vs_gloo(mine))
-            correct = correct and check["match"]
-        return {"times": times, "correct": correct, "check": check, **meter.fields()}
+        return trained_block(times, meter, same, self._hook_vs_gloo(mine) if mode == "hook" and "gloo" in self.models else None)
 
     def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
-        np = self.np
-        layout = self.recorder.layout
-        if [(a.size, a.dtype.name) for a in self.raw_inputs] != layout:
-            self.raw_inputs, self.raw_expected = raw_data_for(np, layout, rank=self.rank, n=self.n)
-        results: list[Any] = []
-        client, wire = self.client, self.spec["wire_dtype"]
-
-        def step(i: int) -> None:
-            futures = [client.allreduce_async(a, op="mean", key=("raw", rnd, i, b), wire_dtype=wire, timeout=self.timeout)
-                       for b, a in enumerate(self.raw_inputs)]
-            results[:] = [client.wait(f, timeout=self.timeout) for f in futures]
-
-        times, meter = self._timed(step)
-        sizes_ok = sum(numel for numel, _ in layout) == self.params
-        values_ok = all(np.allclose(r, e, rtol=RAW_RTOL[wire], atol=0) for r, e in zip(results, self.raw_expected, strict=True))
-        return {"times": times, "correct": sizes_ok and values_ok, **meter.fields(), "buckets": layout,
-                "check": {"bucket_elements_equal_params": sizes_ok, "results_exact": values_ok}}
+        return self.raw.block(self.client, self.recorder.layout, params=self.params, wire_dtype=self.spec["wire_dtype"],
+                              timeout=self.timeout, rnd=rnd, timed=self._timed)
 
     def _compute_block(self, mode: str, rnd: int) -> dict[str, Any]:
         model = self.models["compute"]
@@ -245,17 +215,10 @@ class _TfWorker:
 
         np = self.np
         self._barriers += 1
-        mine = np.frombuffer(bytes.fromhex(_digest(params)), dtype=np.uint8)
+        mine = np.frombuffer(bytes.fromhex(params_digest(params)), dtype=np.uint8)
         gathered = collectives.allgather(self.client, mine, key=("bench-digest", self._barriers), timeout=self.timeout)
         return all(np.array_equal(g, mine) for g in gathered)
 
     def _hook_vs_gloo(self, hook: Sequence[Any]) -> dict[str, Any]:
-        """As the torch worker's: largest |hook - gloo| over the largest distance the gloo model moved."""
-        np = self.np
-        diff = moved = 0.0
-        for ph, pg, p0 in zip(hook, self._weights("gloo"), self.initial, strict=True):
-            diff = max(diff, float(np.abs(ph - pg).max()))
-            moved = max(moved, float(np.abs(pg - p0).max()))
-        relative = diff / moved if moved else math.inf
-        tolerance = self.spec["tolerance"]
-        return {"hook_vs_gloo": relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
+        """As the torch worker's (:func:`redsrv.bench.train.hook_vs_gloo`)."""
+        return hook_vs_gloo(hook, self._weights("gloo"), self.initial, self.spec["tolerance"])
