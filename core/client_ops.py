@@ -18,7 +18,7 @@ import numpy as np
 
 from . import chunker, wire
 
-__all__ = ["Contributors", "ReduceFuture", "Op", "PendingPush", "OpTable", "Completions", "label", "set_exception"]
+__all__ = ["Contributors", "ReduceFuture", "Op", "Copy", "PendingPush", "OpTable", "Completions", "label", "set_exception"]
 
 log = logging.getLogger("redsrv.client")
 
@@ -111,6 +111,38 @@ def _call(fn: Callback, future: concurrent.futures.Future) -> None:  # type: ign
 
 
 @dataclass
+class Copy:
+    """A chunk's result as it came off the wire (wire dtype, before any mean is taken), with what
+    it takes to push it as ReduceOp.SETTLED to a reducer that restarted before every rank had it
+    (R22).
+
+    Where the result lands in the operation's ``out`` as it came (no mean, no widening), ``data``
+    starts as a view of ``out``: the result is *lent*, and copied only when ``out`` goes back to
+    the caller (:meth:`Op.take_back_lent`) or the result must be resent. Most chunks' SAFE comes
+    before their operation ends, so most results are never copied at all."""
+
+    key: int
+    total: int
+    offset: int
+    index: int
+    dtype: wire.DType
+    data: np.ndarray
+    frame: int = 0  # the stream's RESULT frame count once the chunk was whole
+    lender: Op | None = None  # the operation whose ``out`` ``data`` views, while it does
+    settled: bool = False  # the reducer said every rank has it: nobody needs it any more
+
+    def own(self) -> np.ndarray:
+        """``data`` in a buffer of its own: copied out of the lender's ``out`` first if it is
+        still lent (under the lender's lock, so not after ``out`` went back to the caller)."""
+        lender = self.lender
+        if lender is not None:
+            with lender.lock:
+                if self.lender is not None:
+                    self.data, self.lender = self.data.copy(), None
+        return self.data
+
+
+@dataclass
 class Op:
     """One all-reduce or broadcast in flight."""
 
@@ -136,6 +168,33 @@ class Op:
     # What it takes to send each outstanding chunk again after a reconnect (R22).
     pushes: dict[tuple[int, int], PendingPush] = field(default_factory=dict)
     in_place: bool = False  # results land in the input: keep a chunk's input before its result lands
+    # Results kept for recovery as views of ``out`` (see Copy), until ``out`` goes back to the
+    # caller; ``returned`` (under ``lock``) once it has, after which nothing more is lent.
+    lent: list[Copy] = field(default_factory=list)
+    returned: bool = False
+
+    def lend(self, kept: Copy) -> bool:
+        """Keep ``kept`` as a view of ``out`` until ``out`` goes back to the caller; False if it
+        already has (the caller then makes a copy of its own)."""
+        with self.lock:
+            if self.returned:
+                return False
+            kept.lender = self
+            self.lent.append(kept)
+            return True
+
+    def take_back_lent(self) -> None:
+        """Before the caller gets ``out`` back (the operation completes or fails): each result
+        still lent that some rank may lack gets a copy of its own, since the caller may now
+        overwrite ``out``."""
+        with self.lock:
+            self.returned = True
+            for kept in self.lent:
+                if kept.lender is self:
+                    if not kept.settled:
+                        kept.data = kept.data.copy()
+                    kept.lender = None
+            self.lent.clear()
 
 
 @dataclass
@@ -198,6 +257,7 @@ class OpTable:
                 return
             del self.ops[op.key]
             self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + 1
+        op.take_back_lent()
         set_exception(op.future, error)
 
     def fail_all(self, error: BaseException) -> None:
@@ -210,6 +270,7 @@ class OpTable:
             if ops:
                 self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + len(ops)
         for op in ops:
+            op.take_back_lent()
             set_exception(op.future, error)
 
     def close(self, error: BaseException) -> bool:
@@ -221,6 +282,7 @@ class OpTable:
             ops = list(self.ops.values())
             self.ops.clear()
         for op in ops:
+            op.take_back_lent()
             set_exception(op.future, error)
         return True
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import chunker, wire
-from .client_ops import Contributors, Op, OpTable, label
+from .client_ops import Contributors, Copy, Op, OpTable, label
 from .errors import (
     AuthenticationError,
     ContributionMismatchError,
@@ -41,20 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["Receiver", "Copy", "Incoming"]
 
 log = logging.getLogger("redsrv.client")
-
-
-@dataclass
-class Copy:
-    """A chunk's result as it came off the wire (wire dtype, before any mean is taken), with what
-    it takes to push it as ReduceOp.SETTLED."""
-
-    key: int
-    total: int
-    offset: int
-    index: int
-    dtype: wire.DType
-    data: np.ndarray
-    frame: int = 0  # the stream's RESULT frame count once the chunk was whole
 
 
 @dataclass
@@ -196,17 +182,25 @@ class Receiver:
         op.future.contributors = Contributors(
             op.min_count, op.max_count, tuple(r for r in range(self.config.world_size) if op.all_ranks >> r & 1))
         # Wakes the waiters here; the future's done-callbacks run on the completion thread (ReduceFuture).
+        op.take_back_lent()  # the caller may overwrite ``out`` from now on
         if op.future.set_running_or_notify_cancel():
             op.future.set_result(op.out.reshape(op.shape) if op.given_out is None else op.given_out)
 
     def _copy_piece(self, stream: Stream, incoming: Incoming, target: np.ndarray) -> None:
-        """Keep this piece of a result as it came off the wire (before a mean is taken)."""
+        """Keep this piece of a result as it came off the wire (before a mean is taken): lent
+        from ``out`` where it lands there unchanged (see :class:`Copy`), else copied."""
         op, chunk = incoming.op, incoming.chunk
         place = (op.key, chunk.index)
         kept = stream.partial_copies.get(place)
         if kept is None:
-            kept = stream.partial_copies[place] = Copy(op.key, op.out.size, chunk.start, chunk.index,
-                                                       wire.dtype_code(op.wire_dtype), np.empty(chunk.count, op.wire_dtype))
+            as_landed = op.wire_dtype == op.out.dtype and not op.mean
+            kept = Copy(op.key, op.out.size, chunk.start, chunk.index, wire.dtype_code(op.wire_dtype),
+                        op.out[chunk.start : chunk.stop] if as_landed else np.empty(chunk.count, op.wire_dtype))
+            if as_landed and not op.lend(kept):
+                kept.data = np.empty(chunk.count, op.wire_dtype)  # ``out`` is the caller's again (the op failed)
+            stream.partial_copies[place] = kept
+        if kept.lender is not None:
+            return  # the piece is in ``out``, which ``kept.data`` views
         piece = kept.data[incoming.start - chunk.start : incoming.stop - chunk.start]
         if op.wire_dtype != op.out.dtype:
             np.copyto(piece, stream.take_scratch(incoming.data_len).view(op.wire_dtype))
@@ -218,7 +212,7 @@ class Receiver:
         if frame_type is not wire.FrameType.SAFE:
             raise ConnectionBroken("protocol", f"unexpected {frame_type.name} frame from a reducer")
         for place in [place for place, kept in stream.copies.items() if kept.frame <= frames]:
-            del stream.copies[place]
+            stream.copies.pop(place).settled = True
 
     def _on_error_frame(self, stream: Stream, frame: wire.Error) -> None:
         if frame.code is wire.ErrorCode.SHUTDOWN and self.config.reconnect_window > 0:

@@ -299,10 +299,11 @@ class Session:
             if restarted:  # it lost what it had: give it the results some ranks may still lack
                 for i, kept in enumerate(copies):
                     target = streams[i % len(streams)]
+                    data = kept.own()  # the frame may leave after ``out`` went back to the caller
                     header = wire.push_header(wire.Push(kept.key, target.incarnation, kept.total, kept.offset,
-                                                        kept.data.size, kept.index, kept.dtype, wire.ReduceOp.SETTLED),
-                                              kept.data.nbytes)
-                    io.send_frame(target, [memoryview(header), kept.data.view(np.uint8).data], None)
+                                                        data.size, kept.index, kept.dtype, wire.ReduceOp.SETTLED),
+                                              data.nbytes)
+                    io.send_frame(target, [memoryview(header), data.view(np.uint8).data], None)
             ops = self.ops.snapshot()
             with dispatcher.lock:
                 queued = {(id(p.op), p.chunk.reducer, p.chunk.index) for p in dispatcher.pending}

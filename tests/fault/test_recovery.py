@@ -9,6 +9,7 @@ bitwise against the rank-order sum."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 import redsrv
+from redsrv.core import wire
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -160,3 +162,83 @@ def test_clients_closed_and_made_again_for_the_same_job_keep_no_place_for_a_reco
         with redsrv.Client([reducer.address], rank=1, world_size=2, job="again", **config) as rank1:
             assert rank1.allreduce(x[1], key="second").tobytes() == (x[0] + x[1]).tobytes()
         assert rank0.wait(pending, timeout=15).tobytes() == (x[0] + x[1]).tobytes()
+
+
+def _restarting_reducer(results_sent: threading.Event, crash: threading.Event,
+                        settled: list[wire.Push]) -> tuple[str, threading.Thread, socket.socket]:
+    """A scripted reducer (incarnation 5) that answers one operation's pushes with their values
+    plus one and never says SAFE; on ``crash`` it drops the connection and comes back as
+    incarnation 6, collecting the SETTLED pushes the client then sends it."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def handshake(conn: socket.socket, incarnation: int) -> Callable[[], wire.Frame]:
+        conn.settimeout(10)
+        decoder = wire.FrameDecoder()
+
+        def next_frame() -> wire.Frame:
+            while (frame := decoder.next_frame()) is None:
+                data = conn.recv(1 << 16)
+                assert data, "the client hung up early"
+                decoder.receive_data(data)
+            return frame
+
+        assert isinstance(next_frame(), wire.Hello)
+        conn.sendall(wire.encode(wire.Challenge(incarnation, bytes(32), bytes(32), False)))
+        assert isinstance(next_frame(), wire.Proof)
+        conn.sendall(wire.encode(wire.Welcome(incarnation, 1 << 26, 200)))
+        return next_frame
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            next_frame = handshake(conn, 5)
+            pushes: list[wire.Push] = []
+            while not pushes or sum(p.count for p in pushes) < pushes[0].total:
+                if isinstance(frame := next_frame(), wire.Push):
+                    pushes.append(frame)
+            for push in pushes:
+                data = (np.frombuffer(push.payload, np.float32) + 1).tobytes()
+                conn.sendall(wire.encode(wire.Result(push.key, push.offset, push.count, push.chunk, push.dtype, 1,
+                                                     b"\x01", data)))
+            results_sent.set()
+            assert crash.wait(10)
+        conn, _ = listener.accept()
+        with conn:
+            next_frame = handshake(conn, 6)
+            while sum(p.count for p in settled) < pushes[0].total:
+                if isinstance(frame := next_frame(), wire.Push) and frame.op is wire.ReduceOp.SETTLED:
+                    settled.append(frame)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    host, port = listener.getsockname()[:2]
+    return f"{host}:{port}", thread, listener
+
+
+def test_a_restarted_reducer_is_given_the_results_as_they_came_even_after_the_caller_reused_its_buffer() -> None:
+    """A client keeps each result until the reducer says every rank has it, lending it from the
+    operation's ``out`` while it can (client_ops.Copy). Here no SAFE ever comes: the caller
+    gets ``out`` back and overwrites it, then the reducer restarts; what the client gives the new
+    incarnation must still be the results as they came, not what the caller wrote since."""
+    results_sent, crash, settled = threading.Event(), threading.Event(), []
+    address, thread, listener = _restarting_reducer(results_sent, crash, settled)
+    x = np.arange(600_000, dtype=np.float32)  # more than one chunk
+    out = np.empty_like(x)
+    try:
+        with redsrv.Client([address], rank=0, world_size=1, job="lent", **RECOVERING) as client:
+            assert client.allreduce(x, out=out, timeout=10) is out
+            assert out.tobytes() == (x + 1).tobytes()
+            assert results_sent.wait(10)
+            out.fill(-7.0)  # the caller's next step writes into the same buffer
+            crash.set()
+            thread.join(20)
+            assert not thread.is_alive(), "the client did not give the restarted reducer its results"
+        assert len(settled) > 1
+        for push in settled:
+            given = np.frombuffer(push.payload, np.float32)
+            assert given.tobytes() == (x[push.offset : push.offset + push.count] + 1).tobytes(), push.offset
+    finally:
+        crash.set()
+        thread.join(10)
+        listener.close()
