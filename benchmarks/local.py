@@ -37,11 +37,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="sizes in MiB (default 1 4 16 64 256)")
     b.add_argument("--reps", type=int, default=5, help="timed repetitions per size (default 5, after 2 warm-ups)")
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress float32 on the wire")
+    b.add_argument("--op", choices=["sum", "mean"], default="sum",
+                   help="the reduction (default sum; DDP and JAX's pmean use mean, which divides on the workers)")
     b.add_argument("--io-threads", type=int, default=None,
                    help="each worker's client I/O threads (default: REDSRV_IO_THREADS, else 1)")
     b.add_argument("--json", help="write every rep to this JSON file")
     b.set_defaults(func=lambda a: run_local_bench(workers=a.workers, reducers=a.reducers, sizes_mib=a.sizes, reps=a.reps,
-                                                  wire_dtype=a.wire_dtype, json_path=a.json, io_threads=a.io_threads))
+                                                  wire_dtype=a.wire_dtype, json_path=a.json, io_threads=a.io_threads,
+                                                  op=a.op))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -55,11 +58,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps: int, wire_dtype: str | None,
-                    json_path: str | None, warmup: int = 2, io_threads: int | None = None) -> int:
+                    json_path: str | None, warmup: int = 2, io_threads: int | None = None, op: str = "sum") -> int:
     from redsrv import Config
 
     threads = Config.from_env(io_threads=io_threads).io_threads  # the flag, else REDSRV_IO_THREADS, validated
-    print(f"redsrv bench local: {workers} workers ({threads} I/O thread(s) each), {reducers} reducers on 127.0.0.1, float32"
+    print(f"redsrv bench local: {workers} workers ({threads} I/O thread(s) each), {reducers} reducers on 127.0.0.1, "
+          f"{op} of float32"
           + (f" ({wire_dtype} on the wire)" if wire_dtype else "") + f", {reps} reps after {warmup} warm-ups", flush=True)
     print("  loopback measures CPU efficiency, not network speed-ups (see `redsrv bench emulate`)", flush=True)
     fleet = start_reducers(reducers)
@@ -68,7 +72,8 @@ def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps
     try:
         with tempfile.TemporaryDirectory(prefix="redsrv-bench-") as tmp:
             outs = [os.path.join(tmp, f"rank{r}.json") for r in range(workers)]
-            spec = {"sizes": sizes_mib, "reps": reps, "warmup": warmup, "wire_dtype": wire_dtype, "io_threads": threads}
+            spec = {"sizes": sizes_mib, "reps": reps, "warmup": warmup, "wire_dtype": wire_dtype, "io_threads": threads,
+                    "op": op}
             for r in range(workers):
                 procs.append(subprocess.Popen([
                     sys.executable, "-m", "redsrv.bench.local", "worker", json.dumps(spec), str(r), str(workers),
@@ -99,7 +104,7 @@ def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps
                       f"{row['algbw_gbps']:>11.3f} {row['reducer_cpu_s_per_gb']:>17.3f} {row['worker_cpu_s_per_gb']:>16.3f}")
         if json_path:
             with open(json_path, "w") as f:
-                json.dump({"workers": workers, "reducers": reducers, "io_threads": threads, "wire_dtype": wire_dtype,
+                json.dump({"workers": workers, "reducers": reducers, "io_threads": threads, "wire_dtype": wire_dtype, "op": op,
                            "rows": rows}, f, indent=1)
             print(f"  wrote {json_path}")
         return 0
@@ -124,13 +129,13 @@ def _worker(spec_json: str, rank: str, world: str, reducers: str, out: str, redu
             times = []
             for _ in range(spec["warmup"]):
                 client.barrier()
-                client.allreduce(x)
+                client.allreduce(x, op=spec["op"])
             cpu_before = sum(cpu_seconds(p) for p in reducer_pids)
             own_before = _own_cpu_seconds()
             for _ in range(spec["reps"]):
                 client.barrier()
                 start = time.perf_counter()
-                client.allreduce(x)
+                client.allreduce(x, op=spec["op"])
                 times.append(time.perf_counter() - start)
             client.barrier()
             own = _own_cpu_seconds() - own_before

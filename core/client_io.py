@@ -27,8 +27,8 @@ from .errors import PeerError
 from .transport import ConnectionBroken, FrameReader, FrameWriter, Waker, peer_name, watch
 
 if TYPE_CHECKING:
-    from .client_ops import OpTable
-    from .client_receive import Copy, Incoming, Receiver
+    from .client_ops import Copy, OpTable
+    from .client_receive import Incoming, Receiver
     from .client_session import Session
     from .config import Config
 

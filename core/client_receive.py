@@ -56,6 +56,7 @@ class Incoming:
     data_len: int
     arrived: float  # when the chunk's first piece arrived
     in_bitmap: bool
+    into_copy: bool = False  # the payload lands in the chunk's kept copy, not in ``out``
 
 
 class Receiver:
@@ -115,9 +116,15 @@ class Receiver:
     def _result_target(self, stream: Stream, incoming: Incoming) -> tuple[memoryview, str]:
         op, chunk = incoming.op, incoming.chunk
         what = f"result (key {op.label!r} chunk {chunk.index})"
-        if op.wire_dtype == op.out.dtype:
-            return op.out[incoming.start : incoming.stop].view(np.uint8).data, what
-        return stream.take_scratch(incoming.data_len).data, what
+        if op.wire_dtype != op.out.dtype:
+            return stream.take_scratch(incoming.data_len).data, what
+        if op.mean and self.keep_copies:
+            # The copy kept for recovery is the sum as it came: receive it there, and taking the
+            # mean into ``out`` is the only other pass over the bytes.
+            incoming.into_copy = True
+            kept = self._kept(stream, incoming)
+            return kept.data[incoming.start - chunk.start : incoming.stop - chunk.start].view(np.uint8).data, what
+        return op.out[incoming.start : incoming.stop].view(np.uint8).data, what
 
     def on_payload(self, stream: Stream) -> tuple[memoryview, str] | None:
         incoming = stream.result
@@ -137,21 +144,29 @@ class Receiver:
         operation, with its last chunk)."""
         op, chunk, contributors, chunk_index = incoming.op, incoming.chunk, incoming.contributors, incoming.chunk.index
         target = op.out[incoming.start : incoming.stop]
-        if op.wire_dtype != op.out.dtype:
-            np.copyto(target, stream.take_scratch(incoming.data_len).view(op.wire_dtype), casting="unsafe")
-        if self.keep_copies:
-            self._copy_piece(stream, incoming, target)
-        if op.mean and contributors > 1:
-            np.divide(target, contributors, out=target, casting="unsafe")
+        if incoming.into_copy:
+            kept = stream.partial_copies[(op.key, chunk_index)]
+            as_came = kept.data[incoming.start - chunk.start : incoming.stop - chunk.start]
+            if contributors > 1:
+                np.divide(as_came, contributors, out=target, casting="unsafe")
+            else:
+                np.copyto(target, as_came)
+        else:
+            if op.wire_dtype != op.out.dtype:
+                np.copyto(target, stream.take_scratch(incoming.data_len).view(op.wire_dtype), casting="unsafe")
+            if self.keep_copies:
+                self._copy_piece(stream, incoming, target)
+            if op.mean and contributors > 1:
+                np.divide(target, contributors, out=target, casting="unsafe")
         self.pulled[stream.loop] += incoming.data_len
         place = (stream.reducer, chunk_index)
         whole = incoming.stop == chunk.stop
         if whole:
             op.received.pop(place, None)
-            kept = stream.partial_copies.pop((op.key, chunk_index), None)
-            if kept is not None:
-                kept.frame = stream.frames_received
-                stream.copies[(op.key, chunk_index)] = kept
+            whole_copy = stream.partial_copies.pop((op.key, chunk_index), None)
+            if whole_copy is not None:
+                whole_copy.frame = stream.frames_received
+                stream.copies[(op.key, chunk_index)] = whole_copy
         else:  # more pieces of this chunk to come
             op.received[place] = (incoming.stop - chunk.start, incoming.arrived)
         if whole and self.timeline is not None:
@@ -186,9 +201,9 @@ class Receiver:
         if op.future.set_running_or_notify_cancel():
             op.future.set_result(op.out.reshape(op.shape) if op.given_out is None else op.given_out)
 
-    def _copy_piece(self, stream: Stream, incoming: Incoming, target: np.ndarray) -> None:
-        """Keep this piece of a result as it came off the wire (before a mean is taken): lent
-        from ``out`` where it lands there unchanged (see :class:`Copy`), else copied."""
+    def _kept(self, stream: Stream, incoming: Incoming) -> Copy:
+        """The copy kept of this piece's chunk for recovery, made at its first piece: lent from
+        ``out`` where the result lands there as it came (see :class:`Copy`), else a buffer."""
         op, chunk = incoming.op, incoming.chunk
         place = (op.key, chunk.index)
         kept = stream.partial_copies.get(place)
@@ -199,11 +214,17 @@ class Receiver:
             if as_landed and not op.lend(kept):
                 kept.data = np.empty(chunk.count, op.wire_dtype)  # ``out`` is the caller's again (the op failed)
             stream.partial_copies[place] = kept
+        return kept
+
+    def _copy_piece(self, stream: Stream, incoming: Incoming, target: np.ndarray) -> None:
+        """Keep this piece of a result as it came off the wire (before a mean is taken)."""
+        kept = self._kept(stream, incoming)
         if kept.lender is not None:
             return  # the piece is in ``out``, which ``kept.data`` views
+        chunk, wire_dtype = incoming.chunk, incoming.op.wire_dtype
         piece = kept.data[incoming.start - chunk.start : incoming.stop - chunk.start]
-        if op.wire_dtype != op.out.dtype:
-            np.copyto(piece, stream.take_scratch(incoming.data_len).view(op.wire_dtype))
+        if wire_dtype != incoming.op.out.dtype:
+            np.copyto(piece, stream.take_scratch(incoming.data_len).view(wire_dtype))
         else:
             np.copyto(piece, target)
 

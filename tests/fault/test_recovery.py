@@ -167,7 +167,7 @@ def test_clients_closed_and_made_again_for_the_same_job_keep_no_place_for_a_reco
 def _restarting_reducer(results_sent: threading.Event, crash: threading.Event,
                         settled: list[wire.Push]) -> tuple[str, threading.Thread, socket.socket]:
     """A scripted reducer (incarnation 5) that answers one operation's pushes with their values
-    plus one and never says SAFE; on ``crash`` it drops the connection and comes back as
+    plus one, as the sum of two ranks, and never says SAFE; on ``crash`` it drops the connection and comes back as
     incarnation 6, collecting the SETTLED pushes the client then sends it."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
@@ -199,8 +199,8 @@ def _restarting_reducer(results_sent: threading.Event, crash: threading.Event,
                     pushes.append(frame)
             for push in pushes:
                 data = (np.frombuffer(push.payload, np.float32) + 1).tobytes()
-                conn.sendall(wire.encode(wire.Result(push.key, push.offset, push.count, push.chunk, push.dtype, 1,
-                                                     b"\x01", data)))
+                conn.sendall(wire.encode(wire.Result(push.key, push.offset, push.count, push.chunk, push.dtype, 2,
+                                                     b"\x03", data)))
             results_sent.set()
             assert crash.wait(10)
         conn, _ = listener.accept()
@@ -216,19 +216,21 @@ def _restarting_reducer(results_sent: threading.Event, crash: threading.Event,
     return f"{host}:{port}", thread, listener
 
 
-def test_a_restarted_reducer_is_given_the_results_as_they_came_even_after_the_caller_reused_its_buffer() -> None:
-    """A client keeps each result until the reducer says every rank has it, lending it from the
-    operation's ``out`` while it can (client_ops.Copy). Here no SAFE ever comes: the caller
-    gets ``out`` back and overwrites it, then the reducer restarts; what the client gives the new
-    incarnation must still be the results as they came, not what the caller wrote since."""
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_a_restarted_reducer_is_given_the_results_as_they_came_even_after_the_caller_reused_its_buffer(op: str) -> None:
+    """A client keeps each result until the reducer says every rank has it: a sum's lent from the
+    operation's ``out`` while it can (client_ops.Copy), a mean's received into the copy and
+    divided from there into ``out``. Here no SAFE ever comes: the caller gets ``out`` back and
+    overwrites it, then the reducer restarts; what the client gives the new incarnation must
+    still be the results as they came (before the mean), not what the caller wrote since."""
     results_sent, crash, settled = threading.Event(), threading.Event(), []
     address, thread, listener = _restarting_reducer(results_sent, crash, settled)
     x = np.arange(600_000, dtype=np.float32)  # more than one chunk
     out = np.empty_like(x)
     try:
         with redsrv.Client([address], rank=0, world_size=1, job="lent", **RECOVERING) as client:
-            assert client.allreduce(x, out=out, timeout=10) is out
-            assert out.tobytes() == (x + 1).tobytes()
+            assert client.allreduce(x, op=op, out=out, timeout=10) is out
+            assert out.tobytes() == ((x + 1) / 2 if op == "mean" else x + 1).tobytes()
             assert results_sent.wait(10)
             out.fill(-7.0)  # the caller's next step writes into the same buffer
             crash.set()
