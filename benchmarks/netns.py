@@ -50,6 +50,15 @@ IFNAME = "eth0"
 #: tbf queue limit expressed as latency: a deep enough queue that TCP keeps the link full.
 QUEUE_LATENCY_MS = 20
 
+#: Least queue on a host's own egress (its NIC): a real NIC's qdisc holds 1000 packets, GSO packets
+#: of up to 64 KiB among them, and TCP small queues keep each local flow to about two of those
+#: there, so a NIC's queue does not drop a host's own TCP data. A queue of QUEUE_LATENCY_MS alone
+#: is shallower than that at slow emulated rates once a host has many flows (1 MB at 400 Mbit/s
+#: against 8 flows x 2 x 64 KiB for a worker at n = 8): every host dropped its own packets and
+#: redsrv reached 0.70 of its bound there; with this floor none did and it reached 0.91
+#: (docs/performance.md, "Scaling: n = 2..8"). Switch ports keep QUEUE_LATENCY_MS.
+HOST_QUEUE_MIN_BYTES = 8 * 1024 * 1024
+
 #: tbf bucket: at least 1 ms at the rate, and never below two 64 KiB GSO segments with their
 #: headers, which tbf must be able to pass whole.
 MIN_BURST_BYTES = 128 * 1024
@@ -242,7 +251,7 @@ class Cluster:
             _run(["ip", "-n", h.ns, "link", "set", port, "netns", sw], f"plugging {h.ns} into the switch")
             _run(["ip", "-n", sw, "link", "set", port, "master", "br0", "up"], f"enabling switch port {port}")
             self._configure_host(h)
-            self._set_rate(h.ns, IFNAME)
+            self._set_rate(h.ns, IFNAME, host_egress=True)
             self._set_rate(sw, port)
 
     def _up_tap(self) -> None:
@@ -260,7 +269,7 @@ class Cluster:
             raise EmulationError(f"the delay forwarder did not start (printed {line!r}; {err.strip()[-500:]})")
         for h in self.hosts:
             self._configure_host(h)
-            self._set_rate(h.ns, IFNAME)
+            self._set_rate(h.ns, IFNAME, host_egress=True)
             if self.rate_bps:
                 # Download: frames the forwarder writes arrive as ingress; redirect them to an
                 # ifb device whose egress tbf shapes them.
@@ -277,13 +286,16 @@ class Cluster:
         _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", IFNAME], f"addressing {h.ns}")
         _run(["ip", "-n", h.ns, "link", "set", IFNAME, "up"], f"bringing up {IFNAME} in {h.ns}")
 
-    def _set_rate(self, ns: str, dev: str) -> None:
+    def _set_rate(self, ns: str, dev: str, host_egress: bool = False) -> None:
         if not self.rate_bps:
             _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "pfifo", "limit", "10000"], f"queue on {ns}/{dev}")
             return
         burst = max(MIN_BURST_BYTES, self.rate_bps // 8 // 1000)
+        queue = self.rate_bps // 8 * QUEUE_LATENCY_MS // 1000
+        if host_egress:
+            queue = max(queue, HOST_QUEUE_MIN_BYTES)
         _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.rate_bps}bit",
-              "burst", str(burst), "latency", f"{QUEUE_LATENCY_MS}ms"], f"rate limit on {ns}/{dev}")
+              "burst", str(burst), "limit", str(queue + burst)], f"rate limit on {ns}/{dev}")
 
     def spawn(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:  # type: ignore[type-arg]
         """Start ``argv`` inside host ``host`` (``ip netns exec`` execs in place: the pid is the

@@ -1,8 +1,9 @@
-"""``redsrv bench emulate`` without a cluster: rates, bounds, summaries, and the checks that must
-fail before anything is created."""
+"""``redsrv bench emulate`` without running a benchmark: rates, bounds, summaries, the checks that
+must fail before anything is created, and the queues a cluster is built with."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,16 @@ import pytest
 
 from redsrv.bench import report
 from redsrv.bench.emulate import Options
-from redsrv.bench.netns import MAX_HOSTS, Cluster, EmulationError, our_namespaces, parse_rate, tcp_goodput_bps
+from redsrv.bench.netns import (
+    HOST_QUEUE_MIN_BYTES,
+    MAX_HOSTS,
+    QUEUE_LATENCY_MS,
+    Cluster,
+    EmulationError,
+    our_namespaces,
+    parse_rate,
+    tcp_goodput_bps,
+)
 from redsrv.core.config import Config
 
 
@@ -123,6 +133,29 @@ def test_existing_namespace_with_our_prefix_is_refused():
         assert our_namespaces(prefix) == [f"{prefix}-h0"]  # ours to remove, not the check's
     finally:
         subprocess.run(["ip", "netns", "del", f"{prefix}-h0"], check=True)
+
+
+def _queue_bytes(ns: str, dev: str) -> float:
+    """How many bytes the tbf on ``dev`` queues before it drops (tc reports it as latency)."""
+    shown = subprocess.run(["tc", "-j", "-n", ns, "qdisc", "show", "dev", dev], check=True, capture_output=True,
+                           text=True, timeout=10).stdout
+    (qdisc,) = json.loads(shown)
+    assert qdisc["kind"] == "tbf"
+    return float(qdisc["options"]["rate"] * qdisc["options"]["lat"] / 1e6)
+
+
+@needs_root
+def test_a_host_never_drops_its_own_flows_while_switch_ports_queue_20_ms():
+    # At 400 Mbit/s a 20 ms queue is 1 MB, less than TCP small queues let eight flows put in a
+    # host's own queue: the hosts dropped their own packets (see HOST_QUEUE_MIN_BYTES).
+    prefix = f"rsu{os.getpid() % 100000}"
+    rate_bps = 400 * 10**6
+    with Cluster(2, rate_bps, prefix=prefix) as cluster:
+        queues = [(_queue_bytes(h.ns, "eth0"), _queue_bytes(cluster.switch, f"p{h.index}")) for h in cluster.hosts]
+    assert our_namespaces(prefix) == []
+    for host_queue, port_queue in queues:
+        assert host_queue >= HOST_QUEUE_MIN_BYTES * 0.99
+        assert port_queue == pytest.approx(rate_bps / 8 * QUEUE_LATENCY_MS / 1000, rel=0.02)
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
