@@ -173,7 +173,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
                         f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck, and this "
                         "prediction is optimistic: the workers' flows converge on each reducer's switch port, and TCP "
-                        "backs off on the drops there (14-30% below it on the emulated cluster, docs/performance.md)")
+                        "backs off on the drops there (7-35% below it on the emulated cluster, docs/performance.md)")
     if loops < min(r, host_cpu):
         lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
                 if p < enough_processes else "one per core already: add reducer hosts or faster cores")
