@@ -60,16 +60,17 @@ class Point:
 
 
 def predict_seconds(*, n: int, m: int, rate_bps: int, size_bytes: int, mtu: int = 1500) -> tuple[float, str]:
-    """The model's all-reduce time for ``size_bytes`` per worker, and its bottleneck: NICs at the
-    TCP goodput of ``rate_bps``.
+    """The model's all-reduce time for ``size_bytes`` per worker (:meth:`Plan.seconds`: the bytes
+    at the bottleneck's rate and the results' lag behind the pushes), and its bottleneck: NICs at
+    the TCP goodput of ``rate_bps``, the reducers' default cut-through piece.
 
     >>> seconds, bottleneck = predict_seconds(n=4, m=2, rate_bps=10**9, size_bytes=64 * 2**20)
     >>> round(seconds, 3), bottleneck
-    (1.123, 'reducer NIC')
+    (1.149, 'reducer NIC')
     """
     gbit = tcp_goodput_bps(rate_bps, mtu) / 1e9
     p = plan(workers=n, worker_gbit=gbit, reducer_gbit=gbit, reducer_cores=1, reducers=m)
-    return size_bytes / (p.algbw_gbps * 1e9), p.bottleneck
+    return p.seconds(size_bytes), p.bottleneck
 
 
 def measure_point(*, n: int, m: int, rate_bps: int, size_bytes: int, reps: int, out: str, prefix: str,

@@ -4,7 +4,8 @@ The model: in one all-reduce of G bytes every worker sends and receives G (ring:
 each of m reducer hosts receives and sends n·G/m and sums n·G/m. The all-reduce takes as long as
 the slowest of the worker's NIC and data path, and the reducer hosts' NIC, data path and cores:
 
-    T_redsrv = max(G / min(W, t·D_w),  n·G / (m·min(R, p·D_r, c·S)))   T_ring = 2(n-1)/n · G / W
+    T_bw = max(G / min(W, t·D_w),  n·G / (m·min(R, p·D_r, c·S)))   T_ring = 2(n-1)/n · G / W
+    T_redsrv = T_bw · (G + RESULT_LAG_PIECES·min(m·P, G)) / G
 
 with W and R the worker and reducer NIC bandwidths; D_w and D_r the bytes per second one I/O
 thread of the worker's client and of a reducer process moves each way (kernel copies and TCP
@@ -14,7 +15,8 @@ reducer address, since a loop serves whole reducers). The threads share one inte
 g of a client's work that holds CPython's GIL runs one thread at a time, so t·D_w is capped at
 D_w/g whatever t (the worker term is G / min(W, min(t, 1/g)·D_w)); p the reducer processes per host (each one
 event loop on its own port: `redsrv reducer --processes p`, listed as ``host:P-Q``); c the cores
-per reducer host and S the bytes of contributions one core reduces per second. Above
+per reducer host and S the bytes of contributions one core reduces per second; P the reducers'
+cut-through piece, whose lag behind the pushes is paid once per operation. Above
 t·D_w the worker's CPU, not its NIC, limits it. The rule every vendor states and nobody
 automates: aggregate reducer bandwidth m·R must reach aggregate worker bandwidth n·W, or the
 reducers become the bottleneck. The ring figure assumes ring all-reduce reaches the worker line
@@ -31,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from redsrv.core import constants as C
 
 #: Bytes of contributions one reducer core sums per second, TCP included, when not measured:
 #: `redsrv bench local` on a 2-vCPU VM spent ~1.2 CPU-seconds per GB reduced (loopback, both
@@ -56,6 +60,14 @@ DEFAULT_WORKER_CORES = 8
 #: about 2.4 I/O threads' worth, however many it has. A roofline, not a measured scaling: 0 for a
 #: free-threaded Python (``--gil-share 0``).
 CLIENT_GIL_SHARE = 0.42
+
+#: A worker's results trail its pushes by about this many cut-through pieces per reducer: the
+#: first result piece of a full chunk waits for every worker's bytes of it while each worker's link
+#: carries all m reducers' chunks at once, and the download of results stays that far behind to the
+#: end (a worker's timeline shows it; docs/performance.md, "Scaling: n = 2..8"). Measured on the
+#: emulated cluster, 64 MiB, 400 Mbit/s: 1.42, 1.46, 1.52 and 1.57 pieces at n = m = 2, 4, 6, 8; at
+#: 300 Mbit/s and n = m = 2, 1.2 for 16 MiB and 64 MiB alike (a lag per operation, not per byte).
+RESULT_LAG_PIECES = 1.5
 
 #: Bottleneck names, in the order ties are broken (the network first: a NIC at its line rate is
 #: the outcome the plan aims for).
@@ -85,6 +97,24 @@ class Plan:
     reducer_processes: int = 1  # per reducer host
     worker_cores: int = DEFAULT_WORKER_CORES
     gil_share: float = CLIENT_GIL_SHARE
+    piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # the reducers' cut-through piece (REDSRV_RESULT_PIECE_BYTES)
+
+    def seconds(self, message_bytes: int) -> float:
+        """Predicted time of one all-reduce of ``message_bytes`` per worker: its bytes at the
+        bottleneck's rate, plus the results' lag behind the pushes, RESULT_LAG_PIECES pieces per
+        reducer (a span's worth at most) at the same rate.
+
+        >>> p = plan(workers=4, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=4)
+        >>> round(p.seconds(64 * 2**20), 4), round(64 * 2**20 / 1e9, 4)   # 1 GB/s each
+        (0.0703, 0.0671)
+        """
+        lag = RESULT_LAG_PIECES * min(self.reducers * self.piece_bytes, message_bytes)
+        return (message_bytes + lag) / (self.algbw_gbps * 1e9)
+
+    def ring_seconds(self, message_bytes: int) -> float:
+        """Ring all-reduce's time for ``message_bytes`` at the worker line rate (its hops' latency
+        not counted)."""
+        return message_bytes / (self.ring_algbw_gbps * 1e9)
 
     @property
     def worker_path_gbps(self) -> float:
@@ -102,7 +132,8 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
          worker_io_gbps: float = DEFAULT_IO_THREAD_GBPS, reducer_io_gbps: float = DEFAULT_IO_THREAD_GBPS,
          reducer_processes: int | None = None, reducers: int | None = None, worker_price: float | None = None,
          reducer_price: float | None = None, worker_cores: int = DEFAULT_WORKER_CORES,
-         io_threads: int | None = None, gil_share: float = CLIENT_GIL_SHARE) -> Plan:
+         io_threads: int | None = None, gil_share: float = CLIENT_GIL_SHARE,
+         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES) -> Plan:
     """Recommend reducer hosts, processes per host and the client's I/O threads (or evaluate
     ``reducers`` / ``reducer_processes`` / ``io_threads``) for ``workers`` workers.
 
@@ -127,6 +158,8 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         raise ValueError("need at least one reducer and one reducer process per host")
     if worker_cores < 1 or (io_threads is not None and io_threads < 1):
         raise ValueError("need at least one worker core and one client I/O thread")
+    if piece_bytes < 0:
+        raise ValueError(f"piece_bytes is the reducers' cut-through piece, >= 0 (0: whole chunks); got {piece_bytes}")
     if not 0 <= gil_share <= 1:
         raise ValueError(f"gil_share is a share of the client's CPU, in 0..1; got {gil_share}")
     w = worker_gbit / 8  # GB/s
@@ -173,7 +206,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
                         f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck, and this "
                         "prediction is optimistic: the workers' flows converge on each reducer's switch port, and TCP "
-                        "backs off on the drops there (7-35% below it on the emulated cluster, docs/performance.md)")
+                        "backs off on the drops there (11-40% below it on the emulated cluster, docs/performance.md)")
     if loops < min(r, host_cpu):
         lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
                 if p < enough_processes else "one per core already: add reducer hosts or faster cores")
@@ -188,7 +221,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         cost = m * reducer_price / (workers * worker_price)
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
                 algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
-                worker_cores, gil_share)
+                worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES)
 
 
 def _worker_path(threads: int, cores: int, gil_share: float, per_thread: float) -> float:
@@ -335,6 +368,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="MiB each way for the data-path measurement (default 256)")
     p.add_argument("--worker-price", type=float, help="price of a worker per hour (any currency)")
     p.add_argument("--reducer-price", type=float, help="price of a reducer per hour (same currency)")
+    p.add_argument("--message-mib", type=float, default=64,
+                   help="predict the time of one all-reduce of this many MiB per worker (default 64)")
+    p.add_argument("--piece-kib", type=int, default=C.DEFAULT_RESULT_PIECE_BYTES // 1024,
+                   help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default "
+                        f"{C.DEFAULT_RESULT_PIECE_BYTES // 1024}; 0: whole chunks)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -363,9 +401,11 @@ def _main(args: argparse.Namespace) -> int:
              worker_io_gbps=worker_io or DEFAULT_IO_THREAD_GBPS, reducer_io_gbps=reducer_io or DEFAULT_IO_THREAD_GBPS,
              reducer_processes=args.reducer_processes, reducers=args.reducers,
              worker_price=args.worker_price, reducer_price=args.reducer_price, worker_cores=args.worker_cores,
-             io_threads=args.io_threads, gil_share=args.gil_share)
+             io_threads=args.io_threads, gil_share=args.gil_share, piece_bytes=args.piece_kib * 1024)
+    message = int(args.message_mib * 2**20)
     if args.json:
-        print(json.dumps({**asdict(p), "worker_cpu_bound": p.worker_cpu_bound,
+        print(json.dumps({**asdict(p), "worker_cpu_bound": p.worker_cpu_bound, "message_bytes": message,
+                          "seconds": p.seconds(message), "ring_seconds": p.ring_seconds(message),
                           **({"measured": measured} if measured else {})}, indent=1))
         return 0
     worker_path = p.worker_path_gbps
@@ -386,6 +426,9 @@ def _main(args: argparse.Namespace) -> int:
         ("predicted algbw (redsrv)", f"{p.algbw_gbps:.3f} GB/s = {p.line_rate_fraction:.0%} of the worker line rate"),
         ("ring all-reduce algbw", f"{p.ring_algbw_gbps:.3f} GB/s (at the worker line rate)"),
         ("predicted speed-up", f"{p.speedup:.2f}x (at most {p.theory_max_speedup:.2f}x for {p.workers} workers)"),
+        (f"one all-reduce of {args.message_mib:g} MiB",
+         f"{p.seconds(message) * 1e3:.1f} ms (ring {p.ring_seconds(message) * 1e3:.1f} ms; the results trail the pushes "
+         f"by {RESULT_LAG_PIECES:g} pieces of {p.piece_bytes // 1024} KiB per reducer)"),
     ]
     if p.reducer_cost_fraction is not None:
         rows.append(("reducer cost", f"{p.reducer_cost_fraction:.1%} of the workers' cost"))

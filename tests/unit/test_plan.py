@@ -10,6 +10,7 @@ from redsrv.cli.plan import (
     CLIENT_GIL_SHARE,
     DEFAULT_IO_THREAD_GBPS,
     REDUCER_IO,
+    RESULT_LAG_PIECES,
     WORKER_IO,
     WORKER_NIC,
     measure_core_gbps,
@@ -173,6 +174,37 @@ def test_doctest() -> None:
     import redsrv.cli.plan
 
     assert doctest.testmod(redsrv.cli.plan).failed == 0
+
+
+def test_an_all_reduce_takes_its_bytes_at_the_bottleneck_plus_the_results_lag_behind_the_pushes() -> None:
+    # The lag is per operation: about RESULT_LAG_PIECES result pieces per reducer at the same rate
+    # (docs/performance.md, "Scaling: n = 2..8"), so it weighs more with more reducers.
+    mib, kib = 2**20, 2**10
+    for n in (2, 4, 8):
+        p = plan(workers=n, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=n, **FAST_PATH)
+        assert p.algbw_gbps == pytest.approx(1.0)
+        assert p.seconds(64 * mib) == pytest.approx((64 * mib + RESULT_LAG_PIECES * n * 512 * kib) / 1e9)
+        assert p.ring_seconds(64 * mib) == pytest.approx(64 * mib * 2 * (n - 1) / n / 1e9)
+    small = plan(workers=8, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=8, **FAST_PATH)
+    assert small.seconds(64 * kib) == pytest.approx((1 + RESULT_LAG_PIECES) * 64 * kib / 1e9), "a span's worth at most"
+    finer = plan(workers=8, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=8, piece_bytes=128 * kib, **FAST_PATH)
+    assert finer.seconds(64 * mib) < small.seconds(64 * mib)
+    whole = plan(workers=8, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=8, piece_bytes=0, **FAST_PATH)
+    assert whole.piece_bytes == 2**20, "without cut-through the results trail by whole chunks"
+    with pytest.raises(ValueError, match="piece_bytes"):
+        plan(workers=8, worker_gbit=8, reducer_gbit=8, reducer_cores=8, piece_bytes=-1)
+
+
+def test_cli_predicts_one_all_reduce(capsys: pytest.CaptureFixture[str]) -> None:
+    from redsrv.cli import main
+
+    argv = ["plan", "--workers", "4", "--worker-gbit", "8", "--reducer-gbit", "8", "--reducers", "4", "--message-mib", "64"]
+    assert main(argv) == 0
+    assert "one all-reduce of 64 MiB" in capsys.readouterr().out
+    assert main([*argv, "--piece-kib", "128", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["piece_bytes"] == 128 * 1024 and out["message_bytes"] == 64 * 2**20
+    assert out["seconds"] > 64 * 2**20 / (out["algbw_gbps"] * 1e9) and out["ring_seconds"] > out["seconds"]
 
 
 def test_reducer_processes_are_capped_by_the_cores() -> None:
