@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from redsrv.core import constants as C
+from redsrv.core.errors import ConfigError
 
 #: Bytes of contributions one reducer core sums per second, TCP included, when not measured:
 #: `redsrv bench local` on a 2-vCPU VM spent ~1.2 CPU-seconds per GB reduced (loopback, both
@@ -396,12 +397,17 @@ def _main(args: argparse.Namespace) -> int:
         core_gbps = core_gbps or core / 2
         worker_io = worker_io or path.worker_gbps_per_core
         reducer_io = reducer_io or path.reducer_gbps_per_core
-    p = plan(workers=args.workers, worker_gbit=args.worker_gbit, reducer_gbit=args.reducer_gbit,
-             reducer_cores=args.reducer_cores, core_gbps=core_gbps or DEFAULT_CORE_GBPS,
-             worker_io_gbps=worker_io or DEFAULT_IO_THREAD_GBPS, reducer_io_gbps=reducer_io or DEFAULT_IO_THREAD_GBPS,
-             reducer_processes=args.reducer_processes, reducers=args.reducers,
-             worker_price=args.worker_price, reducer_price=args.reducer_price, worker_cores=args.worker_cores,
-             io_threads=args.io_threads, gil_share=args.gil_share, piece_bytes=args.piece_kib * 1024)
+    if not args.message_mib > 0:
+        raise ConfigError(f"--message-mib must be > 0, got {args.message_mib:g}")
+    try:
+        p = plan(workers=args.workers, worker_gbit=args.worker_gbit, reducer_gbit=args.reducer_gbit,
+                 reducer_cores=args.reducer_cores, core_gbps=core_gbps or DEFAULT_CORE_GBPS,
+                 worker_io_gbps=worker_io or DEFAULT_IO_THREAD_GBPS, reducer_io_gbps=reducer_io or DEFAULT_IO_THREAD_GBPS,
+                 reducer_processes=args.reducer_processes, reducers=args.reducers,
+                 worker_price=args.worker_price, reducer_price=args.reducer_price, worker_cores=args.worker_cores,
+                 io_threads=args.io_threads, gil_share=args.gil_share, piece_bytes=args.piece_kib * 1024)
+    except ValueError as exc:  # the flags are the configuration here (see the package's exception policy)
+        raise ConfigError(str(exc)) from None
     message = int(args.message_mib * 2**20)
     if args.json:
         print(json.dumps({**asdict(p), "worker_cpu_bound": p.worker_cpu_bound, "message_bytes": message,

@@ -207,6 +207,17 @@ def test_cli_predicts_one_all_reduce(capsys: pytest.CaptureFixture[str]) -> None
     assert out["seconds"] > 64 * 2**20 / (out["algbw_gbps"] * 1e9) and out["ring_seconds"] > out["seconds"]
 
 
+def test_cli_names_a_bad_flag_instead_of_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from redsrv.cli import main
+
+    base = ["plan", "--workers", "4", "--worker-gbit", "1", "--reducer-gbit", "1"]
+    for extra, says in ((["--piece-kib", "-1"], "piece_bytes"), (["--message-mib", "0"], "--message-mib must be > 0"),
+                        (["--gil-share", "2"], "gil_share")):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert "configuration error" in err and says in err and "Traceback" not in err
+
+
 def test_reducer_processes_are_capped_by_the_cores() -> None:
     # A 100 Gbit/s host with two fast cores: two event loops move 4.88 GB/s, and no more fit.
     p = plan(workers=4, worker_gbit=100, reducer_gbit=100, reducer_cores=2, core_gbps=10.0, reducers=4,
