@@ -98,7 +98,9 @@ class Plan:
     reducer_processes: int = 1  # per reducer host
     worker_cores: int = DEFAULT_WORKER_CORES
     gil_share: float = CLIENT_GIL_SHARE
-    piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # the reducers' cut-through piece (REDSRV_RESULT_PIECE_BYTES)
+    # What the results trail the pushes by, per reducer: the cut-through piece (REDSRV_RESULT_PIECE_BYTES),
+    # or a whole chunk where cut-through is off.
+    piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES
 
     def seconds(self, message_bytes: int) -> float:
         """Predicted time of one all-reduce of ``message_bytes`` per worker: its bytes at the

@@ -145,7 +145,7 @@ def _queue_bytes(ns: str, dev: str) -> float:
 
 
 @needs_root
-def test_a_host_never_drops_its_own_flows_while_switch_ports_queue_20_ms():
+def test_hosts_queue_at_least_host_queue_min_bytes_while_switch_ports_queue_20_ms():
     # At 400 Mbit/s a 20 ms queue is 1 MB, less than TCP small queues let eight flows put in a
     # host's own queue: the hosts dropped their own packets (see HOST_QUEUE_MIN_BYTES).
     prefix = f"rsu{os.getpid() % 100000}"
