@@ -40,7 +40,7 @@ from typing import Any
 
 from redsrv.bench import crosscheck, harness, report
 from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
-from redsrv.core.config import congestion_setting
+from redsrv.core.config import check_recv_buffer, congestion_setting
 from redsrv.core.constants import DEFAULT_TCP_CONGESTION
 from redsrv.core.errors import ConfigError
 
@@ -79,6 +79,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--piece-kib", type=int, default=None, metavar="KIB",
                    help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default: the reducer's, "
                         "512): a chunk's sum leaves in pieces of this size as they arrive; 0 sends whole chunks")
+    b.add_argument("--recv-buffer-kib", type=int, default=None, metavar="KIB",
+                   help="SO_RCVBUF of the reducers' connections in KiB (REDSRV_RECV_BUFFER_BYTES; default: the "
+                        "reducer's, 256): bounds each worker's bytes in flight towards a reducer; 0 leaves the "
+                        "kernel's autotuning")
     b.add_argument("--tcp-congestion", default=None, metavar="NAME",
                    help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
                         "client's, cubic); gloo keeps the system default")
@@ -117,6 +121,7 @@ class Options:
     streams: int | None = None
     send_lowat_bytes: int | None = None
     result_piece_bytes: int | None = None  # the reducers'
+    recv_buffer_bytes: int | None = None  # the reducers'
     tcp_congestion: str | None = None  # None: redsrv's default
     timeline: str | None = None  # folder for the workers' timelines
     delay_us: int = 0
@@ -177,13 +182,19 @@ class Options:
             raise EmulationError("--send-lowat-kib must be >= 0")
         if self.result_piece_bytes is not None and self.result_piece_bytes < 0:
             raise EmulationError("--piece-kib must be >= 0")
+        if self.recv_buffer_bytes is not None:
+            try:
+                check_recv_buffer(self.recv_buffer_bytes)
+            except ConfigError as exc:
+                raise EmulationError(f"--recv-buffer-kib: {exc}") from None
         if self.tcp_congestion is not None:
             try:
                 congestion_setting(self.tcp_congestion)
             except ConfigError as exc:
                 raise EmulationError(f"--tcp-congestion: {exc}") from None
         if self.crosscheck and (self.dtype != "float32" or self.wire_dtype or self.client_options() or self.delay_us
-                                or self.result_piece_bytes is not None or self.tcp_congestion is not None or not self.baseline):
+                                or self.result_piece_bytes is not None or self.recv_buffer_bytes is not None
+                                or self.tcp_congestion is not None or not self.baseline):
             raise EmulationError("--crosscheck compares with `redsrv bench allreduce`, which runs float32 with the client's "
                                  "and reducers' defaults against gloo: leave out --dtype, --wire-dtype, the redsrv "
                                  "settings, --delay-us and --no-baseline")
@@ -205,7 +216,8 @@ def _main(a: argparse.Namespace) -> int:
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
             chunks_per_span=a.chunks_per_span, streams=a.streams,
             send_lowat_bytes=None if a.send_lowat_kib is None else a.send_lowat_kib * 1024,
-            result_piece_bytes=None if a.piece_kib is None else a.piece_kib * 1024, tcp_congestion=a.tcp_congestion,
+            result_piece_bytes=None if a.piece_kib is None else a.piece_kib * 1024,
+            recv_buffer_bytes=None if a.recv_buffer_kib is None else a.recv_buffer_kib * 1024, tcp_congestion=a.tcp_congestion,
             timeline=a.timeline,
             delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
             measure_goodput=a.measure_goodput, crosscheck=a.crosscheck, out=a.out, prefix=a.prefix)
@@ -322,7 +334,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                + f"; {' vs '.join(impls)}; {opts.rounds} round(s)"
                + ("; reducers colocated with workers" if opts.colocate else "")
                + "".join(f"; redsrv {name}={value}" for name, value in opts.client_options().items())
-               + ("" if opts.result_piece_bytes is None else f"; redsrv reducers' result_piece_bytes={opts.result_piece_bytes}"))
+               + ("" if opts.result_piece_bytes is None else f"; redsrv reducers' result_piece_bytes={opts.result_piece_bytes}")
+               + ("" if opts.recv_buffer_bytes is None else f"; redsrv reducers' recv_buffer_bytes={opts.recv_buffer_bytes}"))
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
         try:
@@ -405,6 +418,8 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
         env["REDSRV_TCP_CONGESTION"] = opts.tcp_congestion
     if opts.result_piece_bytes is not None:
         env["REDSRV_RESULT_PIECE_BYTES"] = str(opts.result_piece_bytes)
+    if opts.recv_buffer_bytes is not None:
+        env["REDSRV_RECV_BUFFER_BYTES"] = str(opts.recv_buffer_bytes)
     reducer_hosts = opts.reducer_hosts(n)
     _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
                + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))

@@ -214,6 +214,13 @@ def check_secret(secret: bytes | None) -> None:
                           f"got {len(secret)}")
 
 
+def check_recv_buffer(nbytes: int) -> None:
+    """``recv_buffer_bytes`` is 0 (the kernel's autotuning) or a window worth its round trips."""
+    if nbytes != 0 and nbytes < C.MIN_RECV_BUFFER_BYTES:
+        raise ConfigError(f"recv_buffer_bytes (REDSRV_RECV_BUFFER_BYTES) must be 0 (the kernel's autotuning) or at "
+                          f"least {C.MIN_RECV_BUFFER_BYTES} bytes, got {nbytes}")
+
+
 def _known_variables() -> set[str]:
     """Every ``REDSRV_*`` variable a worker or a reducer reads: both accept all of them, so one
     environment can serve a pod that runs either."""
@@ -404,6 +411,7 @@ class DaemonSettings:
     job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
     memory_budget_bytes: int = C.DEFAULT_MEMORY_BUDGET_BYTES
     result_piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # cut-through piece; 0: whole chunks
+    recv_buffer_bytes: int = C.DEFAULT_RECV_BUFFER_BYTES  # SO_RCVBUF of accepted connections; 0: kernel autotuning
     max_connections: int = C.DEFAULT_MAX_CONNECTIONS
     max_pending_handshakes: int = C.DEFAULT_MAX_PENDING_HANDSHAKES
     tcp_congestion: str | None = C.DEFAULT_TCP_CONGESTION  # None or "system": the system default
@@ -427,6 +435,7 @@ class DaemonSettings:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.result_piece_bytes < 0:
             raise ConfigError(f"result_piece_bytes must be >= 0 (0 turns it off), got {self.result_piece_bytes}")
+        check_recv_buffer(self.recv_buffer_bytes)
 
     def replace(self, **changes: Any) -> DaemonSettings:
         return dataclasses.replace(self, **changes)

@@ -62,6 +62,25 @@ CHUNKS_PER_SPAN = 32
 #: 1 Gbit/s, less on faster links (docs/performance.md, "Settings and what they cost").
 DEFAULT_RESULT_PIECE_BYTES = 512 * 1024
 
+#: SO_RCVBUF of every connection a reducer accepts (REDSRV_RECV_BUFFER_BYTES; 0 keeps the kernel's
+#: autotuning, which grows a window to several MiB). The receive window bounds what each worker has
+#: in flight towards a reducer. Where the workers' pushes converge on a reducer's link faster than it
+#: drains (fewer reducers than workers), autotuned windows overflow the queue of the switch port in
+#: front of it; the drops (whole GSO bursts) make CUBIC halve the windows of the flows that lost
+#: them, and the port idles at times. With the window bounded, the surplus waits in the workers' own
+#: send buffers and the port stays busy without dropping. n=4, m=2 at 1 Gbit/s, 64 MiB, on the
+#: emulated cluster (20 ms switch-port queues), 2026-11-26: autotuning 0.79-0.89 of the line-rate
+#: bound (three runs), 128 KiB 0.961, 256 KiB 0.965-0.967, 512 KiB 0.914, 1 MiB 0.862. n=m=8 at
+#: 400 Mbit/s: 0.878 against 0.833 autotuned (128 KiB: 0.798, too small for the RTT that queues
+#: build there); n=m=4 at 1 Gbit/s unchanged within the noise (docs/performance.md, "Fewer reducers
+#: than workers"). The cost: a connection moves at most about this many bytes per round trip, i.e.
+#: 2.6 GB/s at a 100 us RTT, above what one reducer process handles ("The model"); raise it, or set
+#: 0, where round trips are long (across zones) and links fast.
+DEFAULT_RECV_BUFFER_BYTES = 256 * 1024
+#: Below this a receive window costs more in round trips than any queue it spares (32 KiB ran n=8,
+#: m=4 at 300 Mbit/s at 0.63 of the bound against 0.72-0.75 with 64 KiB or more).
+MIN_RECV_BUFFER_BYTES = 16 * 1024
+
 #: Smallest reducer span (one first ramp chunk): a message smaller than this many bytes per
 #: reducer goes to fewer reducers, ``key`` choosing the first (chunker.placement). Below it the
 #: extra frames cost more than the shorter transfer saves: n=m=4 at 1 Gbit/s, same session

@@ -52,6 +52,7 @@ from .transport import (
     choose_congestion_control,
     configure_socket,
     peer_name,
+    set_receive_buffer,
     watch,
 )
 
@@ -336,6 +337,7 @@ class ReducerDaemon:
                 log.debug("pending handshake from %s dropped: %d handshakes pending", oldest.peer, len(self._pending) + 1)
                 self._drop_pending(oldest)
             configure_socket(sock)
+            set_receive_buffer(sock, self.settings.recv_buffer_bytes)
             sock.setblocking(False)
             refused = choose_congestion_control(sock, self.settings.tcp_congestion)
             if refused and not self._congestion_warned:

@@ -26,8 +26,8 @@ from .constants import MAX_RECEIVE_LOWAT_BYTES
 from .errors import RemoteProtocolError
 
 __all__ = ["FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
-           "set_send_lowat", "set_congestion_control", "choose_congestion_control", "congestion_control", "send_views",
-           "peer_name", "SKIP", "WAIT", "Waker", "watch"]
+           "set_send_lowat", "set_receive_buffer", "set_congestion_control", "choose_congestion_control",
+           "congestion_control", "send_views", "peer_name", "SKIP", "WAIT", "Waker", "watch"]
 
 
 class ConnectionBroken(Exception):
@@ -55,6 +55,14 @@ def set_send_lowat(sock: socket.socket, nbytes: int) -> None:
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     if nbytes > 0 and option is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, option, nbytes)
+
+
+def set_receive_buffer(sock: socket.socket, nbytes: int) -> None:
+    """``SO_RCVBUF``: the peer may have at most about ``nbytes`` in flight towards this socket
+    (Linux books twice the value, half of it for its own overhead), and the kernel stops autotuning
+    the window. No-op for 0 or non-TCP sockets (see ``constants.DEFAULT_RECV_BUFFER_BYTES``)."""
+    if nbytes > 0 and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
 
 
 def set_congestion_control(sock: socket.socket, name: str) -> str | None:

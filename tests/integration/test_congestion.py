@@ -1,9 +1,11 @@
 """Both ends of every data connection use the configured TCP congestion control, and a kernel
-that refuses it costs one warning per process, never a failed job."""
+that refuses it costs one warning per process, never a failed job; the reducer bounds the
+receive window of every connection it accepts (constants.DEFAULT_RECV_BUFFER_BYTES)."""
 
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,11 +19,12 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @contextmanager
-def _reduced_on_two_ranks(tcp_congestion: str) -> Iterator[tuple[redsrv.ReducerDaemon, list[redsrv.Client]]]:
+def _reduced_on_two_ranks(tcp_congestion: str = "reno", **reducer_settings: int) -> Iterator[
+        tuple[redsrv.ReducerDaemon, list[redsrv.Client]]]:
     """An in-process reducer and two clients, both asking for ``tcp_congestion``, after one
     all-reduce whose exact result is checked; everything is closed on exit."""
     daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2,
-                                                        tcp_congestion=tcp_congestion))
+                                                        tcp_congestion=tcp_congestion, **reducer_settings))
     host, port = daemon.start()
     clients: list[redsrv.Client] = []
     try:
@@ -55,3 +58,23 @@ def test_an_algorithm_the_kernel_refuses_is_one_warning_per_process_and_the_job_
     reducer_warnings = [w for w in warnings if not w.startswith("rank ")]
     assert len(worker_warnings) == 2 and len(reducer_warnings) == 1, warnings
     assert "REDSRV_TCP_CONGESTION=system" in warnings[0] and "tcp_allowed_congestion_control" in warnings[0]
+
+
+def _receive_buffers(daemon: redsrv.ReducerDaemon) -> list[int]:
+    return [conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) for conn in list(daemon._conns.values())]
+
+
+def test_the_reducer_bounds_the_receive_window_of_every_connection_and_zero_leaves_the_kernels_autotuning() -> None:
+    with socket.socket() as probe:
+        untouched = probe.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+    with _reduced_on_two_ranks() as (daemon, _):
+        bounded = _receive_buffers(daemon)
+    with _reduced_on_two_ranks(recv_buffer_bytes=64 * 1024) as (daemon, _):
+        smaller = _receive_buffers(daemon)
+    with _reduced_on_two_ranks(recv_buffer_bytes=0) as (daemon, _):
+        autotuned = _receive_buffers(daemon)
+    # Linux books twice what SO_RCVBUF asks for (half for its own overhead), and reports that.
+    assert len(bounded) == 2 and set(bounded) == {2 * 256 * 1024}, bounded
+    assert len(smaller) == 2 and set(smaller) == {2 * 64 * 1024}, smaller
+    # Autotuning may have grown a window during the all-reduce, never pinned it at the bound.
+    assert len(autotuned) == 2 and all(b >= untouched and b != 2 * 256 * 1024 for b in autotuned), (autotuned, untouched)
