@@ -207,9 +207,13 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
             f"is the bottleneck ({worker_path / w:.0%} of its line rate): {lift}")
     if m * r < workers * min(w, worker_path):
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
-                        f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck, and this "
-                        "prediction is optimistic: the workers' flows converge on each reducer's switch port, and TCP "
-                        "backs off on the drops there (11-40% below it on the emulated cluster, docs/performance.md)")
+                        f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck. The workers' "
+                        "flows converge on each reducer's switch port; the reducers bound each flow's window "
+                        f"(REDSRV_RECV_BUFFER_BYTES, {C.DEFAULT_RECV_BUFFER_BYTES // 1024} KiB) so that the port's queue "
+                        "can hold them, and where it cannot (here "
+                        f"{workers * C.DEFAULT_RECV_BUFFER_BYTES / 2**20:.1f} MiB of windows per reducer) TCP backs off "
+                        "on drops and this prediction is optimistic (within 3% where the queue held the windows, "
+                        "12-35% below where it did not, on the emulated cluster: docs/performance.md)")
     if loops < min(r, host_cpu):
         lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
                 if p < enough_processes else "one per core already: add reducer hosts or faster cores")

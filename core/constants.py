@@ -72,8 +72,11 @@ DEFAULT_RESULT_PIECE_BYTES = 512 * 1024
 #: emulated cluster (20 ms switch-port queues), 2026-11-26: autotuning 0.79-0.89 of the line-rate
 #: bound (three runs), 128 KiB 0.961, 256 KiB 0.965-0.967, 512 KiB 0.914, 1 MiB 0.862. n=m=8 at
 #: 400 Mbit/s: 0.878 against 0.833 autotuned (128 KiB: 0.798, too small for the RTT that queues
-#: build there); n=m=4 at 1 Gbit/s unchanged within the noise (docs/performance.md, "Fewer reducers
-#: than workers"). The cost: a connection moves at most about this many bytes per round trip, i.e.
+#: build there); n=m=4 at 1 Gbit/s unchanged within the noise. What decides is whether the windows
+#: of the converging flows fit the port's queue: at 300 Mbit/s (750 KB queues) n=4, m=2 ran 0.80-0.89
+#: with 256 KiB and 0.96-0.97 with 128 KiB, but 128 KiB is too small for one or two flows per link
+#: at 1 Gbit/s (14-16% slower), so no one fixed value serves both (docs/performance.md, "Fewer
+#: reducers than workers"). The cost: a connection moves at most about this many bytes per round trip, i.e.
 #: 2.6 GB/s at a 100 us RTT, above what one reducer process handles ("The model"); raise it, or set
 #: 0, where round trips are long (across zones) and links fast.
 DEFAULT_RECV_BUFFER_BYTES = 256 * 1024
