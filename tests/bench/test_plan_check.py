@@ -33,8 +33,16 @@ def test_errors_are_judged_over_network_bound_points_only() -> None:
 @pytest.mark.netns
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
-def test_the_model_predicts_a_fresh_network_bound_emulation_within_the_worst_case_bound(tmp_path) -> None:
-    point = plan_check.measure_point(n=2, m=2, rate_bps=300 * 10**6, size_bytes=16 * 2**20, reps=3, out=str(tmp_path),
+@pytest.mark.parametrize(("n", "m", "rate_bps", "size_mib"), [
+    (2, 2, 300 * 10**6, 16),
+    # Fewer reducers than workers: the workers' pushes converge on each reducer's switch port.
+    # With the kernel's autotuned receive windows they overflowed its queue and this point ran
+    # 9-35% over the model (docs/performance.md, "Fewer reducers than workers").
+    (4, 2, 10**9, 64),
+], ids=["n2-m2-300mbit", "n4-m2-1gbit"])
+def test_the_model_predicts_a_fresh_network_bound_emulation_within_the_worst_case_bound(
+        tmp_path, n: int, m: int, rate_bps: int, size_mib: int) -> None:  # type: ignore[no-untyped-def]
+    point = plan_check.measure_point(n=n, m=m, rate_bps=rate_bps, size_bytes=size_mib * 2**20, reps=3, out=str(tmp_path),
                                      prefix="rspt")
     detail = (f"predicted {point.predicted_s:.3f}s ({point.bottleneck}), measured {point.measured_s:.3f}s, error "
               f"{point.error:+.1%}, machine {point.cpu_busy:.0%} busy")
