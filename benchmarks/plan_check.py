@@ -4,7 +4,8 @@ For every worker count n, reducer count m (n and n/2 by default) and per-host ra
 ``redsrv bench emulate`` run (redsrv alone, one size, one round) measures the all-reduce time, and
 ``redsrv.cli.plan.plan`` predicts it for the same fleet: worker and reducer NICs at the
 emulation's TCP goodput, one core per reducer host at the model's default summing rate, the
-model's default data-path ceilings. The table gives predicted and measured time per point and the
+model's default data-path ceilings. The emulation runs with the settings the plan advises (the
+reducers' receive window where they are the bottleneck). The table gives predicted and measured time per point and the
 error (measured / predicted - 1), the median and worst absolute error, and which points ran with
 the machine over 85% busy. Those measure the emulation's own CPU: every emulated host shares this
 machine's cores, which a model of hosts with cores of their own does not describe, so they are
@@ -26,7 +27,7 @@ from typing import Any
 from redsrv.bench import report
 from redsrv.bench.emulate import Options, run_emulate
 from redsrv.bench.netns import DEFAULT_PREFIX, format_rate, parse_rate, tcp_goodput_bps
-from redsrv.cli.plan import plan
+from redsrv.cli.plan import Plan, plan
 
 __all__ = ["add_parser", "Point", "predict_seconds", "measure_point", "summarise_points", "format_points",
            "MEDIAN_BOUND", "WORST_BOUND"]
@@ -46,6 +47,7 @@ class Point:
     measured_s: float
     bottleneck: str
     cpu_busy: float
+    recv_buffer_bytes: int = 0  # the reducers' receive window the plan advised and the emulation ran with
 
     @property
     def error(self) -> float:
@@ -59,30 +61,38 @@ class Point:
         return {**asdict(self), "error": self.error, "cpu_bound": self.cpu_bound}
 
 
+def plan_for(*, n: int, m: int, rate_bps: int, mtu: int = 1500) -> Plan:
+    """`redsrv plan` for an emulated fleet: NICs at the TCP goodput of ``rate_bps``, the
+    reducers' default cut-through piece."""
+    gbit = tcp_goodput_bps(rate_bps, mtu) / 1e9
+    return plan(workers=n, worker_gbit=gbit, reducer_gbit=gbit, reducer_cores=1, reducers=m)
+
+
 def predict_seconds(*, n: int, m: int, rate_bps: int, size_bytes: int, mtu: int = 1500) -> tuple[float, str]:
     """The model's all-reduce time for ``size_bytes`` per worker (:meth:`Plan.seconds`: the bytes
-    at the bottleneck's rate and the results' lag behind the pushes), and its bottleneck: NICs at
-    the TCP goodput of ``rate_bps``, the reducers' default cut-through piece.
+    at the bottleneck's rate and the results' lag behind the pushes), and its bottleneck.
 
     >>> seconds, bottleneck = predict_seconds(n=4, m=2, rate_bps=10**9, size_bytes=64 * 2**20)
     >>> round(seconds, 3), bottleneck
     (1.149, 'reducer NIC')
     """
-    gbit = tcp_goodput_bps(rate_bps, mtu) / 1e9
-    p = plan(workers=n, worker_gbit=gbit, reducer_gbit=gbit, reducer_cores=1, reducers=m)
+    p = plan_for(n=n, m=m, rate_bps=rate_bps, mtu=mtu)
     return p.seconds(size_bytes), p.bottleneck
 
 
 def measure_point(*, n: int, m: int, rate_bps: int, size_bytes: int, reps: int, out: str, prefix: str,
                   quiet: bool = True) -> Point:
-    """One short emulation (redsrv alone) and the model's prediction for it."""
+    """One short emulation (redsrv alone, with the settings the plan advises for the fleet) and the
+    model's prediction for it."""
+    p = plan_for(n=n, m=m, rate_bps=rate_bps)
     doc = run_emulate(Options(workers=(n,), reducers=m, rate_bps=rate_bps, sizes_bytes=(size_bytes,), reps=reps, warmup=1,
-                              rounds=1, baseline=False, out=out, prefix=prefix, quiet=quiet))
+                              rounds=1, baseline=False, recv_buffer_bytes=p.recv_buffer_bytes, out=out, prefix=prefix,
+                              quiet=quiet))
     if not doc["ok"]:
         raise RuntimeError(f"n={n} m={m} at {format_rate(rate_bps)}: wrong sums in the emulation ({doc.get('json')})")
     [row] = [r for r in doc["rows"] if r["impl"] == "redsrv"]
-    predicted, bottleneck = predict_seconds(n=n, m=m, rate_bps=rate_bps, size_bytes=size_bytes)
-    return Point(n, m, rate_bps, size_bytes, predicted, row["median_s"], bottleneck, row["cpu_busy"])
+    return Point(n, m, rate_bps, size_bytes, p.seconds(size_bytes), row["median_s"], p.bottleneck, row["cpu_busy"],
+                 p.recv_buffer_bytes)
 
 
 def summarise_points(points: Sequence[Point]) -> dict[str, Any]:
@@ -97,10 +107,12 @@ def summarise_points(points: Sequence[Point]) -> dict[str, Any]:
 
 
 def format_points(points: Sequence[Point]) -> str:
-    lines = [f"{'n':>2} {'m':>2} {'rate':>9} {'size':>8} {'bottleneck':<24} {'predicted':>10} {'measured':>10} "
+    lines = [f"{'n':>2} {'m':>2} {'rate':>9} {'size':>8} {'bottleneck':<24} {'window':>7} {'predicted':>10} {'measured':>10} "
              f"{'error':>7}  CPU busy"]
     for p in points:
+        window = f"{p.recv_buffer_bytes // 1024}K" if p.recv_buffer_bytes else "auto"
         lines.append(f"{p.n:>2} {p.m:>2} {format_rate(p.rate_bps):>9} {report.format_size(p.size_bytes):>8} {p.bottleneck:<24} "
+                     f"{window:>7} "
                      f"{p.predicted_s:>9.3f}s {p.measured_s:>9.3f}s {p.error:>+7.1%}  {p.cpu_busy:.0%}"
                      + ("  (CPU-bound: not judged)" if p.cpu_bound else ""))
     s = summarise_points(points)

@@ -101,6 +101,10 @@ class Plan:
     # What the results trail the pushes by, per reducer: the cut-through piece (REDSRV_RESULT_PIECE_BYTES),
     # or a whole chunk where cut-through is off.
     piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES
+    # The reducers' receive window (REDSRV_RECV_BUFFER_BYTES) this prediction assumes: bounded where
+    # the reducers are the bottleneck, so the workers' converging pushes queue at the workers instead
+    # of dropping at the reducers' switch ports; 0 (the kernel's autotuning) elsewhere.
+    recv_buffer_bytes: int = C.DEFAULT_RECV_BUFFER_BYTES
 
     def seconds(self, message_bytes: int) -> float:
         """Predicted time of one all-reduce of ``message_bytes`` per worker: its bytes at the
@@ -205,15 +209,16 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
             f"a worker's client moves at most {worker_path:.2f} GB/s each way ({worker_path * 8:.1f} Gbit/s) on its "
             f"{t} I/O thread(s): above that NIC speed the worker's CPU, not its {worker_gbit:g} Gbit/s NIC, "
             f"is the bottleneck ({worker_path / w:.0%} of its line rate): {lift}")
+    recv_buffer = C.DEFAULT_RECV_BUFFER_BYTES
     if m * r < workers * min(w, worker_path):
+        recv_buffer = C.RECOMMENDED_RECV_BUFFER_BYTES
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
                         f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck. The workers' "
-                        "flows converge on each reducer's switch port; the reducers bound each flow's window "
-                        f"(REDSRV_RECV_BUFFER_BYTES, {C.DEFAULT_RECV_BUFFER_BYTES // 1024} KiB) so that the port's queue "
-                        "can hold them, and where it cannot (here "
-                        f"{workers * C.DEFAULT_RECV_BUFFER_BYTES / 2**20:.1f} MiB of windows per reducer) TCP backs off "
-                        "on drops and this prediction is optimistic (within 3% where the queue held the windows, "
-                        "12-35% below where it did not, on the emulated cluster: docs/performance.md)")
+                        f"flows converge on each reducer's switch port: set REDSRV_RECV_BUFFER_BYTES={recv_buffer} on "
+                        "the reducers, so that the port's queue holds what they have in flight. Where it cannot (here "
+                        f"{workers * recv_buffer / 2**20:.1f} MiB of windows per reducer) TCP backs off on drops and this "
+                        "prediction is optimistic (within 3% where the queue held the windows, 12-35% below where it "
+                        "did not, on the emulated cluster: docs/performance.md)")
     if loops < min(r, host_cpu):
         lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
                 if p < enough_processes else "one per core already: add reducer hosts or faster cores")
@@ -228,7 +233,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         cost = m * reducer_price / (workers * worker_price)
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
                 algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
-                worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES)
+                worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES, recv_buffer)
 
 
 def _worker_path(threads: int, cores: int, gil_share: float, per_thread: float) -> float:
@@ -434,6 +439,9 @@ def _main(args: argparse.Namespace) -> int:
          f"(redsrv reducer --processes {p.reducer_processes}; list each host as {_listed(p.reducer_processes)})"
          + ("  (recommended)" if args.reducer_processes is None else "")),
         ("reduce throughput per core", f"{p.core_gbps:.2f} GB/s"),
+        ("reducers' receive window", (f"{p.recv_buffer_bytes // 1024} KiB per connection (REDSRV_RECV_BUFFER_BYTES="
+                                      f"{p.recv_buffer_bytes} on the reducers)  (recommended)") if p.recv_buffer_bytes
+         else "the kernel's autotuning (REDSRV_RECV_BUFFER_BYTES=0, the default)"),
         ("bottleneck", p.bottleneck),
         ("predicted algbw (redsrv)", f"{p.algbw_gbps:.3f} GB/s = {p.line_rate_fraction:.0%} of the worker line rate"),
         ("ring all-reduce algbw", f"{p.ring_algbw_gbps:.3f} GB/s (at the worker line rate)"),

@@ -62,24 +62,27 @@ CHUNKS_PER_SPAN = 32
 #: 1 Gbit/s, less on faster links (docs/performance.md, "Settings and what they cost").
 DEFAULT_RESULT_PIECE_BYTES = 512 * 1024
 
-#: SO_RCVBUF of every connection a reducer accepts (REDSRV_RECV_BUFFER_BYTES; 0 keeps the kernel's
-#: autotuning, which grows a window to several MiB). The receive window bounds what each worker has
-#: in flight towards a reducer. Where the workers' pushes converge on a reducer's link faster than it
-#: drains (fewer reducers than workers), autotuned windows overflow the queue of the switch port in
-#: front of it; the drops (whole GSO bursts) make CUBIC halve the windows of the flows that lost
-#: them, and the port idles at times. With the window bounded, the surplus waits in the workers' own
-#: send buffers and the port stays busy without dropping. n=4, m=2 at 1 Gbit/s, 64 MiB, on the
-#: emulated cluster (20 ms switch-port queues), 2026-11-26: autotuning 0.79-0.89 of the line-rate
-#: bound (three runs), 128 KiB 0.961, 256 KiB 0.965-0.967, 512 KiB 0.914, 1 MiB 0.862. n=m=8 at
-#: 400 Mbit/s: 0.878 against 0.833 autotuned (128 KiB: 0.798, too small for the RTT that queues
-#: build there); n=m=4 at 1 Gbit/s unchanged within the noise. What decides is whether the windows
-#: of the converging flows fit the port's queue: at 300 Mbit/s (750 KB queues) n=4, m=2 ran 0.80-0.89
-#: with 256 KiB and 0.96-0.97 with 128 KiB, but 128 KiB is too small for one or two flows per link
-#: at 1 Gbit/s (14-16% slower), so no one fixed value serves both (docs/performance.md, "Fewer
-#: reducers than workers"). The cost: a connection moves at most about this many bytes per round trip, i.e.
-#: 2.6 GB/s at a 100 us RTT, above what one reducer process handles ("The model"); raise it, or set
-#: 0, where round trips are long (across zones) and links fast.
-DEFAULT_RECV_BUFFER_BYTES = 256 * 1024
+#: SO_RCVBUF of every connection a reducer accepts (REDSRV_RECV_BUFFER_BYTES). 0, the default, keeps
+#: the kernel's autotuning, which grows a window to several MiB; that is right where the reducers'
+#: links add up to the workers' (the sizing rule): bounding the windows there cost about 2% of the
+#: speed and 10-20% more CPU per GB (n=m=4, 64 MiB, alternated pairs on the emulated cluster,
+#: 2026-11-26: 300 Mbit/s 0.936/0.943 of the line-rate bound against 0.957/0.958 autotuned, 3.3-3.4
+#: CPU s/GB against 2.9-3.0; docs/performance.md, "Fewer reducers than workers").
+DEFAULT_RECV_BUFFER_BYTES = 0
+#: What `redsrv plan` advises where the reducers are the bottleneck (fewer than the sizing rule asks).
+#: The window bounds what each worker has in flight towards a reducer. Where the workers' pushes
+#: converge on a reducer's link faster than it drains, autotuned windows overflow the queue of the
+#: switch port in front of it; the drops (whole GSO bursts) make CUBIC halve the windows of the flows
+#: that lost them, and the port idles at times. With the window bounded, the surplus waits in the
+#: workers' own send buffers and the port stays busy without dropping. n=4, m=2 at 1 Gbit/s, 64 MiB,
+#: on the emulated cluster (20 ms switch-port queues), 2026-11-26: autotuned 0.75-0.89 of the
+#: line-rate bound (five runs), 128 KiB 0.961, 256 KiB 0.965-0.969 (four), 512 KiB 0.914, 1 MiB
+#: 0.862; n=2, m=1: 0.986 against 0.861. What decides is whether the windows of the converging flows
+#: fit the port's queue: at 300 Mbit/s (750 KB queues) n=4, m=2 ran 0.80-0.89 with 256 KiB and
+#: 0.96-0.97 with 128 KiB, but 128 KiB is too small for one or two flows per link at 1 Gbit/s (14-16%
+#: slower), so no one fixed value serves every fleet. A window also caps a connection at about its
+#: size per round trip: 2.6 GB/s at 100 us for 256 KiB, above what one reducer process moves.
+RECOMMENDED_RECV_BUFFER_BYTES = 256 * 1024
 #: Below this a receive window costs more in round trips than any queue it spares (32 KiB ran n=8,
 #: m=4 at 300 Mbit/s at 0.63 of the bound against 0.72-0.75 with 64 KiB or more).
 MIN_RECV_BUFFER_BYTES = 16 * 1024

@@ -60,7 +60,7 @@ def set_send_lowat(sock: socket.socket, nbytes: int) -> None:
 def set_receive_buffer(sock: socket.socket, nbytes: int) -> None:
     """``SO_RCVBUF``: the peer may have at most about ``nbytes`` in flight towards this socket
     (Linux books twice the value, half of it for its own overhead), and the kernel stops autotuning
-    the window. No-op for 0 or non-TCP sockets (see ``constants.DEFAULT_RECV_BUFFER_BYTES``)."""
+    the window. No-op for 0 or non-TCP sockets (see ``constants.RECOMMENDED_RECV_BUFFER_BYTES``)."""
     if nbytes > 0 and sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, nbytes)
 

@@ -178,18 +178,18 @@ def test_tcp_congestion_defaults_to_cubic_and_system_means_the_kernel_default() 
             DaemonSettings(tcp_congestion=bad)
 
 
-def test_the_reducers_receive_buffer_is_256_kib_zero_for_autotuning_and_never_a_useless_window() -> None:
+def test_the_reducers_receive_buffer_is_autotuned_by_default_and_never_a_useless_window() -> None:
     from redsrv.core.config import DaemonSettings
 
-    assert DaemonSettings().recv_buffer_bytes == 256 * 1024
-    assert DaemonSettings.from_env({"REDSRV_RECV_BUFFER_BYTES": "0"}).recv_buffer_bytes == 0
+    assert DaemonSettings().recv_buffer_bytes == 0
+    assert DaemonSettings.from_env({"REDSRV_RECV_BUFFER_BYTES": "262144"}).recv_buffer_bytes == 256 * 1024
     assert DaemonSettings.from_env({"REDSRV_RECV_BUFFER_BYTES": "1048576"}).recv_buffer_bytes == 1 << 20
     for bad in ("-1", "4096"):
         with pytest.raises(ConfigError, match=r"recv_buffer_bytes \(REDSRV_RECV_BUFFER_BYTES\) must be 0 \(the kernel's "
                                               r"autotuning\) or at least 16384 bytes, got " + bad):
             DaemonSettings.from_env({"REDSRV_RECV_BUFFER_BYTES": bad})
     # A worker's environment may carry it (one environment serves a pod that runs either).
-    assert Config.from_env({"REDSRV_RECV_BUFFER_BYTES": "0"}).job == "default"
+    assert Config.from_env({"REDSRV_RECV_BUFFER_BYTES": "262144"}).job == "default"
 
 
 def test_reducer_settings_come_from_one_validated_source_with_the_workers_rules(tmp_path) -> None:  # type: ignore[no-untyped-def]

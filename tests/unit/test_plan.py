@@ -28,11 +28,15 @@ def test_recommends_matching_aggregate_bandwidth() -> None:
     assert p.speedup == pytest.approx(2 * 15 / 16)
 
 
-def test_too_few_reducers_warns_and_predicts_the_loss() -> None:
+def test_too_few_reducers_warns_predicts_the_loss_and_bounds_the_reducers_receive_windows() -> None:
     p = plan(workers=4, worker_gbit=1, reducer_gbit=1, reducer_cores=8, reducers=2)
     assert p.bottleneck == "reducer NIC"
     assert p.speedup == pytest.approx(0.75)  # BENCH.md measured 0.65x for this fleet
-    assert any("below aggregate worker bandwidth" in w and "prediction is optimistic" in w for w in p.warnings)
+    assert p.recv_buffer_bytes == 256 * 1024
+    assert any("below aggregate worker bandwidth" in w and "set REDSRV_RECV_BUFFER_BYTES=262144 on the reducers" in w
+               and "prediction is optimistic" in w for w in p.warnings)
+    # Reducers that keep up with the workers keep the kernel's autotuned windows.
+    assert plan(workers=4, worker_gbit=1, reducer_gbit=1, reducer_cores=8, reducers=4).recv_buffer_bytes == 0
 
 
 def test_cpu_bound_reducers_need_more_of_them() -> None:
