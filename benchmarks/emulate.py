@@ -81,8 +81,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                         "512): a chunk's sum leaves in pieces of this size as they arrive; 0 sends whole chunks")
     b.add_argument("--recv-buffer-kib", type=int, default=None, metavar="KIB",
                    help="SO_RCVBUF of the reducers' connections in KiB (REDSRV_RECV_BUFFER_BYTES; default: the "
-                        "reducer's, 256): bounds each worker's bytes in flight towards a reducer; 0 leaves the "
-                        "kernel's autotuning")
+                        "reducer's, 0 = the kernel's autotuning): bounds each worker's bytes in flight towards a "
+                        "reducer; `redsrv plan` advises 256 where the reducers are the bottleneck")
     b.add_argument("--tcp-congestion", default=None, metavar="NAME",
                    help="TCP congestion control of redsrv's connections, e.g. cubic, bbr, or system (default: the "
                         "client's, cubic); gloo keeps the system default")

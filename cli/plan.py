@@ -217,7 +217,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
                         f"flows converge on each reducer's switch port: set REDSRV_RECV_BUFFER_BYTES={recv_buffer} on "
                         "the reducers, so that the port's queue holds what they have in flight. Where it cannot (here "
                         f"{workers * recv_buffer / 2**20:.1f} MiB of windows per reducer) TCP backs off on drops and this "
-                        "prediction is optimistic (within 3% where the queue held the windows, 12-35% below where it "
+                        "prediction is optimistic (within 3% where the queue held the windows, 12-37% below where it "
                         "did not, on the emulated cluster: docs/performance.md)")
     if loops < min(r, host_cpu):
         lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
