@@ -69,13 +69,13 @@ def test_the_reducer_bounds_the_receive_window_of_every_connection_where_told_an
         untouched = probe.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
     with _reduced_on_two_ranks(recv_buffer_bytes=256 * 1024) as (daemon, _):
         bounded = _receive_buffers(daemon)
-    with _reduced_on_two_ranks(recv_buffer_bytes=64 * 1024) as (daemon, _):
+    with _reduced_on_two_ranks(recv_buffer_bytes=32 * 1024) as (daemon, _):
         smaller = _receive_buffers(daemon)
     with _reduced_on_two_ranks() as (daemon, _):
         autotuned = _receive_buffers(daemon)
     # Linux books twice what SO_RCVBUF asks for (half for its own overhead), and reports that.
     assert len(bounded) == 2 and set(bounded) == {2 * 256 * 1024}, bounded
-    assert len(smaller) == 2 and set(smaller) == {2 * 64 * 1024}, smaller
-    # Autotuning may have grown a window during the all-reduce, never pinned it at a bound of ours.
+    assert len(smaller) == 2 and set(smaller) == {2 * 32 * 1024}, smaller
+    # Left to the kernel, a buffer starts at its default and autotuning may only have grown it.
     assert len(autotuned) == 2 and all(b >= untouched for b in autotuned), (autotuned, untouched)
-    assert not {2 * 256 * 1024, 2 * 64 * 1024} & set(autotuned) or untouched in (2 * 256 * 1024, 2 * 64 * 1024), autotuned
+    assert not set(autotuned) & {2 * 256 * 1024, 2 * 32 * 1024}, autotuned
