@@ -63,6 +63,15 @@ HOST_QUEUE_MIN_BYTES = 8 * 1024 * 1024
 #: headers, which tbf must be able to pass whole.
 MIN_BURST_BYTES = 128 * 1024
 
+def port_queue_bytes(rate_bps: int) -> int:
+    """What a switch port of the emulated cluster queues at ``rate_bps``: QUEUE_LATENCY_MS of it.
+
+    >>> port_queue_bytes(10**9)
+    2500000
+    """
+    return rate_bps // 8 * QUEUE_LATENCY_MS // 1000
+
+
 _RATE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(gbit|mbit|kbit|bit)\s*$", re.IGNORECASE)
 _UNIT = {"gbit": 10**9, "mbit": 10**6, "kbit": 10**3, "bit": 1}
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.]{0,15}$")
@@ -291,7 +300,7 @@ class Cluster:
             _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "pfifo", "limit", "10000"], f"queue on {ns}/{dev}")
             return
         burst = max(MIN_BURST_BYTES, self.rate_bps // 8 // 1000)
-        queue = self.rate_bps // 8 * QUEUE_LATENCY_MS // 1000
+        queue = port_queue_bytes(self.rate_bps)
         if host_egress:
             queue = max(queue, HOST_QUEUE_MIN_BYTES)
         _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{self.rate_bps}bit",

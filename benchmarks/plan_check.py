@@ -4,12 +4,13 @@ For every worker count n, reducer count m (n and n/2 by default) and per-host ra
 ``redsrv bench emulate`` run (redsrv alone, one size, one round) measures the all-reduce time, and
 ``redsrv.cli.plan.plan`` predicts it for the same fleet: worker and reducer NICs at the
 emulation's TCP goodput, one core per reducer host at the model's default summing rate, the
-model's default data-path ceilings. The emulation runs with the settings the plan advises (the
-reducers' receive window where they are the bottleneck). The table gives predicted and measured time per point and the
-error (measured / predicted - 1), the median and worst absolute error, and which points ran with
-the machine over 85% busy. Those measure the emulation's own CPU: every emulated host shares this
-machine's cores, which a model of hosts with cores of their own does not describe, so they are
-reported and kept out of the bound (docs/performance.md, "`redsrv plan` against the emulation").
+model's default data-path ceilings, the switch ports' queue. The emulation runs with the settings
+the plan advises (the reducers' receive window where they are the bottleneck). The table gives
+predicted and measured time per point and the error (measured / predicted - 1), the median and
+worst absolute error, and which points ran with the machine over 85% busy. Those measure the
+emulation's own CPU: every emulated host shares this machine's cores, which a model of hosts with
+cores of their own does not describe, so they are reported and kept out of the bound
+(docs/performance.md, "`redsrv plan` against the emulation").
 
 Needs root and iproute2, like ``redsrv bench emulate``.
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 from redsrv.bench import report
 from redsrv.bench.emulate import Options, run_emulate
-from redsrv.bench.netns import DEFAULT_PREFIX, format_rate, parse_rate, tcp_goodput_bps
+from redsrv.bench.netns import DEFAULT_PREFIX, format_rate, parse_rate, port_queue_bytes, tcp_goodput_bps
 from redsrv.cli.plan import Plan, plan
 
 __all__ = ["add_parser", "Point", "predict_seconds", "measure_point", "summarise_points", "format_points",
@@ -62,10 +63,11 @@ class Point:
 
 
 def plan_for(*, n: int, m: int, rate_bps: int, mtu: int = 1500) -> Plan:
-    """`redsrv plan` for an emulated fleet: NICs at the TCP goodput of ``rate_bps``, the
-    reducers' default cut-through piece."""
+    """`redsrv plan` for an emulated fleet: NICs at the TCP goodput of ``rate_bps``, the switch
+    ports' queue (``--switch-buffer-kib``), the reducers' default cut-through piece."""
     gbit = tcp_goodput_bps(rate_bps, mtu) / 1e9
-    return plan(workers=n, worker_gbit=gbit, reducer_gbit=gbit, reducer_cores=1, reducers=m)
+    return plan(workers=n, worker_gbit=gbit, reducer_gbit=gbit, reducer_cores=1, reducers=m,
+                port_buffer_bytes=port_queue_bytes(rate_bps))
 
 
 def predict_seconds(*, n: int, m: int, rate_bps: int, size_bytes: int, mtu: int = 1500) -> tuple[float, str]:

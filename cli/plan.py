@@ -70,6 +70,14 @@ CLIENT_GIL_SHARE = 0.42
 #: 300 Mbit/s and n = m = 2, 1.2 for 16 MiB and 64 MiB alike (a lag per operation, not per byte).
 RESULT_LAG_PIECES = 1.5
 
+#: The smallest receive window the plan advises: below it a connection's window, not the port,
+#: limits it at the round trips that queues build. Emulated cluster, 300 Mbit/s, 64 MiB, 2026-11-26:
+#: n=4, m=2 ran 0.804 of the line-rate bound with 64 KiB, 0.957 with 96 KiB, 0.964-0.972 with 128 KiB;
+#: n=6, m=3 0.779, 0.872 and 0.883 (256 KiB: 0.736). Where the buffer is known, every worker's
+#: window together fits half of it: n=8, m=4 at 1 Gbit/s (2.5 MB ports) ran 0.909-0.911 with 128 KiB
+#: against 0.833-0.853 with 256 KiB (docs/performance.md, "Fewer reducers than workers").
+ADVISED_RECV_BUFFER_MIN_BYTES = 96 * 1024
+
 #: Bottleneck names, in the order ties are broken (the network first: a NIC at its line rate is
 #: the outcome the plan aims for).
 WORKER_NIC, WORKER_IO, REDUCER_NIC, REDUCER_IO, REDUCER_CPU = (
@@ -140,7 +148,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
          reducer_processes: int | None = None, reducers: int | None = None, worker_price: float | None = None,
          reducer_price: float | None = None, worker_cores: int = DEFAULT_WORKER_CORES,
          io_threads: int | None = None, gil_share: float = CLIENT_GIL_SHARE,
-         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES) -> Plan:
+         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES, port_buffer_bytes: int | None = None) -> Plan:
     """Recommend reducer hosts, processes per host and the client's I/O threads (or evaluate
     ``reducers`` / ``reducer_processes`` / ``io_threads``) for ``workers`` workers.
 
@@ -157,6 +165,8 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     >>> p.bottleneck, f"{p.line_rate_fraction:.0%}", p.reducers
     ('worker I/O thread (CPU)', '20%', 2)
     """
+    if port_buffer_bytes is not None and port_buffer_bytes <= 0:
+        raise ValueError(f"the switch port's buffer must be positive, got {port_buffer_bytes} bytes")
     if workers < 2 or worker_gbit <= 0 or reducer_gbit <= 0 or reducer_cores < 1 or core_gbps <= 0:
         raise ValueError("need workers >= 2 and positive bandwidths, cores and core throughput")
     if worker_io_gbps <= 0 or reducer_io_gbps <= 0:
@@ -211,14 +221,17 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
             f"is the bottleneck ({worker_path / w:.0%} of its line rate): {lift}")
     recv_buffer = C.DEFAULT_RECV_BUFFER_BYTES
     if m * r < workers * min(w, worker_path):
-        recv_buffer = C.RECOMMENDED_RECV_BUFFER_BYTES
+        recv_buffer = advised_recv_buffer(workers, port_buffer_bytes)
         warnings.append(f"aggregate reducer bandwidth {m * reducer_gbit:g} Gbit/s is below aggregate worker bandwidth "
                         f"{workers * min(w, worker_path) * 8:g} Gbit/s: the reducers are the bottleneck. The workers' "
                         f"flows converge on each reducer's switch port: set REDSRV_RECV_BUFFER_BYTES={recv_buffer} on "
-                        "the reducers, so that the port's queue holds what they have in flight. Where it cannot (here "
-                        f"{workers * recv_buffer / 2**20:.1f} MiB of windows per reducer) TCP backs off on drops and this "
-                        "prediction is optimistic (within 3% where the queue held the windows, 12-37% below where it "
-                        "did not, on the emulated cluster: docs/performance.md)")
+                        "the reducers, so that the port's queue holds what they have in flight ("
+                        + ("sized for the port's buffer you gave" if port_buffer_bytes is not None else
+                           "give --switch-buffer-kib to size it for your switch")
+                        + f"). Where the queue cannot hold them (here {workers * recv_buffer / 2**20:.2f} MiB of windows "
+                        "per reducer) TCP backs off on drops and this prediction is optimistic (within 3% where the "
+                        "queue held the windows, 8-28% below where it did not, on the emulated cluster: "
+                        "docs/performance.md)")
     if loops < min(r, host_cpu):
         lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
                 if p < enough_processes else "one per core already: add reducer hosts or faster cores")
@@ -234,6 +247,21 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
                 algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
                 worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES, recv_buffer)
+
+
+def advised_recv_buffer(workers: int, port_buffer_bytes: int | None) -> int:
+    """The reducers' receive window for a fleet whose reducers are the bottleneck: every worker's
+    window towards a reducer together within half the buffer of the switch port in front of it
+    (the other half takes the bursts), between ADVISED_RECV_BUFFER_MIN_BYTES and
+    RECOMMENDED_RECV_BUFFER_BYTES; that maximum where the buffer is unknown.
+
+    >>> advised_recv_buffer(4, None) // 1024, advised_recv_buffer(8, 2_500_000) // 1024, advised_recv_buffer(4, 750_000) // 1024
+    (256, 152, 96)
+    """
+    if port_buffer_bytes is None:
+        return C.RECOMMENDED_RECV_BUFFER_BYTES
+    share = port_buffer_bytes // 2 // workers // 1024 * 1024
+    return max(ADVISED_RECV_BUFFER_MIN_BYTES, min(C.RECOMMENDED_RECV_BUFFER_BYTES, share))
 
 
 def _worker_path(threads: int, cores: int, gil_share: float, per_thread: float) -> float:
@@ -385,6 +413,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--piece-kib", type=int, default=C.DEFAULT_RESULT_PIECE_BYTES // 1024,
                    help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default "
                         f"{C.DEFAULT_RESULT_PIECE_BYTES // 1024}; 0: whole chunks)")
+    p.add_argument("--switch-buffer-kib", type=float, default=None, metavar="KIB",
+                   help="the queue of the switch port in front of each reducer, in KiB, where known: sizes the "
+                        "reducers' receive window the plan advises when they are the bottleneck (default: "
+                        f"{C.RECOMMENDED_RECV_BUFFER_BYTES // 1024} KiB)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_main)
 
@@ -416,7 +448,8 @@ def _main(args: argparse.Namespace) -> int:
                  worker_io_gbps=worker_io or DEFAULT_IO_THREAD_GBPS, reducer_io_gbps=reducer_io or DEFAULT_IO_THREAD_GBPS,
                  reducer_processes=args.reducer_processes, reducers=args.reducers,
                  worker_price=args.worker_price, reducer_price=args.reducer_price, worker_cores=args.worker_cores,
-                 io_threads=args.io_threads, gil_share=args.gil_share, piece_bytes=args.piece_kib * 1024)
+                 io_threads=args.io_threads, gil_share=args.gil_share, piece_bytes=args.piece_kib * 1024,
+                 port_buffer_bytes=None if args.switch_buffer_kib is None else int(args.switch_buffer_kib * 1024))
     except ValueError as exc:  # the flags are the configuration here (see the package's exception policy)
         raise ConfigError(str(exc)) from None
     message = int(args.message_mib * 2**20)

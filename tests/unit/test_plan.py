@@ -39,6 +39,31 @@ def test_too_few_reducers_warns_predicts_the_loss_and_bounds_the_reducers_receiv
     assert plan(workers=4, worker_gbit=1, reducer_gbit=1, reducer_cores=8, reducers=4).recv_buffer_bytes == 0
 
 
+def test_the_advised_window_fits_every_workers_window_in_half_the_switch_ports_buffer_where_it_is_known() -> None:
+    def advised(workers: int, buffer: int | None) -> int:
+        return plan(workers=workers, worker_gbit=1, reducer_gbit=1, reducer_cores=8, reducers=workers // 2,
+                    port_buffer_bytes=buffer).recv_buffer_bytes
+
+    assert advised(8, None) == 256 * 1024  # unknown buffer: the most the plan advises
+    assert advised(8, 2_500_000) == 152 * 1024  # 2.5 MB / 2 over 8 workers, whole KiB
+    assert advised(2, 2_500_000) == 256 * 1024  # never above the maximum
+    assert advised(8, 750_000) == 96 * 1024  # never below the window a connection needs
+    with pytest.raises(ValueError, match="switch port's buffer must be positive"):
+        advised(8, 0)
+
+
+def test_a_bad_switch_buffer_flag_is_a_configuration_error(capsys) -> None:  # type: ignore[no-untyped-def]
+    from redsrv.cli import main
+
+    assert main(["plan", "--workers", "4", "--worker-gbit", "1", "--reducer-gbit", "1", "--reducers", "2",
+                 "--switch-buffer-kib", "0"]) == 2
+    assert "switch port's buffer must be positive" in capsys.readouterr().err
+    assert main(["plan", "--workers", "4", "--worker-gbit", "1", "--reducer-gbit", "1", "--reducers", "2",
+                 "--switch-buffer-kib", "750"]) == 0
+    out = capsys.readouterr().out
+    assert "REDSRV_RECV_BUFFER_BYTES=98304 on the reducers" in out and "sized for the port's buffer you gave" in out
+
+
 def test_cpu_bound_reducers_need_more_of_them() -> None:
     p = plan(workers=8, worker_gbit=200, reducer_gbit=200, reducer_cores=4, core_gbps=1.0, **FAST_PATH)
     assert p.reducers == 50  # 8 x 25 GB/s of input over 4 GB/s per reducer
