@@ -63,6 +63,7 @@ HOST_QUEUE_MIN_BYTES = 8 * 1024 * 1024
 #: headers, which tbf must be able to pass whole.
 MIN_BURST_BYTES = 128 * 1024
 
+
 def port_queue_bytes(rate_bps: int) -> int:
     """What a switch port of the emulated cluster queues at ``rate_bps``: QUEUE_LATENCY_MS of it.
 

@@ -251,9 +251,10 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
 
 def advised_recv_buffer(workers: int, port_buffer_bytes: int | None) -> int:
     """The reducers' receive window for a fleet whose reducers are the bottleneck: every worker's
-    window towards a reducer together within half the buffer of the switch port in front of it
-    (the other half takes the bursts), between ADVISED_RECV_BUFFER_MIN_BYTES and
-    RECOMMENDED_RECV_BUFFER_BYTES; that maximum where the buffer is unknown.
+    window towards a reducer together (one connection each, the client's default
+    REDSRV_STREAMS_PER_REDUCER) within half the buffer of the switch port in front of it (the other
+    half takes the bursts), between ADVISED_RECV_BUFFER_MIN_BYTES and RECOMMENDED_RECV_BUFFER_BYTES;
+    that maximum where the buffer is unknown.
 
     >>> advised_recv_buffer(4, None) // 1024, advised_recv_buffer(8, 2_500_000) // 1024, advised_recv_buffer(4, 750_000) // 1024
     (256, 152, 96)
