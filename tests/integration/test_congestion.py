@@ -1,6 +1,6 @@
 """Both ends of every data connection use the configured TCP congestion control, and a kernel
-that refuses it costs one warning per process, never a failed job; a reducer told to bounds the
-receive window of every connection it accepts (constants.RECOMMENDED_RECV_BUFFER_BYTES)."""
+that refuses it costs one warning per process, never a failed job; a reducer given a receive
+buffer bounds the window of every connection it accepts (constants.RECOMMENDED_RECV_BUFFER_BYTES)."""
 
 from __future__ import annotations
 
