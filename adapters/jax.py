@@ -72,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import io_callback
+from jax.experimental.buffer_callback import buffer_callback
 
 from redsrv.core import Client, collectives, commons, fusion, wire
 
@@ -121,10 +122,11 @@ class Communicator:
         self.client = client
         self.timeout = timeout
         self._owns_client = owns_client
-        self._lock = threading.Lock()  # guards _error and _closed
+        self._lock = threading.Lock()  # guards _error, _closed and _staged
         self._keys = commons.KeySpace(_KEY_PREFIX)
         self._error: BaseException | None = None
         self._closed = False
+        self._staged: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}  # see _exchange
 
     @property
     def rank(self) -> int:
@@ -213,23 +215,47 @@ class Communicator:
     # --- called from the callbacks (XLA threads) ---
 
     def _exchange(self, op: str, site: tuple[str, str], device: int, slices: Sequence[np.ndarray],
-                  wire_dtype: str | None) -> tuple[np.ndarray, ...]:
-        """Send one device's slices, wait for their sums. Never raises (XLA callback)."""
+                  results: Sequence[np.ndarray], wire_dtype: str | None) -> bool:
+        """Send one device's slices and write their sums into ``results``. Never raises (XLA
+        callback); False when the exchange failed and ``results`` hold poison.
+
+        ``slices`` and ``results`` are XLA's own buffers, valid only until this returns, while a
+        failed exchange may leave an I/O thread of the client still reading its input or landing
+        a result. So the client moves the bytes between buffers of this communicator's own,
+        one pair per (site, vector, device), which outlive any thread: they are copied in and
+        out here, and after a failure (which poisons every later exchange) never used again.
+        """
         call = self._keys.next_call(site, device)
         with self._lock:
             failed = self._error is not None
         if failed:
-            return _poison(slices)  # the step is lost already; do not wait on peers for it
-        keys = [self._keys.key(*site, vector, s.dtype.name, device, call) for vector, s in enumerate(slices)]
+            _poison(results)  # the step is lost already; do not wait on peers for it
+            return False
         try:
-            futures = [self.client.allreduce_async(np.ascontiguousarray(s), op=op, key=key, wire_dtype=wire_dtype,
-                                                   timeout=self.timeout)
-                       for s, key in zip(slices, keys)]
-            results = [self.client.wait(f, timeout=self.timeout) for f in futures]
-            return tuple(np.asarray(r, dtype=s.dtype).reshape(s.shape) for r, s in zip(results, slices))
+            futures = []
+            for vector, (piece, result) in enumerate(zip(slices, results)):
+                staged_in, staged_out = self._staging((site, vector, device), piece)
+                np.copyto(staged_in, piece)
+                key = self._keys.key(*site, vector, piece.dtype.name, device, call)
+                futures.append(self.client.allreduce_async(staged_in, op=op, key=key, wire_dtype=wire_dtype,
+                                                           timeout=self.timeout, out=staged_out))
+            for future, result in zip(futures, results):
+                np.copyto(result, self.client.wait(future, timeout=self.timeout))
+            return True
         except Exception as exc:  # a callback must not raise: store it for check()
+            with self._lock:
+                self._staged.clear()  # an I/O thread may still touch them: never reuse them
             self._fail(exc, f"redsrv.jax.p{op} at {site[0]} ({site[1]}) on local device {device}, call {call}")
-            return _poison(slices)
+            _poison(results)
+            return False
+
+    def _staging(self, place: tuple[Any, ...], like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The communicator's own input and result buffers for one vector of one call site."""
+        with self._lock:
+            pair = self._staged.get(place)
+            if pair is None or pair[0].shape != like.shape or pair[0].dtype != like.dtype:
+                pair = self._staged[place] = (np.empty(like.shape, like.dtype), np.empty(like.shape, like.dtype))
+        return pair
 
     def _fail(self, exc: BaseException, where: str) -> None:
         with self._lock:
@@ -475,9 +501,17 @@ def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: 
     out = list(leaves)
     if not slices:
         return out
-    callback = functools.partial(_run_exchange, target, op, site, wire_dtype)
+    # XLA hands the exchange its own buffers (no transfer to the host and back: the copies the
+    # io_callback route paid, docs/performance.md "End-to-end training: JAX and Keras"). A
+    # buffer_callback has no ordered effect, so two tiny ordered io_callbacks bracket it: the
+    # ticket it takes as input and the receipt that takes its status keep every device's
+    # exchanges in program order, as the deadlock hazard of INTEGRATION requires.
+    ticket = io_callback(_ticket, jax.ShapeDtypeStruct((), np.int32), _device_index(), ordered=True)
     shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slices)
-    results = io_callback(callback, shapes, _device_index(), *slices, ordered=True)
+    exchange = buffer_callback(functools.partial(_run_exchange, target, op, site, wire_dtype),
+                               (shapes, jax.ShapeDtypeStruct((), np.int32)), has_side_effect=True)
+    results, status = exchange(ticket, *slices)
+    io_callback(_receipt, None, status, ordered=True)
     for result, piece, group in zip(results, slices, layouts):
         if vma:
             # The callback's result is typed invariant; it differs per device until gathered.
@@ -490,16 +524,30 @@ def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: 
     return out
 
 
-def _run_exchange(target: _Target, op: str, site: tuple[str, str], wire_dtype: str | None, device: Any,
-                  *slices: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The io_callback body, on an XLA thread, once per local device per execution."""
-    return target.resolve()._exchange(op, site, int(device), slices, wire_dtype)
+def _ticket(device: np.ndarray) -> np.ndarray:
+    """The ordered io_callback before an exchange: passes the device index on to it."""
+    return np.asarray(device, dtype=np.int32)
 
 
-def _poison(slices: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
-    """What a failed exchange returns: NaN makes a result that was used anyway obvious."""
-    return tuple(np.full(s.shape, np.nan if np.issubdtype(s.dtype, np.floating) or s.dtype.name == "bfloat16" else 0,
-                         dtype=s.dtype) for s in slices)
+def _receipt(status: np.ndarray) -> None:
+    """The ordered io_callback after an exchange (its status is in check()'s stored error)."""
+    del status
+
+
+def _run_exchange(target: _Target, op: str, site: tuple[str, str], wire_dtype: str | None, ctx: Any,
+                  out: Any, ticket: Any, *slices: Any) -> None:
+    """The buffer_callback body, on an XLA thread, once per local device per execution."""
+    del ctx
+    results, status = out
+    ok = target.resolve()._exchange(op, site, int(np.asarray(ticket)), [np.asarray(s) for s in slices],
+                                    [np.asarray(r) for r in results], wire_dtype)
+    np.asarray(status)[...] = 1 if ok else 0
+
+
+def _poison(results: Sequence[np.ndarray]) -> None:
+    """What a failed exchange leaves in its results: NaN makes a result that was used anyway obvious."""
+    for r in results:
+        r[...] = np.nan if np.issubdtype(r.dtype, np.floating) or r.dtype.name == "bfloat16" else 0
 
 
 def _broadcast_tree(comm: Communicator, tree: Any, root: int) -> Any:
