@@ -8,7 +8,11 @@ The adapter needs two facts JAX's public functions do not return:
 - which axes of the current abstract mesh are manual (inside ``shard_map`` or ``pmap``), to number
   the local devices of the mapped computation.
 
-Both are attributes of JAX's abstract values and meshes that have moved between releases
+It also calls one experimental function, ``jax.experimental.buffer_callback`` (JAX says it may be
+replaced by a callback API built on mutable arrays): the exchange runs on XLA's own buffers through
+it, re-exported here as :data:`buffer_callback`.
+
+Both attributes are attributes of JAX's abstract values and meshes that have moved between releases
 (``aval.vma`` until about 0.9, ``aval.manual_axis_type.varying`` in 0.10). They are read here and
 only here; the canary test ``tests/adapters/jax/test_jax_internals.py`` checks each one against the
 installed JAX and says what moved. It is the first test to read when a JAX release breaks the
@@ -20,8 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.experimental.buffer_callback import buffer_callback
 
-__all__ = ["PRIVATE_API", "TESTED_JAX", "manual_axis_names", "varying_axes"]
+__all__ = ["PRIVATE_API", "TESTED_JAX", "buffer_callback", "manual_axis_names", "varying_axes"]
 
 #: The JAX minor release these reads were written and tested against.
 TESTED_JAX = "0.10"
@@ -31,6 +36,8 @@ PRIVATE_API: tuple[tuple[str, str, str], ...] = (
     ("jax.typeof(x) inside shard_map", "manual_axis_type.varying",
      "the manual axes a value varies over (JAX <= 0.9: aval.vma), to refuse already-combined values"),
     ("jax.sharding.get_abstract_mesh()", "manual_axes", "the mapped axes, to number the local devices"),
+    ("jax.experimental.buffer_callback", "buffer_callback(callback(ctx, out, *args), result_shape_dtypes, "
+     "has_side_effect=True)", "the exchange reads and writes XLA's own buffers instead of copies"),
 )
 
 

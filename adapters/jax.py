@@ -27,13 +27,15 @@ How one collective runs (no host-side rendezvous between the device threads):
    into a fused vector and back costs more than it saves: :func:`redsrv.core.fusion.unfuse_large`).
    Each vector is padded to a multiple of the local axis size, and ``lax.psum_scatter`` leaves each
    local device with the local sum of its own slice.
-2. One ``io_callback`` per device sends that device's slices to the reducers under the key
-   ``(call site, phase, vector, dtype, device, counter)`` and returns the sums over all processes.
-   The call site (module, function, line) is fixed at trace time, the counter counts executions
-   of that site on that device, so keys are identical on every process without any agreement at
-   run time. Callbacks are ``ordered=True``: each device runs them in program order, so no two
-   processes can block in a different order (INTEGRATION: the deadlock hazard of unordered
-   blocking callbacks) and the counters advance identically everywhere.
+2. One ``buffer_callback`` per device sends that device's slices to the reducers under the key
+   ``(call site, phase, vector, dtype, device, counter)`` and writes the sums over all processes
+   straight into XLA's result buffers (no transfer to the host and back). The call site (module,
+   function, line) is fixed at trace time, the counter counts executions of that site on that
+   device, so keys are identical on every process without any agreement at run time. Two tiny
+   ``ordered=True`` ``io_callback`` calls bracket each exchange (a ticket it takes, a receipt that
+   takes its status): each device runs its exchanges in program order, so no two processes can
+   block in a different order (INTEGRATION: the deadlock hazard of unordered blocking callbacks)
+   and the counters advance identically everywhere.
 3. ``lax.all_gather`` puts the slices back together on every device.
 
 Errors: a callback must not raise (XLA's behaviour is undefined), so a failed exchange stores its
@@ -72,7 +74,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import io_callback
-from jax.experimental.buffer_callback import buffer_callback
 
 from redsrv.core import Client, collectives, commons, fusion, wire
 
@@ -199,6 +200,8 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
+        with self._lock:
+            self._staged.clear()
         if self._owns_client:
             self.client.close()
 
@@ -508,8 +511,10 @@ def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: 
     # exchanges in program order, as the deadlock hazard of INTEGRATION requires.
     ticket = io_callback(_ticket, jax.ShapeDtypeStruct((), np.int32), _device_index(), ordered=True)
     shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slices)
-    exchange = buffer_callback(functools.partial(_run_exchange, target, op, site, wire_dtype),
-                               (shapes, jax.ShapeDtypeStruct((), np.int32)), has_side_effect=True)
+    exchange = _jax_internals.buffer_callback(functools.partial(_run_exchange, target, op, site, wire_dtype),
+                               (shapes, jax.ShapeDtypeStruct((), np.int32)), has_side_effect=True,
+                               # each result replaces its slice: XLA's buffer is warm, a fresh one faults
+                               input_output_aliases={1 + i: i for i in range(len(slices))})
     results, status = exchange(ticket, *slices)
     io_callback(_receipt, None, status, ordered=True)
     for result, piece, group in zip(results, slices, layouts):

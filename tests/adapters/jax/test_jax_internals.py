@@ -14,6 +14,7 @@ import pytest
 jax = pytest.importorskip("jax")
 
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
@@ -90,3 +91,24 @@ def test_manual_axis_names_are_the_mapped_axes_and_none_outside() -> None:
     assert seen == {"shard_map": [AXIS], "pmap": [AXIS], "shard_map over one of two axes": [AXIS]}, _moved(
         f"the abstract mesh's manual axes read {seen}")
     assert _jax_internals.manual_axis_names() == [], _moved("outside any map the abstract mesh reports manual axes")
+
+
+def test_buffer_callback_hands_the_callback_writable_buffers_per_device() -> None:
+    seen = []
+
+    def add_one(ctx, out, x):  # type: ignore[no-untyped-def]
+        result, status = out
+        np.asarray(result)[...] = np.asarray(x) + 1
+        np.asarray(status)[...] = 7
+        seen.append(np.asarray(x).shape)
+
+    def body(x):  # type: ignore[no-untyped-def]
+        shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((), np.int32))
+        result, status = _jax_internals.buffer_callback(add_one, shapes, has_side_effect=True)(x)
+        return result + status.astype(x.dtype)
+
+    mesh = jax.make_mesh((2,), (AXIS,))
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P(AXIS)))
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))(x)
+    assert np.asarray(got).tolist() == [8.0, 9.0, 10.0, 11.0] and seen == [(2,), (2,)], _moved(
+        f"buffer_callback under shard_map gave {np.asarray(got).tolist()}, its callback saw inputs {seen}")
