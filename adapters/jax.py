@@ -123,11 +123,14 @@ class Communicator:
         self.client = client
         self.timeout = timeout
         self._owns_client = owns_client
-        self._lock = threading.Lock()  # guards _error, _closed and _staged
+        self._lock = threading.Lock()  # guards _error, _closed, _in_flight and _spare
         self._keys = commons.KeySpace(_KEY_PREFIX)
         self._error: BaseException | None = None
         self._closed = False
-        self._staged: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray]] = {}  # see _exchange
+        # Exchanges started and not yet finished, by (site, vector, device, call), and the staging
+        # buffers finished calls gave back, by (site, vector, device): see _submit.
+        self._in_flight: dict[tuple[Any, ...], tuple[Any, tuple[np.ndarray, np.ndarray]]] = {}
+        self._spare: dict[tuple[Any, ...], list[tuple[np.ndarray, np.ndarray]]] = {}
 
     @property
     def rank(self) -> int:
@@ -201,7 +204,8 @@ class Communicator:
                 return
             self._closed = True
         with self._lock:
-            self._staged.clear()
+            self._in_flight.clear()
+            self._spare.clear()
         if self._owns_client:
             self.client.close()
 
@@ -217,48 +221,69 @@ class Communicator:
 
     # --- called from the callbacks (XLA threads) ---
 
-    def _exchange(self, op: str, site: tuple[str, str], device: int, slices: Sequence[np.ndarray],
-                  results: Sequence[np.ndarray], wire_dtype: str | None) -> bool:
-        """Send one device's slices and write their sums into ``results``. Never raises (XLA
-        callback); False when the exchange failed and ``results`` hold poison.
+    def _ticket(self, site: tuple[str, str], device: int) -> int:
+        """The call number of this execution of ``site`` on ``device`` (ordered io_callback)."""
+        return self._keys.next_call(site, device)
 
-        ``slices`` and ``results`` are XLA's own buffers, valid only until this returns, while a
-        failed exchange may leave an I/O thread of the client still reading its input or landing
-        a result. So the client moves the bytes between buffers of this communicator's own,
-        one pair per (site, vector, device), which outlive any thread: they are copied in and
-        out here, and after a failure (which poisons every later exchange) never used again.
+    def _submit(self, op: str, site: tuple[str, str], vector: int, device: int, call: int, piece: np.ndarray,
+                wire_dtype: str | None) -> None:
+        """Start one vector's exchange (buffer_callback; never blocks, never raises).
+
+        ``piece`` is XLA's own buffer, valid only until this returns, while a failed exchange
+        may leave an I/O thread of the client still reading its input or landing a result after
+        that. So the client moves the bytes between buffers of the communicator's own
+        (:meth:`_staging`), which outlive any thread: copied in here and out in :meth:`_finish`,
+        and after a failure (which poisons every later exchange) never used again.
         """
-        call = self._keys.next_call(site, device)
         with self._lock:
             failed = self._error is not None
         if failed:
-            _poison(results)  # the step is lost already; do not wait on peers for it
-            return False
+            return  # the step is lost already; _finish poisons it without waiting on peers
         try:
-            futures = []
-            for vector, (piece, result) in enumerate(zip(slices, results)):
-                staged_in, staged_out = self._staging((site, vector, device), piece)
-                np.copyto(staged_in, piece)
-                key = self._keys.key(*site, vector, piece.dtype.name, device, call)
-                futures.append(self.client.allreduce_async(staged_in, op=op, key=key, wire_dtype=wire_dtype,
-                                                           timeout=self.timeout, out=staged_out))
-            for future, result in zip(futures, results):
-                np.copyto(result, self.client.wait(future, timeout=self.timeout))
+            staged_in, staged_out = self._staging((site, vector, device), piece)
+            np.copyto(staged_in, piece)
+            key = self._keys.key(*site, vector, piece.dtype.name, device, call)
+            future = self.client.allreduce_async(staged_in, op=op, key=key, wire_dtype=wire_dtype,
+                                                 timeout=self.timeout, out=staged_out)
+            with self._lock:
+                self._in_flight[(site, vector, device, call)] = (future, (staged_in, staged_out))
+        except Exception as exc:  # a callback must not raise: store it for check()
+            self._fail(exc, f"redsrv.jax.p{op} at {site[0]} ({site[1]}) on local device {device}, call {call}")
+
+    def _finish(self, op: str, site: tuple[str, str], device: int, call: int, results: Sequence[np.ndarray]) -> bool:
+        """Wait for every vector of one call and write the sums into ``results`` (XLA's buffers);
+        never raises. False when the exchange failed and ``results`` hold poison."""
+        with self._lock:
+            started = [self._in_flight.pop((site, vector, device, call), None) for vector in range(len(results))]
+            failed = self._error is not None
+        try:
+            if failed or any(entry is None for entry in started):
+                raise _Poisoned()
+            for entry, result in zip(started, results):
+                assert entry is not None
+                np.copyto(result, self.client.wait(entry[0], timeout=self.timeout))
+            with self._lock:
+                for vector, entry in enumerate(started):
+                    assert entry is not None
+                    self._spare.setdefault((site, vector, device), []).append(entry[1])
             return True
         except Exception as exc:  # a callback must not raise: store it for check()
-            with self._lock:
-                self._staged.clear()  # an I/O thread may still touch them: never reuse them
-            self._fail(exc, f"redsrv.jax.p{op} at {site[0]} ({site[1]}) on local device {device}, call {call}")
+            if not isinstance(exc, _Poisoned):
+                self._fail(exc, f"redsrv.jax.p{op} at {site[0]} ({site[1]}) on local device {device}, call {call}")
             _poison(results)
             return False
 
     def _staging(self, place: tuple[Any, ...], like: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The communicator's own input and result buffers for one vector of one call site."""
+        """An input and a result buffer of the communicator's own for one vector of a call
+        site: a spare pair a finished call gave back, else a new one (two calls of one site may
+        be in flight at once when executions overlap)."""
         with self._lock:
-            pair = self._staged.get(place)
-            if pair is None or pair[0].shape != like.shape or pair[0].dtype != like.dtype:
-                pair = self._staged[place] = (np.empty(like.shape, like.dtype), np.empty(like.shape, like.dtype))
-        return pair
+            spares = self._spare.get(place, [])
+            while spares:
+                pair = spares.pop()
+                if pair[0].shape == like.shape and pair[0].dtype == like.dtype:
+                    return pair
+        return np.empty(like.shape, like.dtype), np.empty(like.shape, like.dtype)
 
     def _fail(self, exc: BaseException, where: str) -> None:
         with self._lock:
@@ -267,6 +292,9 @@ class Communicator:
             if hasattr(exc, "add_note"):  # Python 3.11+: keep the core's type, add where it happened
                 exc.add_note(f"raised on the host by redsrv.jax.check(); the exchange was {where}")
             self._error = exc
+            # An I/O thread may still touch the staging buffers of what was in flight: drop them all.
+            self._in_flight.clear()
+            self._spare.clear()
         # This process sends nothing more for the step: the adapters' one rule (redsrv.core.commons)
         # closes a client init() opened, so the reducers fail the open step for every rank now
         # instead of leaving them to wait for contributions until their timeout.
@@ -505,17 +533,25 @@ def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: 
     if not slices:
         return out
     # XLA hands the exchange its own buffers (no transfer to the host and back: the copies the
-    # io_callback route paid, docs/performance.md "End-to-end training: JAX and Keras"). A
-    # buffer_callback has no ordered effect, so two tiny ordered io_callbacks bracket it: the
-    # ticket it takes as input and the receipt that takes its status keep every device's
-    # exchanges in program order, as the deadlock hazard of INTEGRATION requires.
-    ticket = io_callback(_ticket, jax.ShapeDtypeStruct((), np.int32), _device_index(), ordered=True)
+    # io_callback route paid, docs/performance.md "End-to-end training: JAX and Keras"). Each
+    # vector starts as soon as XLA has it, so the exchange overlaps the rest of the backward
+    # pass, and one wait per device takes every result. buffer_callbacks have no ordered
+    # effect, so two tiny ordered io_callbacks bracket the whole: the ticket numbers the call
+    # (the keys then agree on every process whatever order the vectors start in) and the
+    # receipt takes the wait's status, which keeps every device's waits, the only blocking
+    # part, in program order, as the deadlock hazard of INTEGRATION requires.
+    call = io_callback(functools.partial(_issue_ticket, target, site), jax.ShapeDtypeStruct((2,), np.int32),
+                       _device_index(), ordered=True)
+    started = [_jax_internals.buffer_callback(functools.partial(_run_submit, target, op, site, vector, wire_dtype),
+                                              jax.ShapeDtypeStruct((), np.int32), has_side_effect=True)(call, piece)
+               for vector, piece in enumerate(slices)]
     shapes = tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slices)
-    exchange = _jax_internals.buffer_callback(functools.partial(_run_exchange, target, op, site, wire_dtype),
-                               (shapes, jax.ShapeDtypeStruct((), np.int32)), has_side_effect=True,
-                               # each result replaces its slice: XLA's buffer is warm, a fresh one faults
-                               input_output_aliases={1 + i: i for i in range(len(slices))})
-    results, status = exchange(ticket, *slices)
+    finish = _jax_internals.buffer_callback(
+        functools.partial(_run_finish, target, op, site), (shapes, jax.ShapeDtypeStruct((), np.int32)),
+        has_side_effect=True,
+        # each result replaces its slice: XLA's buffer is warm, where a fresh one would fault
+        input_output_aliases={1 + len(started) + i: i for i in range(len(slices))})
+    results, status = finish(call, *started, *slices)
     io_callback(_receipt, None, status, ordered=True)
     for result, piece, group in zip(results, slices, layouts):
         if vma:
@@ -529,23 +565,38 @@ def _exchange_leaves(leaves: list[Any], axes: tuple[Any, ...], op: str, target: 
     return out
 
 
-def _ticket(device: np.ndarray) -> np.ndarray:
-    """The ordered io_callback before an exchange: passes the device index on to it."""
-    return np.asarray(device, dtype=np.int32)
+class _Poisoned(Exception):
+    """An exchange that is not waited for: the communicator failed earlier."""
+
+
+def _issue_ticket(target: _Target, site: tuple[str, str], device: np.ndarray) -> np.ndarray:
+    """The ordered io_callback before an exchange: (device, its call number on this device).
+    The number wraps at 2**31 executions of one site, long after any key could still be in flight."""
+    number = target.resolve()._ticket(site, int(device)) % (1 << 31)
+    return np.array([int(device), number], dtype=np.int32)
 
 
 def _receipt(status: np.ndarray) -> None:
-    """The ordered io_callback after an exchange (its status is in check()'s stored error)."""
+    """The ordered io_callback after an exchange (a failure is in check()'s stored error)."""
     del status
 
 
-def _run_exchange(target: _Target, op: str, site: tuple[str, str], wire_dtype: str | None, ctx: Any,
-                  out: Any, ticket: Any, *slices: Any) -> None:
-    """The buffer_callback body, on an XLA thread, once per local device per execution."""
+def _run_submit(target: _Target, op: str, site: tuple[str, str], vector: int, wire_dtype: str | None, ctx: Any,
+                out: Any, call: Any, piece: Any) -> None:
+    """A buffer_callback on an XLA thread: start one vector of one device's exchange."""
+    del ctx
+    device, number = (int(v) for v in np.asarray(call))
+    target.resolve()._submit(op, site, vector, device, number, np.asarray(piece), wire_dtype)
+    np.asarray(out)[...] = 0
+
+
+def _run_finish(target: _Target, op: str, site: tuple[str, str], ctx: Any, out: Any, call: Any,
+                *started_and_slices: Any) -> None:
+    """A buffer_callback on an XLA thread: wait for one device's exchange, write its sums."""
     del ctx
     results, status = out
-    ok = target.resolve()._exchange(op, site, int(np.asarray(ticket)), [np.asarray(s) for s in slices],
-                                    [np.asarray(r) for r in results], wire_dtype)
+    device, number = (int(v) for v in np.asarray(call))
+    ok = target.resolve()._finish(op, site, device, number, [np.asarray(r) for r in results])
     np.asarray(status)[...] = 1 if ok else 0
 
 
