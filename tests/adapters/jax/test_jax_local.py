@@ -323,3 +323,55 @@ def test_a_failed_exchange_is_raised_with_its_type_and_where_it_happened(comm, m
         comm.check()
     assert any("redsrv.jax.psum at" in note and "local device" in note for note in getattr(info.value, "__notes__", [""]))
 
+
+
+def test_every_vector_starts_before_its_call_waits_and_in_flight_calls_keep_their_own_buffers(comm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    events = []
+    submit, wait = comm.client.allreduce_async, comm.client.wait
+
+    def record_submit(x, **kwargs):  # type: ignore[no-untyped-def]
+        future = submit(x, **kwargs)
+        future.redsrv_test_key = kwargs["key"]
+        events.append(("start", kwargs["key"][2], kwargs["key"][5], kwargs["key"][6], kwargs["key"][3]))
+        return future
+
+    def record_wait(future, **kwargs):  # type: ignore[no-untyped-def]
+        key = future.redsrv_test_key
+        events.append(("wait", key[2], key[5], key[6], key[3]))
+        return wait(future, **kwargs)
+
+    monkeypatch.setattr(comm.client, "allreduce_async", record_submit)
+    monkeypatch.setattr(comm.client, "wait", record_wait)
+    step = jax.pmap(lambda t: rjax.psum(t, AXIS), axis_name=AXIS)
+    trees = [jax.tree.map(lambda v, i=i: v + np.asarray(i, v.dtype), tree_inputs()) for i in range(6)]
+    outs = [step(t) for t in trees]  # dispatched back to back: executions may overlap
+    comm.check(outs)
+    for tree, out in zip(trees, outs):
+        assert_trees_equal(out, jax.pmap(lambda t: lax.psum(t, AXIS), axis_name=AXIS)(tree))
+    # per device and call: the float32 and bfloat16 vectors of the floats' exchange, the int32 one of the integers'
+    for phase, vectors in (("fwd", 2), ("int", 1)):
+        for device in (0, 1):
+            for call in range(6):
+                mine = [(kind, vector) for kind, p, d, c, vector in events if (p, d, c) == (phase, device, call)]
+                assert sorted(mine) == [("start", v) for v in range(vectors)] + [("wait", v) for v in range(vectors)]
+                assert all(kind == "start" for kind, _ in mine[:vectors]), f"{phase} call {call} waited before starting: {mine}"
+
+
+def test_a_vector_that_fails_to_start_poisons_the_call_and_drops_the_staging_buffers(comm, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    submit = comm.client.allreduce_async
+    started = []
+
+    def second_refused(x, **kwargs):  # type: ignore[no-untyped-def]
+        started.append(kwargs["key"])
+        if kwargs["key"][3] == 1:
+            raise redsrv.PeerLostError("reducer 127.0.0.1:1 went away")
+        return submit(x, **kwargs)
+
+    monkeypatch.setattr(comm.client, "allreduce_async", second_refused)
+    out = jax.pmap(lambda t: rjax.psum(t, AXIS), axis_name=AXIS)(tree_inputs())
+    for leaf in jax.tree.leaves({k: v for k, v in out.items() if k != "n"}):
+        assert np.isnan(np.asarray(leaf, np.float32)).all()
+    assert (np.asarray(out["n"]) == 0).all()
+    with pytest.raises(redsrv.PeerLostError, match="went away"):
+        comm.check()
+    assert not comm._in_flight and not comm._spare  # an I/O thread may still touch them: never reused
