@@ -27,15 +27,20 @@ How one collective runs (no host-side rendezvous between the device threads):
    into a fused vector and back costs more than it saves: :func:`redsrv.core.fusion.unfuse_large`).
    Each vector is padded to a multiple of the local axis size, and ``lax.psum_scatter`` leaves each
    local device with the local sum of its own slice.
-2. One ``buffer_callback`` per device sends that device's slices to the reducers under the key
-   ``(call site, phase, vector, dtype, device, counter)`` and writes the sums over all processes
-   straight into XLA's result buffers (no transfer to the host and back). The call site (module,
-   function, line) is fixed at trace time, the counter counts executions of that site on that
-   device, so keys are identical on every process without any agreement at run time. Two tiny
-   ``ordered=True`` ``io_callback`` calls bracket each exchange (a ticket it takes, a receipt that
-   takes its status): each device runs its exchanges in program order, so no two processes can
-   block in a different order (INTEGRATION: the deadlock hazard of unordered blocking callbacks)
-   and the counters advance identically everywhere.
+2. Each vector of each device starts in a ``buffer_callback`` of its own as soon as XLA has
+   produced it (so the exchange overlaps the rest of the backward pass), under the key
+   ``(call site, phase, vector, dtype, device, counter)``; one blocking ``buffer_callback`` per
+   device then waits for every vector and writes the sums over all processes into XLA's buffers
+   (each result aliases its slice; nothing is transferred to the host and back). The call site
+   (module, function, line) is fixed at trace time, the counter counts executions of that site
+   on that device, so keys are identical on every process without any agreement at run time.
+   Two tiny ``ordered=True`` ``io_callback`` calls bracket each call: the ticket numbers it, the
+   receipt takes the wait's status. So the counters advance identically everywhere whatever
+   order the vectors start in, and each device runs its waits, the only blocking part, in
+   program order: no two processes can block in a different order (INTEGRATION: the deadlock
+   hazard of unordered blocking callbacks). The client moves the bytes through staging buffers
+   of the communicator's own (twice each vector's size while a call is in flight, kept for the
+   next call), since XLA's buffers are valid only while a callback runs (:meth:`Communicator._submit`).
 3. ``lax.all_gather`` puts the slices back together on every device.
 
 Errors: a callback must not raise (XLA's behaviour is undefined), so a failed exchange stores its
