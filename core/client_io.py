@@ -69,6 +69,7 @@ class Stream:
         self.dead = False
         self.frames_received = 0  # RESULT frames read (or skipped) whole: what ACK frames report
         self.frames_acked = 0
+        self.ack_queued = False  # an ACK waits in the writer: the next one waits for it (IOLoop._acknowledge)
         # Copies of whole results, kept until the reducer says every rank has them (wire.Safe),
         # to give a restarted reducer the results it lost (R22): (key, chunk index) -> copy.
         self.copies: dict[tuple[int, int], Copy] = {}
@@ -236,6 +237,9 @@ class IOLoop:
             direction = "pull"
             if mask & selectors.EVENT_READ and not stream.dead:
                 stream.reader.read(self.now, _FRAMES_PER_TURN)
+                # At once, not at the next tick: the reducer's SAFE then comes back before most
+                # operations end, so their results need no copy kept for recovery (Op.take_back_lent).
+                self._acknowledge(stream)
         except ConnectionBroken as exc:
             self.stream_broken(stream, exc, direction)
         except Exception as exc:  # a bug while serving one stream must still fail its operations
@@ -272,16 +276,30 @@ class IOLoop:
                     gone = [place for place in stream.partial_copies if place[0] not in self.ops.ops]
                 for place in gone:
                     del stream.partial_copies[place]
-            if stream.frames_received != stream.frames_acked and self.config.reconnect_window > 0:
-                # The reducer keeps each result until it hears we have it (R22).
-                stream.frames_acked = stream.frames_received
-                self.send_frame(stream, [memoryview(wire.encode(wire.Ack(stream.frames_acked)))], None)
-            elif not writer.out and now - writer.last_send >= stream.heartbeat:
+            if not self._acknowledge(stream) and not writer.out and now - writer.last_send >= stream.heartbeat:
                 self.send_frame(stream, [memoryview(_HEARTBEAT)], None)
 
-    def send_frame(self, stream: Stream, views: Any, done: Any) -> None:
+    def _acknowledge(self, stream: Stream) -> bool:
+        """Tell the reducer which results arrived, if any arrived since the last ACK (on the loop).
+        The reducer keeps each result until every rank has it (R22), and says so with a SAFE."""
+        if (stream.frames_received == stream.frames_acked or self.config.reconnect_window <= 0 or stream.dead
+                or stream.ack_queued):
+            return False
+        stream.frames_acked = stream.frames_received
+        stream.ack_queued = True
+
+        def written(ok: bool) -> None:
+            stream.ack_queued = False
+
+        # Ahead of queued pushes: an ACK behind a push window of chunks would come too late to
+        # spare the copies it exists for.
+        self.send_frame(stream, [memoryview(wire.encode(wire.Ack(stream.frames_acked)))], written, ahead=True)
+        return True
+
+    def send_frame(self, stream: Stream, views: Any, done: Any, *, ahead: bool = False) -> None:
         """Write a frame from any thread: now, as far as the socket takes it without blocking,
-        the rest from the loop as the socket drains. ``done(ok)`` runs once the frame is out."""
+        the rest from the loop as the socket drains. ``done(ok)`` runs once the frame is out.
+        ``ahead``: the frame overtakes those queued (``FrameWriter.send``)."""
         finished: list[Any] = []
         broken: ConnectionBroken | None = None
         wake = False
@@ -290,7 +308,7 @@ class IOLoop:
                 broken = ConnectionBroken("reset", "stream closed")
             else:
                 try:
-                    stream.writer.send(views, done, time.monotonic(), finished)
+                    stream.writer.send(views, done, time.monotonic(), finished, ahead=ahead)
                 except ConnectionBroken as exc:
                     broken = exc
                 if broken is None and stream.writer.out and not stream.want_write:

@@ -557,16 +557,18 @@ class ReducerDaemon:
 
     # --- writing ---
 
-    def _send(self, conn: _Conn, views: list[memoryview], done: Callable[[bool], None] | None) -> None:
-        """Write a frame now if nothing is queued ahead of it, else queue it; ``done(ok)`` runs
-        once the buffers are no longer needed."""
+    def _send(self, conn: _Conn, views: list[memoryview], done: Callable[[bool], None] | None, *,
+              ahead: bool = False) -> None:
+        """Write a frame now if nothing is queued ahead of it, else queue it (``ahead``: right
+        behind the frame being written, ``FrameWriter.send``); ``done(ok)`` runs once the buffers
+        are no longer needed."""
         if conn.closed:
             if done is not None:
                 done(False)
             return
         finished: list[Callable[[bool], None]] = []
         try:
-            conn.writer.send(views, done, self._now, finished)
+            conn.writer.send(views, done, self._now, finished, ahead=ahead)
         except ConnectionBroken as exc:
             if done is not None:
                 done(False)
@@ -706,7 +708,9 @@ class ReducerDaemon:
             elif isinstance(action, SendSafe):
                 conn = self._conns.get(action.conn)
                 if conn is not None:
-                    self._send(conn, [memoryview(wire.encode(wire.Safe(action.frames)))], None)
+                    # Ahead of queued results: the worker keeps a copy of each result until its
+                    # SAFE, and copies it when its operation ends before (Op.take_back_lent).
+                    self._send(conn, [memoryview(wire.encode(wire.Safe(action.frames)))], None, ahead=True)
             elif isinstance(action, CloseConnection):
                 conn = self._conns.get(action.conn)
                 if conn is not None:

@@ -367,11 +367,17 @@ class FrameWriter:
         self.last_send = now  # the last time anything was written (heartbeats are due after a pause)
         self.last_progress = now  # the last time a queued frame moved (a peer that stopped reading)
 
-    def send(self, views: Views, done: Callable[[bool], None] | None, now: float, finished: list[Callable[[bool], None]]) -> None:
-        """Write a frame now if nothing is queued ahead of it, else queue it. Appends ``done``
-        to ``finished`` when the frame is out. Raises :class:`ConnectionBroken`."""
+    def send(self, views: Views, done: Callable[[bool], None] | None, now: float, finished: list[Callable[[bool], None]],
+             *, ahead: bool = False) -> None:
+        """Write a frame now if nothing is queued ahead of it, else queue it: last, or with
+        ``ahead`` right behind the frame being written (a small control frame that must not wait
+        for megabytes of data). Appends ``done`` to ``finished`` when the frame is out. Raises
+        :class:`ConnectionBroken`."""
         if self.out:
-            self.out.append(_Outgoing(views, done))
+            if ahead:
+                self.out.insert(1, _Outgoing(views, done))
+            else:
+                self.out.append(_Outgoing(views, done))
             return
         rest = send_views(self.sock, views() if callable(views) else views, socket.MSG_DONTWAIT, self.peer)
         self.last_send = now

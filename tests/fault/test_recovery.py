@@ -244,3 +244,65 @@ def test_a_restarted_reducer_is_given_the_results_as_they_came_even_after_the_ca
         crash.set()
         thread.join(10)
         listener.close()
+
+
+def test_results_are_acknowledged_as_they_arrive_not_at_the_next_tick(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The reducer keeps each result until every rank acknowledged it, and the client keeps a copy
+    until the reducer's SAFE; a result still unsettled when its operation ends is copied out of
+    ``out`` (client_ops.Op.take_back_lent). So the client acknowledges on the wake-up that read
+    the results: with the loop's tick pushed out to a minute, the ACK must still come at once."""
+    from redsrv.core import constants
+
+    monkeypatch.setattr(constants, "TICK_INTERVAL_S", 60.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    acked: list[int] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.settimeout(10)
+            decoder = wire.FrameDecoder()
+
+            def next_frame() -> wire.Frame:
+                while (frame := decoder.next_frame()) is None:
+                    data = conn.recv(1 << 16)
+                    assert data, "the client hung up early"
+                    decoder.receive_data(data)
+                return frame
+
+            assert isinstance(next_frame(), wire.Hello)
+            conn.sendall(wire.encode(wire.Challenge(5, bytes(32), bytes(32), False)))
+            assert isinstance(next_frame(), wire.Proof)
+            conn.sendall(wire.encode(wire.Welcome(5, 1 << 26, 200)))
+            pushes: list[wire.Push] = []
+            while not pushes or sum(p.count for p in pushes) < pushes[0].total:
+                if isinstance(frame := next_frame(), wire.Push):
+                    pushes.append(frame)
+            for push in pushes:
+                conn.sendall(wire.encode(wire.Result(push.key, push.offset, push.count, push.chunk, push.dtype, 1,
+                                                     b"\x01", push.payload)))
+            while not acked or acked[-1] < len(pushes):
+                if isinstance(frame := next_frame(), wire.Ack):
+                    acked.append(frame.results)
+            conn.sendall(wire.encode(wire.Safe(len(pushes))))
+            while True:  # until the client says goodbye
+                if isinstance(next_frame(), wire.Error):
+                    return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    address = "{}:{}".format(*listener.getsockname()[:2])
+    x = np.arange(600_000, dtype=np.float32)  # several chunks
+    try:
+        with redsrv.Client([address], rank=0, world_size=1, job="acks", **RECOVERING) as client:
+            assert client.allreduce(x, timeout=10).tobytes() == x.tobytes()
+            deadline = time.monotonic() + 10
+            while any(stream.copies for stream in client._io.all_streams()):  # until the SAFE is in
+                assert time.monotonic() < deadline, f"no SAFE taken in: the client acknowledged {acked}"
+                time.sleep(0.01)
+        thread.join(10)
+        assert not thread.is_alive(), f"the client acknowledged {acked} of the results, not all within 10 s"
+    finally:
+        listener.close()
+        thread.join(10)

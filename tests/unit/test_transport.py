@@ -4,6 +4,7 @@ once), and the handshakes' blocking reads (deadlines)."""
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import threading
@@ -137,6 +138,46 @@ def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
             seen[frame.key] += 1
         assert done == [True] * (threads * per_thread)
         assert not writer.out
+
+
+def test_a_frame_sent_ahead_overtakes_the_queued_frames_but_not_the_one_being_written() -> None:
+    # An ACK or SAFE must not wait behind megabytes of queued data, and must not cut a frame in two.
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        writer = FrameWriter(a, time.monotonic())
+        finished: list[Callable[[bool], None]] = []
+        written: list[str] = []
+        big = [_result_frame(i, 0, np.full(200_000, i, dtype=np.int32)) for i in range(3)]
+        for i, (header, payload) in enumerate(big):
+            writer.send([memoryview(header), payload], lambda ok, i=i: written.append(f"big{i}"), time.monotonic(),
+                        finished)
+        assert len(writer.out) == 3, "the socket took a whole 800 KB frame: the test needs it to queue"
+        ack = wire.encode(wire.Ack(7))
+        writer.send([memoryview(ack)], lambda ok: written.append("ack"), time.monotonic(), finished, ahead=True)
+        received = bytearray()
+        b.setblocking(False)
+        deadline = time.monotonic() + 10
+        while writer.out:
+            assert time.monotonic() < deadline, "the writer did not drain"
+            select.select([], [a], [], 0.1)
+            writer.flush(time.monotonic(), finished)
+            with contextlib.suppress(BlockingIOError):
+                while chunk := b.recv(1 << 20):
+                    received += chunk
+        for callback in finished:
+            callback(True)
+        with contextlib.suppress(BlockingIOError):
+            while chunk := b.recv(1 << 20):
+                received += chunk
+        assert written == ["big0", "ack", "big1", "big2"]
+        decoder = wire.FrameDecoder()
+        decoder.receive_data(bytes(received))
+        kinds = []
+        while (frame := decoder.next_frame()) is not None:
+            kinds.append(frame.key if isinstance(frame, wire.Result) else type(frame).__name__)
+        assert kinds == [0, "Ack", 1, 2]
 
 
 def test_the_reader_drops_heartbeats_and_what_it_is_told_to_skip_and_hands_over_errors() -> None:
