@@ -70,6 +70,7 @@ class Stream:
         self.frames_received = 0  # RESULT frames read (or skipped) whole: what ACK frames report
         self.frames_acked = 0
         self.ack_queued = False  # an ACK waits in the writer: the next one waits for it (IOLoop._acknowledge)
+        self.closing = False  # the client is closing: nothing more is written after its goodbye (IOLoops.close)
         # Copies of whole results, kept until the reducer says every rank has them (wire.Safe),
         # to give a restarted reducer the results it lost (R22): (key, chunk index) -> copy.
         self.copies: dict[tuple[int, int], Copy] = {}
@@ -144,6 +145,9 @@ class IOLoops:
             with loop.lock:  # one loop's lock at a time: a thread never holds two (see client)
                 for stream in loop.own_streams():
                     _say_goodbye(stream)
+                    # A frame after the goodbye (an ACK the loop was about to send) would make the
+                    # reducer take the goodbye for a broken connection and keep the rank's place.
+                    stream.closing = True
         self.shutdown_all()
         for loop in self.loops:
             loop.join(deadline)
@@ -225,6 +229,12 @@ class IOLoop:
                                         rank=self.config.rank))
         finally:
             for stream in self.own_streams():
+                if self.stop.is_set() and not stream.dead:
+                    # The client is closing (IOLoops.close) and this loop saw it first: say the
+                    # goodbye close() would have said, before the stream is dropped here.
+                    with self.lock:
+                        _say_goodbye(stream)
+                        stream.closing = True
                 self.abandon(stream)
             if self.teardown_on_loop:  # close() ran on this thread: the selector was left to us
                 self.close_selector()
@@ -302,10 +312,12 @@ class IOLoop:
         ``ahead``: the frame overtakes those queued (``FrameWriter.send``)."""
         finished: list[Any] = []
         broken: ConnectionBroken | None = None
-        wake = False
+        wake = dropped = False
         with self.lock:
             if stream.dead:
                 broken = ConnectionBroken("reset", "stream closed")
+            elif stream.closing:
+                dropped = True
             else:
                 try:
                     stream.writer.send(views, done, time.monotonic(), finished, ahead=ahead)
@@ -320,6 +332,8 @@ class IOLoop:
                         wake = True
         for callback in finished:
             callback(True)
+        if dropped and done is not None:
+            done(False)
         if broken is not None:
             if done is not None:
                 done(False)

@@ -463,6 +463,8 @@ class ReducerCore:
             # worker restarted, and what its old session had sent is void.
             actions += self._lose(job, hello.rank, f"rank {hello.rank} of job {hello.job!r} restarted with a new session", now)
             member = None
+            if self._jobs.get(hello.job) is not job:  # that was its last member: the job starts afresh
+                job = self._jobs[hello.job] = _Job(hello.job, params)
         if member is None:
             grace = min(hello.reconnect_window_ms / 1000, self.rejoin_grace)
             member = job.members[hello.rank] = _Member(hello.session, grace=grace, peer=peer)

@@ -306,3 +306,22 @@ def test_results_are_acknowledged_as_they_arrive_not_at_the_next_tick(monkeypatc
     finally:
         listener.close()
         thread.join(10)
+
+
+def test_a_client_whose_loop_saw_the_close_first_still_says_goodbye(procs) -> None:  # type: ignore[no-untyped-def]
+    """close() sets the loops' stop flag, then says goodbye on every stream; a loop that wakes
+    in between (a SAFE or a result arriving) ends and drops its streams first. It must say the
+    goodbye itself then, or the reducer keeps the rank's place as if the worker had crashed."""
+    reducer = procs.start_reducer()
+    with redsrv.Client([reducer.address], rank=0, world_size=1, job="bye", **RECOVERING) as client:
+        assert client.allreduce(np.ones(10, np.float32)).tolist() == [1.0] * 10
+        loop = client._io.loops[0]
+        client._io.stop.set()  # as close() does first; the loop ends before close() gets to the goodbye
+        loop.waker.wake()
+        assert loop.thread is not None
+        loop.thread.join(10)
+        assert not loop.thread.is_alive()
+    deadline = time.monotonic() + 10
+    while not any("(job 'bye' rank 0) ended: the worker closed its client" in line for line in list(reducer.log)):
+        assert time.monotonic() < deadline, "no goodbye reached the reducer:\n" + "".join(reducer.log)
+        time.sleep(0.02)

@@ -247,6 +247,24 @@ def test_a_rank_whose_old_client_is_gone_may_join_with_a_new_session() -> None:
 RECONNECT = dict(reconnect_window_ms=60_000)
 
 
+def test_a_new_session_replacing_the_last_kept_place_starts_the_job_afresh_and_can_push() -> None:
+    # Rank 0 left without a goodbye (its place kept for a reconnect), rank 1 closed for good; a
+    # new client for rank 0 voids the old session, which was the job's last member: the job is
+    # dropped, and the newcomer must join a job that exists (it once joined the dropped one, and
+    # its first push failed the connection with a KeyError).
+    core = ReducerCore(INC, rejoin_grace=5.0)
+    assert core.join(1, hello(0, 2, **RECONNECT)) == []
+    assert core.join(2, hello(1, 2, **RECONNECT)) == []
+    core.leave(1, "closed the connection", 0.0)
+    core.leave(2, "the worker closed its client", 0.0, for_good=True)
+    assert errors(core.join(3, hello(0, 2, session=999, **RECONNECT))) == []
+    data = np.arange(5, dtype=np.float32)
+    assert push(core, 0, data, conn=3) == []  # before rank 1's new client is there
+    assert core.join(4, hello(1, 2, session=998, **RECONNECT)) == []
+    total, ranks, _ = result_of(push(core, 1, data * 2, conn=4), np.float32)
+    assert total.tolist() == (data * 3).tolist() and ranks == [0, 1]
+
+
 def recovering_core(world: int, piece_bytes: int = 64) -> ReducerCore:
     core = ReducerCore(INC, piece_bytes=piece_bytes, rejoin_grace=5.0)
     for r in range(world):
