@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -17,9 +18,40 @@ from redsrv.core import wire
 
 from worker_main import make_input
 
-__all__ = ["make_input", "poll", "rank_order_sum", "read_frames", "rss_bytes", "wait_for_open_operations", "why_no_namespaces"]
+__all__ = ["make_input", "poll", "rank_order_sum", "read_frames", "read_one_operation", "rss_bytes", "scripted_handshake",
+           "wait_for_open_operations", "why_no_namespaces"]
 
 _STALL_WARNING = re.compile(r"key (0x[0-9a-f]+) chunk \d+ open for")
+
+
+def scripted_handshake(conn: socket.socket, incarnation: int) -> Callable[[], wire.Frame]:
+    """Answer a client's handshake on an accepted ``conn`` as a reducer without a secret would
+    (incarnation ``incarnation``); returns a function reading the next frame (10 s per read), for
+    scripted reducers that show client behaviour no real reducer shows."""
+    conn.settimeout(10)
+    decoder = wire.FrameDecoder()
+
+    def next_frame() -> wire.Frame:
+        while (frame := decoder.next_frame()) is None:
+            data = conn.recv(1 << 16)
+            assert data, "the client hung up early"
+            decoder.receive_data(data)
+        return frame
+
+    assert isinstance(next_frame(), wire.Hello)
+    conn.sendall(wire.encode(wire.Challenge(incarnation, bytes(32), bytes(32), False)))
+    assert isinstance(next_frame(), wire.Proof)
+    conn.sendall(wire.encode(wire.Welcome(incarnation, 1 << 26, 200)))
+    return next_frame
+
+
+def read_one_operation(next_frame: Callable[[], wire.Frame]) -> list[wire.Push]:
+    """The pushes of one operation, read from a scripted reducer's connection."""
+    pushes: list[wire.Push] = []
+    while not pushes or sum(p.count for p in pushes) < pushes[0].total:
+        if isinstance(frame := next_frame(), wire.Push):
+            pushes.append(frame)
+    return pushes
 
 
 def read_frames(sock: socket.socket, timeout: float = 5.0) -> list[wire.Frame]:

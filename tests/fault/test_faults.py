@@ -17,7 +17,7 @@ import redsrv
 from redsrv.core import wire
 from redsrv.core.constants import PROTOCOL_VERSION
 
-from tests_support import make_input, rank_order_sum, read_frames
+from tests_support import make_input, rank_order_sum, read_frames, read_one_operation, scripted_handshake
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -359,24 +359,7 @@ def _scripted_reducer(answer) -> tuple[str, threading.Thread, socket.socket]:  #
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
-            conn.settimeout(10)
-            decoder = wire.FrameDecoder()
-
-            def next_frame() -> wire.Frame:
-                while (frame := decoder.next_frame()) is None:
-                    data = conn.recv(1 << 16)
-                    assert data, "the client hung up early"
-                    decoder.receive_data(data)
-                return frame
-
-            assert isinstance(next_frame(), wire.Hello)
-            conn.sendall(wire.encode(wire.Challenge(5, bytes(32), bytes(32), False)))
-            assert isinstance(next_frame(), wire.Proof)
-            conn.sendall(wire.encode(wire.Welcome(5, 1 << 26, 200)))
-            pushes: list[wire.Push] = []
-            while not pushes or sum(p.count for p in pushes) < pushes[0].total:
-                if isinstance(frame := next_frame(), wire.Push):
-                    pushes.append(frame)
+            pushes = read_one_operation(scripted_handshake(conn, 5))
             for i, data in enumerate(answer(pushes)):
                 if i:
                     time.sleep(0.3)

@@ -21,6 +21,8 @@ import pytest
 import redsrv
 from redsrv.core import wire
 
+from tests_support import read_one_operation, scripted_handshake
+
 pytestmark = pytest.mark.timeout(120)
 
 WORLD = 3
@@ -172,31 +174,10 @@ def _restarting_reducer(results_sent: threading.Event, crash: threading.Event,
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
 
-    def handshake(conn: socket.socket, incarnation: int) -> Callable[[], wire.Frame]:
-        conn.settimeout(10)
-        decoder = wire.FrameDecoder()
-
-        def next_frame() -> wire.Frame:
-            while (frame := decoder.next_frame()) is None:
-                data = conn.recv(1 << 16)
-                assert data, "the client hung up early"
-                decoder.receive_data(data)
-            return frame
-
-        assert isinstance(next_frame(), wire.Hello)
-        conn.sendall(wire.encode(wire.Challenge(incarnation, bytes(32), bytes(32), False)))
-        assert isinstance(next_frame(), wire.Proof)
-        conn.sendall(wire.encode(wire.Welcome(incarnation, 1 << 26, 200)))
-        return next_frame
-
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
-            next_frame = handshake(conn, 5)
-            pushes: list[wire.Push] = []
-            while not pushes or sum(p.count for p in pushes) < pushes[0].total:
-                if isinstance(frame := next_frame(), wire.Push):
-                    pushes.append(frame)
+            pushes = read_one_operation(scripted_handshake(conn, 5))
             for push in pushes:
                 data = (np.frombuffer(push.payload, np.float32) + 1).tobytes()
                 conn.sendall(wire.encode(wire.Result(push.key, push.offset, push.count, push.chunk, push.dtype, 2,
@@ -205,7 +186,7 @@ def _restarting_reducer(results_sent: threading.Event, crash: threading.Event,
             assert crash.wait(10)
         conn, _ = listener.accept()
         with conn:
-            next_frame = handshake(conn, 6)
+            next_frame = scripted_handshake(conn, 6)
             while sum(p.count for p in settled) < pushes[0].total:
                 if isinstance(frame := next_frame(), wire.Push) and frame.op is wire.ReduceOp.SETTLED:
                     settled.append(frame)
@@ -261,24 +242,8 @@ def test_results_are_acknowledged_as_they_arrive_not_at_the_next_tick(monkeypatc
     def serve() -> None:
         conn, _ = listener.accept()
         with conn:
-            conn.settimeout(10)
-            decoder = wire.FrameDecoder()
-
-            def next_frame() -> wire.Frame:
-                while (frame := decoder.next_frame()) is None:
-                    data = conn.recv(1 << 16)
-                    assert data, "the client hung up early"
-                    decoder.receive_data(data)
-                return frame
-
-            assert isinstance(next_frame(), wire.Hello)
-            conn.sendall(wire.encode(wire.Challenge(5, bytes(32), bytes(32), False)))
-            assert isinstance(next_frame(), wire.Proof)
-            conn.sendall(wire.encode(wire.Welcome(5, 1 << 26, 200)))
-            pushes: list[wire.Push] = []
-            while not pushes or sum(p.count for p in pushes) < pushes[0].total:
-                if isinstance(frame := next_frame(), wire.Push):
-                    pushes.append(frame)
+            next_frame = scripted_handshake(conn, 5)
+            pushes = read_one_operation(next_frame)
             for push in pushes:
                 conn.sendall(wire.encode(wire.Result(push.key, push.offset, push.count, push.chunk, push.dtype, 1,
                                                      b"\x01", push.payload)))
