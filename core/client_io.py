@@ -145,8 +145,8 @@ class IOLoops:
             with loop.lock:  # one loop's lock at a time: a thread never holds two (see client)
                 for stream in loop.own_streams():
                     _say_goodbye(stream)
-                    # A frame after the goodbye (an ACK the loop was about to send) would make the
-                    # reducer take the goodbye for a broken connection and keep the rank's place.
+                    # The goodbye is the client's last frame: an ACK the loop was about to send
+                    # is dropped (send_frame), not written after it.
                     stream.closing = True
         self.shutdown_all()
         for loop in self.loops:

@@ -21,7 +21,7 @@ import pytest
 import redsrv
 from redsrv.core import wire
 
-from tests_support import read_one_operation, scripted_handshake
+from tests_support import poll, read_one_operation, scripted_handshake
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -262,10 +262,8 @@ def test_results_are_acknowledged_as_they_arrive_not_at_the_next_tick(monkeypatc
     try:
         with redsrv.Client([address], rank=0, world_size=1, job="acks", **RECOVERING) as client:
             assert client.allreduce(x, timeout=10).tobytes() == x.tobytes()
-            deadline = time.monotonic() + 10
-            while any(stream.copies for stream in client._io.all_streams()):  # until the SAFE is in
-                assert time.monotonic() < deadline, f"no SAFE taken in: the client acknowledged {acked}"
-                time.sleep(0.01)
+            poll(lambda: not any(stream.copies for stream in client._io.all_streams()), 10,
+                 f"the SAFE taken in (the client acknowledged {acked})", every=0.01)
         thread.join(10)
         assert not thread.is_alive(), f"the client acknowledged {acked} of the results, not all within 10 s"
     finally:
@@ -286,7 +284,5 @@ def test_a_client_whose_loop_saw_the_close_first_still_says_goodbye(procs) -> No
         assert loop.thread is not None
         loop.thread.join(10)
         assert not loop.thread.is_alive()
-    deadline = time.monotonic() + 10
-    while not any("(job 'bye' rank 0) ended: the worker closed its client" in line for line in list(reducer.log)):
-        assert time.monotonic() < deadline, "no goodbye reached the reducer:\n" + "".join(reducer.log)
-        time.sleep(0.02)
+    poll(lambda: any("(job 'bye' rank 0) ended: the worker closed its client" in line for line in list(reducer.log)),
+         10, "the reducer logging the client's goodbye")
