@@ -264,7 +264,8 @@ class Receiver:
         if code is wire.ErrorCode.TIMEOUT:
             return PeerTimeoutError(text, phase="wait for contributions", elapsed=elapsed, timeout=self.config.op_timeout, **ctx)
         if code is wire.ErrorCode.PEER_LOST:
-            return PeerLostError(text, phase="wait for contributions", elapsed=elapsed, **ctx)
+            also = self.session.reconnecting_to()
+            return PeerLostError(f"{text}; {also}" if also else text, phase="wait for contributions", elapsed=elapsed, **ctx)
         if code is wire.ErrorCode.SHUTDOWN:
             return ReducerShutdownError(text, elapsed=elapsed, **ctx)
         if code in (wire.ErrorCode.CONTRIBUTION_MISMATCH, wire.ErrorCode.DUPLICATE):

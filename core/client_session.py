@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import selectors
 import socket
@@ -184,6 +185,15 @@ class Session:
         self.dispatcher.clear()
         self.io.shutdown_all()
 
+    def reconnecting_to(self) -> str:
+        """The reducers this client is reconnecting to and the window each has left, for errors
+        whose cause may be that loss (another rank that lost it too gave up first); '' if none."""
+        with self.dispatcher.lock:
+            lost = sorted(self.recovering.items())
+        now = time.monotonic()
+        return "; ".join(f"this rank lost reducer {self.config.reducers[r]} too and was reconnecting "
+                         f"({max(0.0, deadline - now):.1f}s of its reconnect window left)" for r, deadline in lost)
+
     def connection_failed(self, stream: Stream, exc: ConnectionBroken, direction: str) -> None:
         """A stream broke while pushing or pulling: reconnect (within the reconnect window) or fail."""
         if self.ops.closed or self.io.stop.is_set():
@@ -265,7 +275,10 @@ class Session:
                     self.reconnected.append((reducer, streams))
                 self.io.wake(reducer)
                 backoff = C.CONNECT_BACKOFF_INITIAL_S
-            stop.wait(backoff)
+            # Never sleep past a window: ranks that lost a reducer together give up together, and
+            # the error comes when the window closes, not up to a backoff later.
+            first_deadline = min(lost.values(), default=math.inf)
+            stop.wait(max(0.0, min(backoff, first_deadline - time.monotonic())))
             backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
 
     def install_reconnected(self, loop: IOLoop) -> None:
