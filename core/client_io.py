@@ -69,6 +69,7 @@ class Stream:
         self.dead = False
         self.frames_received = 0  # RESULT frames read (or skipped) whole: what ACK frames report
         self.frames_acked = 0
+        self.bytes_unacked = 0  # result payload received since the last ACK (C.PROMPT_ACK_BYTES)
         self.ack_queued = False  # an ACK waits in the writer: the next one waits for it (IOLoop._acknowledge)
         self.closing = False  # the client is closing: nothing more is written after its goodbye (IOLoops.close)
         # Copies of whole results, kept until the reducer says every rank has them (wire.Safe),
@@ -247,9 +248,11 @@ class IOLoop:
             direction = "pull"
             if mask & selectors.EVENT_READ and not stream.dead:
                 stream.reader.read(self.now, _FRAMES_PER_TURN)
-                # At once, not at the next tick: the reducer's SAFE then comes back before most
-                # operations end, so their results need no copy kept for recovery (Op.take_back_lent).
-                self._acknowledge(stream)
+                # Large results at once, not at the next tick: the reducer's SAFE then comes back
+                # before most operations end, so their results need no copy kept for recovery
+                # (Op.take_back_lent). Small ones wait for the tick: there the copy costs less.
+                if stream.bytes_unacked >= C.PROMPT_ACK_BYTES:
+                    self._acknowledge(stream)
         except ConnectionBroken as exc:
             self.stream_broken(stream, exc, direction)
         except Exception as exc:  # a bug while serving one stream must still fail its operations
@@ -296,6 +299,7 @@ class IOLoop:
                 or stream.ack_queued):
             return False
         stream.frames_acked = stream.frames_received
+        stream.bytes_unacked = 0
         stream.ack_queued = True
 
         def written(ok: bool) -> None:

@@ -159,6 +159,7 @@ class Receiver:
             if op.mean and contributors > 1:
                 np.divide(target, contributors, out=target, casting="unsafe")
         self.pulled[stream.loop] += incoming.data_len
+        stream.bytes_unacked += incoming.data_len
         place = (stream.reducer, chunk_index)
         whole = incoming.stop == chunk.stop
         if whole:

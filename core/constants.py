@@ -195,6 +195,14 @@ MAX_ERROR_MESSAGE_BYTES = 4096
 CONNECT_BACKOFF_INITIAL_S = 0.1
 CONNECT_BACKOFF_MAX_S = 5.0
 
+#: Results a client has received unacknowledged, in bytes, that make it acknowledge at once
+#: rather than at the next tick (client_io.IOLoop._serve). An ACK costs the client a frame and
+#: the reducer a SAFE back, a quarter of the CPU of a 4 KiB all-reduce (docs/performance.md,
+#: "Small operations"); what it spares is the copy of results still unsettled when their
+#: operation ends (client_ops.Op.take_back_lent), which costs as much at a few hundred KiB.
+#: Smaller results wait for the tick.
+PROMPT_ACK_BYTES = 256 * 1024
+
 #: How often the reducer and client re-check deadlines. A tenth of a second is well under any
 #: deadline a user would configure and costs nothing when idle.
 TICK_INTERVAL_S = 0.1

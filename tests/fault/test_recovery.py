@@ -272,6 +272,58 @@ def test_results_are_acknowledged_as_they_arrive_not_at_the_next_tick(monkeypatc
         thread.join(10)
 
 
+def test_small_results_wait_for_the_tick_to_be_acknowledged(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An ACK costs a frame each way; for a result below constants.PROMPT_ACK_BYTES it costs
+    more than the copy it spares, so the client acknowledges small results with the next large
+    one or at the tick, not one by one. With the tick a minute away, the first ACK the reducer
+    sees comes after a large result and covers the small result before it too."""
+    from redsrv.core import constants
+
+    monkeypatch.setattr(constants, "TICK_INTERVAL_S", 60.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    acked: list[int] = []
+    answered = [0]
+
+    def answer(conn: socket.socket, pushes: list[wire.Push]) -> None:
+        for push in pushes:
+            conn.sendall(wire.encode(wire.Result(push.key, push.offset, push.count, push.chunk, push.dtype, 1,
+                                                 b"\x01", push.payload)))
+        answered[0] += len(pushes)
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            next_frame = scripted_handshake(conn, 5)
+            for _ in range(2):  # the small operation, then the large one
+                pushes: list[wire.Push] = []
+                while not pushes or sum(p.count for p in pushes) < pushes[0].total:
+                    if isinstance(frame := next_frame(), wire.Push):
+                        pushes.append(frame)
+                    elif isinstance(frame, wire.Ack):
+                        acked.append(frame.results)
+                answer(conn, pushes)
+            while not isinstance(frame := next_frame(), wire.Error):  # until the client says goodbye
+                if isinstance(frame, wire.Ack):
+                    acked.append(frame.results)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    address = "{}:{}".format(*listener.getsockname()[:2])
+    small, large = np.arange(10, dtype=np.float32), np.arange(600_000, dtype=np.float32)
+    try:
+        with redsrv.Client([address], rank=0, world_size=1, job="acks", **RECOVERING) as client:
+            assert client.allreduce(small, timeout=10).tobytes() == small.tobytes()
+            assert client.allreduce(large, timeout=10).tobytes() == large.tobytes()
+            poll(lambda: bool(acked), 10, "an ACK after the large results", every=0.01)
+        thread.join(10)
+        assert not thread.is_alive(), "the client did not say goodbye"
+        assert acked and acked[0] >= 2, f"the small result was acknowledged alone, or nothing was: ACKs {acked}"
+    finally:
+        listener.close()
+        thread.join(10)
+
+
 def test_a_client_whose_loop_saw_the_close_first_still_says_goodbye(procs) -> None:  # type: ignore[no-untyped-def]
     """close() sets the loops' stop flag, then says goodbye on every stream; a loop that wakes
     in between (a SAFE or a result arriving) ends and drops its streams first. It must say the
