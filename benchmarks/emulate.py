@@ -26,6 +26,7 @@ import importlib.util
 import json
 import os
 import queue
+import selectors
 import socket
 import statistics
 import subprocess
@@ -101,6 +102,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
     b.add_argument("--measure-goodput", action="store_true",
                    help="measure G with one TCP stream between two hosts instead of rate·(MTU-52)/(MTU+14)")
+    b.add_argument("--goodput-flows", type=int, default=1, metavar="K",
+                   help="measure G with K streams from K hosts into one (as K workers push into a reducer's port): "
+                        "G is their sum, and each stream's share is printed (default 1; more implies --measure-goodput)")
     harness.add_run_arguments(b)
     b.set_defaults(func=_main)
 
@@ -129,6 +133,7 @@ class Options:
     baseline: bool = True
     mtu: int = 1500
     measure_goodput: bool = False
+    goodput_flows: int = 1  # streams into one host when measuring G
     crosscheck: bool = False  # also run `redsrv bench allreduce` and compare (benchmarks/crosscheck.py)
     out: str = "bench-results"
     prefix: str = DEFAULT_PREFIX
@@ -198,6 +203,9 @@ class Options:
             raise EmulationError("--crosscheck compares with `redsrv bench allreduce`, which runs float32 with the client's "
                                  "and reducers' defaults against gloo: leave out --dtype, --wire-dtype, the redsrv "
                                  "settings, --delay-us and --no-baseline")
+        if not 1 <= self.goodput_flows < self.hosts:
+            raise EmulationError(f"--goodput-flows must be in 1..{self.hosts - 1}: one stream from each other host "
+                                 f"into one ({self.hosts} hosts here)")
         if self.wire_dtype and self.dtype not in ("float32", "float64"):
             raise EmulationError(f"--wire-dtype compresses float32/float64 data; --dtype is {self.dtype}")
         # Per worker: the input, the expected sum, gloo's tensor and its reset copy, redsrv's result.
@@ -220,7 +228,7 @@ def _main(a: argparse.Namespace) -> int:
             recv_buffer_bytes=None if a.recv_buffer_kib is None else a.recv_buffer_kib * 1024, tcp_congestion=a.tcp_congestion,
             timeline=a.timeline,
             delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
-            measure_goodput=a.measure_goodput, crosscheck=a.crosscheck, out=a.out, prefix=a.prefix)
+            measure_goodput=a.measure_goodput, goodput_flows=a.goodput_flows, crosscheck=a.crosscheck, out=a.out, prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
 
     status: int = harness.run_command("emulate", a, run=run, rereport=_rereport)
@@ -337,17 +345,21 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                + ("" if opts.result_piece_bytes is None else f"; redsrv reducers' result_piece_bytes={opts.result_piece_bytes}")
                + ("" if opts.recv_buffer_bytes is None else f"; redsrv reducers' recv_buffer_bytes={opts.recv_buffer_bytes}"))
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
+    flow_shares: list[float] = []
     with harness.raise_on_signals(), tempfile.TemporaryDirectory(prefix="redsrv-emulate-") as tmp:
         try:
             t0 = time.monotonic()
             cluster.up()
             _say(opts, f"  cluster up in {time.monotonic() - t0:.1f}s: {', '.join(f'{h.ns}={h.ip}' for h in cluster.hosts)}")
             goodput, goodput_source = assumed, "assumed: rate x (MTU-52)/(MTU+14)"
-            if opts.measure_goodput or not opts.rate_bps:
-                measured = _measure_goodput(cluster, tmp)
-                _say(opts, f"  measured TCP goodput h0 -> h1: {measured:.4f} GB/s"
-                           + (f" ({measured / assumed:.3f} of the assumed {assumed:.4f})" if assumed else ""))
-                goodput, goodput_source = measured, "measured: one TCP stream h0 -> h1, 3 s"
+            if opts.measure_goodput or opts.goodput_flows > 1 or not opts.rate_bps:
+                measured, flow_shares = _measure_goodput(cluster, opts.goodput_flows)
+                streams = "one TCP stream h0" if opts.goodput_flows == 1 else f"{opts.goodput_flows} TCP streams"
+                _say(opts, f"  measured TCP goodput, {streams} -> h1: {measured:.4f} GB/s"
+                           + (f" ({measured / assumed:.3f} of the assumed {assumed:.4f})" if assumed else "")
+                           + ("" if opts.goodput_flows == 1 else
+                              "; each stream's share: " + " ".join(f"{share:.3f}" for share in flow_shares)))
+                goodput, goodput_source = measured, f"measured: {streams} -> h1, 3 s"
             else:
                 _say(opts, f"  G = {goodput:.4f} GB/s ({goodput_source})")
             _say(opts, f"  TCP congestion control: redsrv {congestion['redsrv']}, gloo {congestion['gloo']}")
@@ -375,6 +387,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         **source,
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
+        "goodput_flow_shares": flow_shares,
         "tcp_congestion": congestion,
         "delay_forwarder": cluster.forwarder_report,
         "rows": [r.as_dict() for r in rows],
@@ -491,53 +504,78 @@ def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: O
             f"{block['cpu_steal']:.0%}){flag}{wrong}")
 
 
-def _measure_goodput(cluster: Cluster, tmp: str, seconds: float = 3.0) -> float:
-    """One TCP stream from h0 to h1 for ``seconds``; GB/s of payload after the first half second."""
+def _measure_goodput(cluster: Cluster, flows: int = 1, seconds: float = 3.0) -> tuple[float, list[float]]:
+    """``flows`` TCP streams into h1 for ``seconds``, from h0 and then h2, h3, ...: GB/s of payload
+    after the first half second, summed, and each stream's share of it. With several streams
+    this is what a reducer's port gives that many workers pushing at once, however unevenly TCP
+    shares it among them."""
+    if not 1 <= flows < cluster.count:
+        raise EmulationError(f"--goodput-flows {flows}: needs 1 to {cluster.count - 1} streams, one per other host")
     port = 5201
-    recv = cluster.spawn(1, [sys.executable, "-m", "redsrv.bench.emulate", "goodput-recv", cluster.hosts[1].ip, str(port),
-                             str(seconds)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    send = cluster.spawn(0, [sys.executable, "-m", "redsrv.bench.emulate", "goodput-send", cluster.hosts[1].ip, str(port),
-                             str(seconds + 1)], stdin=subprocess.DEVNULL)
+    sink = cluster.hosts[1].ip
+    recv = cluster.spawn(1, [sys.executable, "-m", "redsrv.bench.emulate", "goodput-recv", sink, str(port),
+                             str(seconds), str(flows)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    senders = [cluster.spawn(h, [sys.executable, "-m", "redsrv.bench.emulate", "goodput-send", sink, str(port),
+                                 str(seconds + 1)], stdin=subprocess.DEVNULL)
+               for h in [0, *range(2, cluster.count)][:flows]]
     try:
         out, _ = recv.communicate(timeout=seconds + 30)
-        send.wait(timeout=30)
+        for send in senders:
+            send.wait(timeout=30)
     except subprocess.TimeoutExpired:
         raise EmulationError("goodput measurement did not finish") from None
     finally:
-        cluster.stop([recv, send])
+        cluster.stop([recv, *senders])
     try:
-        return float(out.strip().split()[-1])
+        fields = out.split()
+        total = float(fields[fields.index("goodput") + 1])
+        counted = [int(v) for v in fields[fields.index("flows") + 1 :]]
     except (ValueError, IndexError):
         raise EmulationError(f"goodput measurement failed: printed {out!r}") from None
+    return total, [c / sum(counted) if sum(counted) else 0.0 for c in counted]
 
 
 # --- inside the namespaces ---------------------------------------------------------------
 
 
-def _goodput_recv(ip: str, port: str, seconds: str) -> int:
+def _goodput_recv(ip: str, port: str, seconds: str, flows: str = "1") -> int:
+    """Accept ``flows`` streams and count what they deliver from half a second in for
+    ``seconds``; prints the total GB/s and each stream's bytes."""
     srv = socket.create_server((ip, int(port)))
     srv.settimeout(30)
-    conn, _ = srv.accept()
-    conn.settimeout(30)
+    conns = []
+    for _ in range(int(flows)):
+        conn, _ = srv.accept()
+        conn.setblocking(False)
+        conns.append(conn)
+    selector = selectors.DefaultSelector()
+    for index, conn in enumerate(conns):
+        selector.register(conn, selectors.EVENT_READ, index)
     buf = bytearray(1 << 20)
+    counted = [0] * len(conns)
     start = time.perf_counter()
-    counted = 0
     t_count = None
-    while True:
-        got = conn.recv_into(buf)
-        if not got:
-            break
-        now = time.perf_counter()
-        if now - start >= 0.5:
-            if t_count is None:
-                t_count = now
-            else:
-                counted += got
-            if now - start >= 0.5 + float(seconds):
-                break
-    conn.close()
+    end = start + 0.5 + float(seconds)
+    while (now := time.perf_counter()) < end:
+        for key, _ in selector.select(min(0.1, end - now)):
+            try:
+                got = key.fileobj.recv_into(buf)  # type: ignore[union-attr]
+            except BlockingIOError:
+                continue
+            if not got:
+                selector.unregister(key.fileobj)
+                continue
+            now = time.perf_counter()
+            if now - start >= 0.5:
+                if t_count is None:
+                    t_count = now
+                else:
+                    counted[key.data] += got
     elapsed = time.perf_counter() - t_count if t_count else 0.0
-    print(f"goodput {counted / elapsed / 1e9 if elapsed else 0.0:.6f}", flush=True)
+    for conn in conns:
+        conn.close()
+    total = sum(counted)
+    print(f"goodput {total / elapsed / 1e9 if elapsed else 0.0:.6f} flows {' '.join(map(str, counted))}", flush=True)
     return 0
 
 

@@ -78,3 +78,19 @@ def test_one_way_delay_is_added_by_the_forwarder_and_reported(tmp_path):
     assert forwarder["forwarded"] > 0 and forwarder["dropped"] == 0
     assert forwarder["scheduling"] == "SCHED_FIFO 10"  # root may always use real-time priority
     assert 0 <= forwarder["late_us"]["p50"] <= forwarder["late_us"]["max"]
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_several_streams_into_one_host_share_its_goodput(tmp_path):
+    """``--goodput-flows``: what a reducer's port gives K workers pushing at once. The emulated
+    port must give three streams its whole goodput together (docs/performance.md, "redsrv plan
+    against the emulation"), and each stream some of it."""
+    from redsrv.bench.emulate import _measure_goodput
+    from redsrv.bench.netns import Cluster, tcp_goodput_bps
+
+    rate, prefix = 200 * 10**6, f"rsg{os.getpid() % 100000}"
+    with Cluster(4, rate, prefix=prefix) as cluster:
+        total, shares = _measure_goodput(cluster, flows=3, seconds=2.0)
+    assert our_namespaces(prefix) == [], "namespaces left behind"
+    assert len(shares) == 3 and all(share > 0.05 for share in shares) and sum(shares) == pytest.approx(1.0)
+    assert 0.85 <= total / (tcp_goodput_bps(rate) / 8 / 1e9) <= 1.05

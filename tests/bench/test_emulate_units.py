@@ -102,6 +102,11 @@ def test_options_validation():
         Options(send_lowat_bytes=-1).validate()
     with pytest.raises(EmulationError, match="--piece-kib must be >= 0"):
         Options(result_piece_bytes=-1).validate()
+    with pytest.raises(EmulationError, match=r"--goodput-flows must be in 1\.\.7"):  # one stream per other host
+        Options(workers=(4,), goodput_flows=8).validate()
+    with pytest.raises(EmulationError, match="--goodput-flows"):
+        Options(goodput_flows=0).validate()
+    Options(workers=(4,), goodput_flows=7).validate()
     # Only what a run sets reaches the workers' clients, under the Config field names; 0 is a setting.
     assert Options().client_options() == {}
     assert Options(chunks_per_span=64, streams=2, send_lowat_bytes=0).client_options() == {
