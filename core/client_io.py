@@ -99,6 +99,7 @@ class IOLoops:
 
     def __init__(self, config: Config, ops: OpTable) -> None:
         self.stop = threading.Event()  # one for every loop: the client is closing
+        self.goodbye_deadline = 0.0  # until when close() may finish a frame to say goodbye after it
         self.streams: list[list[Stream]] = []
         count = max(1, min(config.io_threads, len(config.reducers)))  # a loop serves whole reducers
         self.loops = [IOLoop(config, ops, self, i, "redsrv-io" if count == 1 else f"redsrv-io-{i}")
@@ -141,14 +142,18 @@ class IOLoops:
     def close(self, deadline: float) -> None:
         """Stop every loop (waiting for each until ``deadline``, except the one this runs on) and
         close every stream. The selectors stay open for :meth:`close_selectors`."""
+        self.goodbye_deadline = deadline
         self.stop.set()
         for loop in self.loops:
+            callbacks: list[tuple[Any, bool]] = []
             with loop.lock:  # one loop's lock at a time: a thread never holds two (see client)
                 for stream in loop.own_streams():
-                    _say_goodbye(stream)
+                    if not stream.closing:
+                        callbacks += _say_goodbye(stream, deadline)
                     # The goodbye is the client's last frame: an ACK the loop was about to send
                     # is dropped (send_frame), not written after it.
                     stream.closing = True
+            _run_callbacks(callbacks)
         self.shutdown_all()
         for loop in self.loops:
             loop.join(deadline)
@@ -234,8 +239,9 @@ class IOLoop:
                     # The client is closing (IOLoops.close) and this loop saw it first: say the
                     # goodbye close() would have said, before the stream is dropped here.
                     with self.lock:
-                        _say_goodbye(stream)
+                        callbacks = [] if stream.closing else _say_goodbye(stream, self.group.goodbye_deadline)
                         stream.closing = True
+                    _run_callbacks(callbacks)
                 self.abandon(stream)
             if self.teardown_on_loop:  # close() ran on this thread: the selector was left to us
                 self.close_selector()
@@ -412,17 +418,39 @@ class IOLoop:
 _GOODBYE = wire.encode(wire.Error(wire.ErrorCode.CLOSED, True, "the client was closed"))
 
 
-def _say_goodbye(stream: Stream) -> None:
+def _say_goodbye(stream: Stream, deadline: float) -> list[tuple[Any, bool]]:
     """Tell the reducer this client is closing, so that it keeps no place for a reconnect (a new
     client for the rank would otherwise look like a restarted worker and void what the job's
-    other new clients already sent). Best effort, without blocking: only between whole frames,
-    and a reducer that does not get it keeps the rank's place for its rejoin grace instead."""
-    if stream.dead or stream.writer.out:
-        return
+    other new clients already sent). A goodbye goes between whole frames: the frame on the wire
+    is finished first (until ``deadline``) and the frames queued behind it are dropped. A
+    reducer that does not get it (the deadline passed, the connection broke) keeps the rank's
+    place for its rejoin grace instead. Returns the dropped and finished frames' callbacks with
+    their ``ok``, for the caller to run outside the loop's lock."""
+    if stream.dead:
+        return []
+    callbacks: list[tuple[Any, bool]] = []
     try:
-        stream.sock.send(_GOODBYE, socket.MSG_DONTWAIT)
+        if stream.writer.out:
+            between, callbacks = stream.writer.finish_frame(deadline)
+            if not between:
+                return callbacks
+            stream.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            stream.sock.sendall(_GOODBYE)
+        else:
+            stream.sock.send(_GOODBYE, socket.MSG_DONTWAIT)
     except OSError:
         pass
+    finally:
+        try:
+            stream.sock.setblocking(False)
+        except OSError:
+            pass
+    return callbacks
+
+
+def _run_callbacks(callbacks: list[tuple[Any, bool]]) -> None:
+    for done, ok in callbacks:
+        done(ok)
 
 
 def shutdown(sock: socket.socket) -> None:

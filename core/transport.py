@@ -18,6 +18,7 @@ import errno
 import selectors
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -404,6 +405,30 @@ class FrameWriter:
             self.last_progress = self.last_send = now
             if item.done is not None:
                 finished.append(item.done)
+
+    def finish_frame(self, deadline: float) -> tuple[bool, list[tuple[Callable[[bool], None], bool]]]:
+        """For a last frame (a client's goodbye): write the rest of the frame being written,
+        blocking until ``deadline`` at most, and drop the frames queued behind it. Returns whether
+        the connection is now between frames, and the callbacks to run with their ``ok``. Leaves
+        the socket blocking: the caller restores what it needs."""
+        callbacks = [(item.done, False) for item in list(self.out)[1:] if item.done is not None]
+        while len(self.out) > 1:
+            self.out.pop()
+        if not self.out:
+            return True, callbacks
+        item = self.out[0]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False, callbacks
+        try:
+            self.sock.settimeout(remaining)
+            send_views(self.sock, list(item.views() if callable(item.views) else item.views), 0, self.peer)
+        except (ConnectionBroken, OSError):
+            return False, callbacks
+        self.out.popleft()
+        if item.done is not None:
+            callbacks.append((item.done, True))
+        return True, callbacks
 
     def abandon(self) -> list[Callable[[bool], None]]:
         """The connection is gone: the ``done`` callbacks of everything still queued."""

@@ -21,7 +21,7 @@ import pytest
 import redsrv
 from redsrv.core import wire
 
-from tests_support import poll, read_frames, read_one_operation, scripted_handshake
+from tests_support import poll, read_one_operation, scripted_handshake
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -374,8 +374,8 @@ def test_a_peer_lost_error_while_reconnecting_names_the_reducer_this_rank_lost_t
             conn.sendall(wire.encode(wire.Error(wire.ErrorCode.PEER_LOST, False, "rank 1 of job 'lost' disconnected "
                                                 "(closed); chunk cannot complete", push.key, push.chunk)))
             failed_after.append(push)
-            # Until the client closes (with a goodbye, unless pushes were still queued: best effort).
-            read_frames(conn, timeout=10)
+            while conn.recv(1 << 16):  # until the client closes: closing with unread bytes would reset
+                pass
 
     threads = [threading.Thread(target=serve, daemon=True) for serve in (crashing, failing_the_chunk)]
     for thread in threads:
@@ -399,3 +399,46 @@ def test_a_peer_lost_error_while_reconnecting_names_the_reducer_this_rank_lost_t
         for listener in listeners:
             listener.close()
     assert failed_after and not any(thread.is_alive() for thread in threads)
+
+
+def test_a_client_closed_with_pushes_queued_finishes_the_frame_on_the_wire_and_says_goodbye() -> None:
+    """A goodbye goes between whole frames. A client closed while its writer still holds pushes
+    (a reducer reading slower than the client sends) finishes the frame on the wire, drops the
+    rest and says goodbye, within the close timeout: without it the reducer would keep the
+    rank's place as if the worker had crashed (client_io._say_goodbye)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    start_reading = threading.Event()
+    frames: list[wire.Frame] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            next_frame = scripted_handshake(conn, 5)
+            assert start_reading.wait(20)  # meanwhile the client's socket fills and its writer queues pushes
+            while True:
+                frames.append(frame := next_frame())
+                if isinstance(frame, wire.Error):
+                    return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    address = "{}:{}".format(*listener.getsockname()[:2])
+    config = {**RECOVERING, "heartbeat_interval": 4.0}  # the scripted reducer sends no heartbeats
+    try:
+        client = redsrv.Client([address], rank=0, world_size=2, job="queued", **config)
+        pending = client.allreduce_async(np.ones(16 << 20, np.float32), key="big")  # 64 MiB: more than a socket holds
+        poll(lambda: any(stream.writer.out for stream in client._io.all_streams()), 10, "pushes queued in the writer")
+        start_reading.set()
+        client.close()
+        with pytest.raises(redsrv.ClientClosedError):
+            client.wait(pending, timeout=5)
+        thread.join(10)
+        assert not thread.is_alive(), "the reducer got no goodbye"
+        last = frames[-1]
+        assert isinstance(last, wire.Error) and last.code is wire.ErrorCode.CLOSED, last
+        assert any(isinstance(f, wire.Push) for f in frames[:-1]), frames  # the queued pushes, then the goodbye
+    finally:
+        start_reading.set()
+        listener.close()
+        thread.join(10)
