@@ -378,8 +378,7 @@ class Client:
     def _teardown(self) -> None:
         """Stop the loop, the reconnect thread and the completion thread, each within the close timeout."""
         deadline = time.monotonic() + self.config.close_timeout
-        self._io.goodbye_deadline = deadline  # a loop that sees the stop first says the goodbye (IOLoop._run)
-        self._io.stop.set()  # first: the reconnect path and connection failures stand down
+        self._io.begin_close(deadline)  # first: the reconnect path and connection failures stand down
         self._dispatcher.clear()
         self._io.close(deadline)
         self._session.close(deadline)

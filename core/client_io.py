@@ -139,11 +139,16 @@ class IOLoops:
         for stream in self.all_streams():
             shutdown(stream.sock)
 
+    def begin_close(self, deadline: float) -> None:
+        """Tell every loop the client is closing, with until when a goodbye may wait for the frame
+        on the wire (a loop that sees the stop before :meth:`close` says the goodbye itself)."""
+        self.goodbye_deadline = deadline
+        self.stop.set()
+
     def close(self, deadline: float) -> None:
         """Stop every loop (waiting for each until ``deadline``, except the one this runs on) and
         close every stream. The selectors stay open for :meth:`close_selectors`."""
-        self.goodbye_deadline = deadline
-        self.stop.set()
+        self.begin_close(deadline)
         for loop in self.loops:
             callbacks: list[tuple[Any, bool]] = []
             with loop.lock:  # one loop's lock at a time: a thread never holds two (see client)
