@@ -35,7 +35,7 @@ from typing import Any
 from redsrv.cli.fleet import readline_within, stop_processes
 
 __all__ = ["Cluster", "Host", "EmulationError", "parse_rate", "format_rate", "tcp_goodput_bps", "our_namespaces",
-           "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET", "close_pipes", "signals_deferred"]
+           "MAX_HOSTS", "DEFAULT_PREFIX", "SUBNET", "close_pipes", "signals_deferred", "host_gso_bytes"]
 
 #: Namespaces are named PREFIX-h0, PREFIX-h1, ... and PREFIX-sw. Distinct from other tools'
 #: defaults so that a hand-made cluster and a benchmark can coexist.
@@ -58,6 +58,35 @@ QUEUE_LATENCY_MS = 20
 #: redsrv reached 0.70 of its bound there; with this floor none did and it reached 0.91
 #: (docs/performance.md, "Scaling: n = 2..8"). Switch ports keep QUEUE_LATENCY_MS.
 HOST_QUEUE_MIN_BYTES = 8 * 1024 * 1024
+
+#: Longest a host's largest packet may take on its link. TCP hands a NIC packets of up to 64 KiB
+#: (GSO) and TCP small queues let each flow keep about two of them in the host's own queue; that
+#: queue is one FIFO with the flow's ACKs of incoming data behind it. On the links the emulation
+#: stands for (25-100 Gbit/s) 64 KiB takes 5-21 us, so a host with eight flows queues well under
+#: a millisecond of its own data. Emulated at 300 Mbit/s the same 1 MB took 29 ms: a reducer's
+#: ACKs for the pushes it received waited that long behind its results, and with the bounded
+#: receive windows `redsrv plan` advises its incoming flows stalled on their windows (n=8, m=4
+#: at 300 Mbit/s reached 0.74 of its bound; with 16 KiB packets 0.91). Capping a host's GSO
+#: packets at this much of its rate (62.5 KB at 1 Gbit/s, the kernel's 64 KiB above) keeps its
+#: own queue as short, in time, as at 1 Gbit/s (docs/performance.md, "Method").
+HOST_GSO_SECONDS = 0.0005
+#: Largest GSO packet the kernel builds by default, and the least this cap goes to (CPU per
+#: packet grows as packets shrink).
+DEFAULT_GSO_BYTES = 65536
+MIN_GSO_BYTES = 8192
+
+
+def host_gso_bytes(rate_bps: int) -> int:
+    """The largest packet (``gso_max_size``) a host of the emulated cluster sends at ``rate_bps``
+    (0: unlimited), HOST_GSO_SECONDS of it within MIN_GSO_BYTES..DEFAULT_GSO_BYTES.
+
+    >>> host_gso_bytes(300 * 10**6), host_gso_bytes(400 * 10**6), host_gso_bytes(10**9), host_gso_bytes(0)
+    (18750, 25000, 62500, 65536)
+    """
+    if not rate_bps:
+        return DEFAULT_GSO_BYTES
+    return max(MIN_GSO_BYTES, min(DEFAULT_GSO_BYTES, int(rate_bps / 8 * HOST_GSO_SECONDS)))
+
 
 #: tbf bucket: at least 1 ms at the rate, and never below two 64 KiB GSO segments with their
 #: headers, which tbf must be able to pass whole.
@@ -295,6 +324,9 @@ class Cluster:
         _run(["ip", "-n", h.ns, "link", "set", IFNAME, "mtu", str(self.mtu)], f"setting the MTU in {h.ns}")
         _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", IFNAME], f"addressing {h.ns}")
         _run(["ip", "-n", h.ns, "link", "set", IFNAME, "up"], f"bringing up {IFNAME} in {h.ns}")
+        gso = host_gso_bytes(self.rate_bps)
+        if gso < DEFAULT_GSO_BYTES:
+            _run(["ip", "-n", h.ns, "link", "set", IFNAME, "gso_max_size", str(gso)], f"capping packets on {h.ns}")
 
     def _set_rate(self, ns: str, dev: str, host_egress: bool = False) -> None:
         if not self.rate_bps:

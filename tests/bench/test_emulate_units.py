@@ -13,6 +13,8 @@ import pytest
 from redsrv.bench import report
 from redsrv.bench.emulate import Options
 from redsrv.bench.netns import (
+    DEFAULT_GSO_BYTES,
+    HOST_GSO_SECONDS,
     HOST_QUEUE_MIN_BYTES,
     MAX_HOSTS,
     QUEUE_LATENCY_MS,
@@ -149,18 +151,37 @@ def _queue_bytes(ns: str, dev: str) -> float:
     return float(qdisc["options"]["rate"] * qdisc["options"]["lat"] / 1e6)
 
 
+def _gso_max_size(ns: str, dev: str) -> int:
+    shown = subprocess.run(["ip", "-j", "-d", "-n", ns, "link", "show", dev], check=True, capture_output=True,
+                           text=True, timeout=10).stdout
+    (link,) = json.loads(shown)
+    return int(link["gso_max_size"])
+
+
 @needs_root
 def test_hosts_queue_at_least_host_queue_min_bytes_while_switch_ports_queue_20_ms():
     # At 400 Mbit/s a 20 ms queue is 1 MB, less than TCP small queues let eight flows put in a
-    # host's own queue: the hosts dropped their own packets (see HOST_QUEUE_MIN_BYTES).
+    # host's own queue: the hosts dropped their own packets (see HOST_QUEUE_MIN_BYTES). Their
+    # packets are capped at HOST_GSO_SECONDS of the rate, so that their own queue stays short.
     prefix = f"rsu{os.getpid() % 100000}"
     rate_bps = 400 * 10**6
     with Cluster(2, rate_bps, prefix=prefix) as cluster:
         queues = [(_queue_bytes(h.ns, "eth0"), _queue_bytes(cluster.switch, f"p{h.index}")) for h in cluster.hosts]
+        gso = [_gso_max_size(h.ns, "eth0") for h in cluster.hosts]
     assert our_namespaces(prefix) == []
     for host_queue, port_queue in queues:
         assert host_queue >= HOST_QUEUE_MIN_BYTES * 0.99
         assert port_queue == pytest.approx(rate_bps / 8 * QUEUE_LATENCY_MS / 1000, rel=0.02)
+    assert gso == [int(rate_bps / 8 * HOST_GSO_SECONDS)] * 2 == [25000] * 2
+
+
+@needs_root
+def test_from_1_gbit_the_hosts_keep_the_kernels_packet_size():
+    prefix = f"rsu{os.getpid() % 100000}"
+    with Cluster(2, 2 * 10**9, prefix=prefix) as cluster:
+        gso = [_gso_max_size(h.ns, "eth0") for h in cluster.hosts]
+    assert our_namespaces(prefix) == []
+    assert gso == [DEFAULT_GSO_BYTES] * 2
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
