@@ -100,6 +100,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="also run `redsrv bench allreduce` on the same hosts after each worker count, and compare its "
                         "medians with the emulation's (agreement: within 5%%); float32 and the client's defaults only")
     b.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
+    b.add_argument("--host-gso-kib", type=float, default=None, metavar="KIB",
+                   help="largest packet a host sends (gso_max_size), in KiB (default: 0.5 ms of the rate, at most 64; "
+                        "64 as before 2026-11-26: hosts then queue tens of ms of their own data at slow rates, "
+                        "for less CPU per byte; docs/performance.md, \"Method\")")
     b.add_argument("--measure-goodput", action="store_true",
                    help="measure G with one TCP stream between two hosts instead of rate·(MTU-52)/(MTU+14)")
     b.add_argument("--goodput-flows", type=int, default=1, metavar="K",
@@ -132,6 +136,7 @@ class Options:
     colocate: bool = False
     baseline: bool = True
     mtu: int = 1500
+    host_gso_bytes: int | None = None  # None: netns.host_gso_bytes(rate)
     measure_goodput: bool = False
     goodput_flows: int = 1  # streams into one host when measuring G
     crosscheck: bool = False  # also run `redsrv bench allreduce` and compare (benchmarks/crosscheck.py)
@@ -228,6 +233,7 @@ def _main(a: argparse.Namespace) -> int:
             recv_buffer_bytes=None if a.recv_buffer_kib is None else a.recv_buffer_kib * 1024, tcp_congestion=a.tcp_congestion,
             timeline=a.timeline,
             delay_us=a.delay_us, colocate=a.colocate, baseline=not a.no_baseline, mtu=a.mtu,
+            host_gso_bytes=None if a.host_gso_kib is None else int(a.host_gso_kib * 1024),
             measure_goodput=a.measure_goodput, goodput_flows=a.goodput_flows, crosscheck=a.crosscheck, out=a.out, prefix=a.prefix)
         return bool(run_emulate(opts)["ok"])
 
@@ -312,7 +318,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     """Build the cluster, run every configuration, write the JSON and PNG, remove the cluster.
     Returns the result document (also written to ``opts.out``)."""
     opts.validate()
-    cluster = Cluster(opts.hosts, opts.rate_bps, prefix=opts.prefix, mtu=opts.mtu, delay_us=opts.delay_us)
+    cluster = Cluster(opts.hosts, opts.rate_bps, prefix=opts.prefix, mtu=opts.mtu, delay_us=opts.delay_us,
+                      gso_bytes=opts.host_gso_bytes)
     cluster.check()
     impls = ["redsrv"]
     torch_version = None
@@ -337,7 +344,8 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     doc: dict[str, Any] = {}
     congestion = congestion_controls(opts.tcp_congestion)
     _say(opts, f"redsrv bench emulate: {opts.hosts} hosts at {format_rate(opts.rate_bps)} per link (both directions), "
-               f"MTU {opts.mtu}" + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
+               f"MTU {opts.mtu}, packets up to {cluster.gso_bytes} bytes"
+               + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
                + f"; {' vs '.join(impls)}; {opts.rounds} round(s)"
                + ("; reducers colocated with workers" if opts.colocate else "")
@@ -386,6 +394,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
         "command": harness.command_line("emulate"),
         **source,
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
+        "host_gso_bytes": cluster.gso_bytes,
         "goodput_gbps": goodput, "goodput_source": goodput_source, "goodput_assumed_gbps": assumed,
         "goodput_flow_shares": flow_shares,
         "tcp_congestion": congestion,

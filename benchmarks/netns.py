@@ -205,11 +205,13 @@ class Cluster:
     """
 
     def __init__(self, hosts: int, rate_bps: int, *, prefix: str = DEFAULT_PREFIX, mtu: int = 1500,
-                 delay_us: int = 0, python: str = sys.executable) -> None:
+                 delay_us: int = 0, python: str = sys.executable, gso_bytes: int | None = None) -> None:
         self.count = hosts
         self.rate_bps = rate_bps
         self.prefix = prefix
         self.mtu = mtu
+        #: The hosts' largest packet (gso_max_size); None: host_gso_bytes(rate_bps).
+        self.gso_bytes = host_gso_bytes(rate_bps) if gso_bytes is None else gso_bytes
         self.delay_us = delay_us
         self.python = python
         self.hosts = [Host(i, f"{prefix}-h{i}", f"{SUBNET}.{i + 1}") for i in range(hosts)]
@@ -238,6 +240,9 @@ class Cluster:
                                  f"{SUBNET}.0/24)")
         if not 576 <= self.mtu <= 9000:
             raise EmulationError(f"MTU {self.mtu} is outside 576..9000")
+        if not self.mtu <= self.gso_bytes <= DEFAULT_GSO_BYTES:
+            raise EmulationError(f"a host's largest packet ({self.gso_bytes} bytes) must be within the MTU "
+                                 f"({self.mtu}) and {DEFAULT_GSO_BYTES}")
         if self.delay_us < 0 or self.delay_us > 1_000_000:
             raise EmulationError(f"delay {self.delay_us} us is outside 0..1000000")
         if self.delay_us and not os.path.exists("/dev/net/tun"):
@@ -324,9 +329,9 @@ class Cluster:
         _run(["ip", "-n", h.ns, "link", "set", IFNAME, "mtu", str(self.mtu)], f"setting the MTU in {h.ns}")
         _run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", IFNAME], f"addressing {h.ns}")
         _run(["ip", "-n", h.ns, "link", "set", IFNAME, "up"], f"bringing up {IFNAME} in {h.ns}")
-        gso = host_gso_bytes(self.rate_bps)
-        if gso < DEFAULT_GSO_BYTES:
-            _run(["ip", "-n", h.ns, "link", "set", IFNAME, "gso_max_size", str(gso)], f"capping packets on {h.ns}")
+        if self.gso_bytes < DEFAULT_GSO_BYTES:
+            _run(["ip", "-n", h.ns, "link", "set", IFNAME, "gso_max_size", str(self.gso_bytes)],
+                 f"capping packets on {h.ns}")
 
     def _set_rate(self, ns: str, dev: str, host_egress: bool = False) -> None:
         if not self.rate_bps:

@@ -229,11 +229,6 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
                         + ("sized for the port's buffer you gave" if port_buffer_bytes is not None else
                            "give --switch-buffer-kib to size it for your switch")
                         + ")")
-    if workers >= MANY_FLOWS_PER_PORT:
-        warnings.append(f"each reducer's port carries {workers} workers' flows, and each chunk's result waits for its "
-                        f"slowest rank: this prediction is optimistic. On the emulated cluster fleets of 6 and 8 "
-                        "workers ran 2-28% longer than predicted (most at the lowest rates), fleets of 2-4 within 5% "
-                        "(docs/performance.md, \"redsrv plan against the emulation\")")
     if loops < min(r, host_cpu):
         lift = (f"run `redsrv reducer --processes {enough_processes}` on each host and list it as host:PORT-LAST"
                 if p < enough_processes else "one per core already: add reducer hosts or faster cores")
@@ -249,12 +244,6 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
                 algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
                 worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES, recv_buffer)
-
-
-#: Workers from which ``plan`` warns that its prediction is optimistic: on the emulated cluster
-#: (docs/performance.md, "redsrv plan against the emulation") n >= 6 missed the prediction by 2-28%,
-#: n <= 4 met it within 5% with the settings the plan advises.
-MANY_FLOWS_PER_PORT = 6
 
 
 def advised_recv_buffer(workers: int, port_buffer_bytes: int | None) -> int:

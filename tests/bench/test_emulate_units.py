@@ -176,12 +176,21 @@ def test_hosts_queue_at_least_host_queue_min_bytes_while_switch_ports_queue_20_m
 
 
 @needs_root
-def test_from_1_gbit_the_hosts_keep_the_kernels_packet_size():
+def test_from_1_gbit_the_hosts_keep_the_kernels_packet_size_and_a_given_size_wins():
     prefix = f"rsu{os.getpid() % 100000}"
     with Cluster(2, 2 * 10**9, prefix=prefix) as cluster:
         gso = [_gso_max_size(h.ns, "eth0") for h in cluster.hosts]
+    with Cluster(2, 300 * 10**6, prefix=prefix, gso_bytes=DEFAULT_GSO_BYTES) as cluster:
+        given = [_gso_max_size(h.ns, "eth0") for h in cluster.hosts]
     assert our_namespaces(prefix) == []
-    assert gso == [DEFAULT_GSO_BYTES] * 2
+    assert gso == given == [DEFAULT_GSO_BYTES] * 2
+
+
+@needs_root
+def test_a_host_packet_outside_the_mtu_and_64_kib_is_a_clear_error():
+    for size in (1000, DEFAULT_GSO_BYTES + 1):
+        with pytest.raises(EmulationError, match="largest packet"):
+            Cluster(2, 10**9, gso_bytes=size).check()
 
 
 def test_not_root_is_a_clear_error(monkeypatch):
