@@ -531,6 +531,7 @@ def run_train(opts: Options) -> dict[str, Any]:
         "options": {k: v for k, v in opts.__dict__.items() if k != "quiet"},
         "model": model,
         **_setup(opts),
+        "host_gso_bytes": cluster.gso_bytes,
         "goodput_gbps": goodput,
         "summary": summary.as_dict(),
         "blocks": blocks,
