@@ -29,8 +29,9 @@ the same model family (square dense layers, tanh, one CPU device per process) ag
 framework's own cross-process all-reduce: JAX's gloo CPU collectives through ``jax.distributed``
 (:mod:`redsrv.bench.train_jax`), TensorFlow's ``MultiWorkerMirroredStrategy`` with ring collectives
 (:mod:`redsrv.bench.train_tf`). There, "gloo" names that baseline and "hook" redsrv's adapter
-(``redsrv.jax.pmean``, ``ReductionServerStrategy``); both send one fused vector per dtype after
-the backward pass, which the raw block replays.
+(``redsrv.jax.pmean``, ``ReductionServerStrategy``). The strategy sends one fused vector per
+dtype after the backward pass; ``pmean`` sends each gradient of 4 MiB or more alone as XLA
+produces it and fuses the rest. The raw block replays what each sends.
 
 Needs root, iproute2 and the framework; removes every namespace and process it created on every exit path.
 """

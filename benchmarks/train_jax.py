@@ -9,8 +9,8 @@ generated batch, loss = sum of squared errors / batch, plain SGD. The blocks:
            the step a ``jit`` of ``shard_map`` over the global mesh (one device per process) with
            ``lax.pmean`` of the gradients
   hook     the same step on this process's device, the gradients reduced by ``redsrv.jax.pmean``
-  raw      the client's allreduce_async of exactly the arrays that pmean sends (one fused vector per
-           dtype, :func:`redsrv.core.fusion.group_by_dtype`), then waited
+  raw      the client's allreduce_async of exactly the arrays that pmean sends (each leaf of 4 MiB or
+           more alone, the rest fused per dtype: :func:`redsrv.core.fusion.unfuse_large`), then waited
   compute  the same step without any all-reduce (the parameters it produces are dropped)
 
 XLA's CPU backend runs single-threaded here (``XLA_FLAGS`` from :func:`worker_env`), as torch does
@@ -30,7 +30,8 @@ __all__ = ["worker", "worker_env", "XLA_THREAD_FLAGS", "SETUP"]
 
 #: The result file's description of the step.
 SETUP = {"optimizer": "SGD", "learning_rate": LEARNING_RATE, "baseline": "jax.distributed, gloo CPU collectives, lax.pmean in "
-         "jit(shard_map) over one CPU device per process", "redsrv": "redsrv.jax.pmean (one fused vector per dtype)"}
+         "jit(shard_map) over one CPU device per process",
+         "redsrv": "redsrv.jax.pmean (leaves of 4 MiB or more alone, the rest fused per dtype)"}
 
 #: One compute thread for XLA's CPU client (Eigen's pool and the intra-op pool), for both blocks.
 XLA_THREAD_FLAGS = ("--xla_cpu_multi_thread_eigen=false", "intra_op_parallelism_threads=1")
@@ -106,6 +107,7 @@ class _JaxWorker:
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
 
+        import redsrv.jax
         from redsrv.core import fusion
 
         spec = self.spec
@@ -154,8 +156,10 @@ class _JaxWorker:
         self.models["hook"] = [jnp.asarray(p) for p in self.initial]
         self.data["hook"] = (jnp.asarray(x), jnp.asarray(y))
         self.steps["compute"] = jax.jit(lambda params, x, y: sgd(params, jax.grad(loss)(params, x, y)))
-        # What redsrv.jax.pmean sends for these gradients: one fused vector per dtype.
-        self.layout = [(g.total, g.dtype.name) for g in fusion.group_by_dtype(self.initial)]
+        # What redsrv.jax.pmean sends for these gradients: each large leaf alone, the rest fused
+        # per dtype (adapters/jax.py, _exchange_leaves).
+        groups = fusion.unfuse_large(fusion.group_by_dtype(self.initial), redsrv.jax.UNFUSED_BYTES)
+        self.layout = [(g.total, g.dtype.name) for g in groups]
 
     def run(self) -> None:
         self._build()

@@ -94,7 +94,7 @@ class Receiver:
         # A chunk's result comes whole or in pieces that tile it in order.
         done, first_arrived = op.received.get((stream.reducer, chunk_index), (0, arrived))
         if (offset != chunk.start + done or not (0 < count <= chunk.count - done or count == chunk.count == 0)
-                or wire.numpy_dtype(wire.DType(raw_dtype)) != op.wire_dtype):
+                or wire.NUMPY_DTYPE_BY_CODE[raw_dtype] != op.wire_dtype):
             self.ops.fail(op, RemoteProtocolError(
                 f"reducer {stream.peer} answered with {count} elements at offset {offset}, expected at most "
                 f"{chunk.count - done} at {chunk.start + done}", peer=stream.peer, job=self.config.job,

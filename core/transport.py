@@ -132,6 +132,8 @@ def peer_name(sock: socket.socket) -> str:
 
 #: Payloads from this size are received with a low-water mark (one wake-up per chunk).
 _LOWAT_FROM = 64 * 1024
+#: A plain int: ``socket.MSG_DONTWAIT`` is an enum member, whose ``&`` runs Python code.
+_DONTWAIT = int(socket.MSG_DONTWAIT)
 
 #: What ``on_header`` returns instead of a ``(view, what)`` to receive the payload into.
 SKIP = "skip"  # read the payload and drop it
@@ -160,6 +162,10 @@ class FrameReader:
     reset before the next frame, or a small header would never wake the loop. An owner that acts
     on part of a payload (the reducer's cut-through) lowers ``max_lowat`` to the part it acts on
     and reads ``payload_received``.
+
+    Between frames the decoder reads ahead (``wire.READ_AHEAD_BYTES``): a result's prefix, header,
+    bitmap and the first bytes of its data, or several small frames, in one ``recv``. Bytes read
+    ahead are decoded before ``read`` returns, since no poll would report them again.
     """
 
     __slots__ = ("sock", "peer", "decoder", "sender", "on_header", "on_payload", "on_error", "on_count", "lowat",
@@ -195,11 +201,17 @@ class FrameReader:
         cannot starve the loop's others). Raises :class:`ConnectionBroken`."""
         frames = 0
         sock, decoder = self.sock, self.decoder
-        self._waiting = False
-        while frames < max_frames and not self._waiting and not self.stopped:
+        self._waiting = drained = False
+        # Bytes read ahead are in no socket buffer, so nothing would wake the loop for them:
+        # they are decoded now, beyond max_frames if need be (a few small frames at most).
+        while (frames < max_frames or decoder.held) and not self._waiting and not self.stopped:
             room = decoder.buffer()
             want = len(room)
             if want:  # a read never asks for zero bytes, whose 0 would read as end-of-file
+                if drained:  # what was read ahead is placed and the socket was empty: wait for the rest
+                    if decoder.landing >= _LOWAT_FROM:
+                        self._set_lowat(min(want, self.max_lowat))
+                    return
                 try:
                     got = sock.recv_into(room, want)
                 except BlockingIOError:
@@ -212,10 +224,12 @@ class FrameReader:
                     raise ConnectionBroken("eof", f"{self.peer} closed the connection{where}")
                 self.last_recv = now
                 decoder.filled(got)
-                if got < want:
-                    if decoder.landing >= _LOWAT_FROM:
-                        self._set_lowat(min(want - got, self.max_lowat))
-                    return  # the socket is drained: wait for the rest
+                if got < want:  # the socket is drained
+                    if not decoder.held:  # the part being filled waits for the rest
+                        if decoder.landing >= _LOWAT_FROM:
+                            self._set_lowat(min(want - got, self.max_lowat))
+                        return
+                    drained = True  # decode what was read ahead, then wait
             try:
                 event = decoder.next_event()
             except RemoteProtocolError as exc:
@@ -226,8 +240,9 @@ class FrameReader:
     def _handle(self, event: wire.Event) -> bool:
         """Answer one decoder event; True when a frame ended."""
         decoder = self.decoder
-        if isinstance(event, wire.PayloadWanted):
-            step = self.on_header(event.header)
+        kind = type(event)  # exact types, not isinstance: this runs for every frame
+        if kind is wire.PayloadWanted:
+            step = self.on_header(event.header)  # type: ignore[union-attr]
             if self.stopped:  # the owner closed the connection from its callback
                 return False
             if step is WAIT:
@@ -239,7 +254,7 @@ class FrameReader:
                 assert isinstance(step, tuple)
                 decoder.land_payload(*step)
             return False
-        if isinstance(event, wire.PayloadLanded):
+        if kind is wire.PayloadLanded:
             more = self.on_payload()
             if self.stopped:
                 return True
@@ -247,16 +262,16 @@ class FrameReader:
                 decoder.land_payload(*more)
                 return False
             decoder.end_payload()
-        elif isinstance(event, wire.Error):
+        elif kind is wire.Error:
             self._frame_over()
-            self.on_error(event)
+            self.on_error(event)  # type: ignore[arg-type]
             return True
-        elif isinstance(event, (wire.Ack, wire.Safe)):
+        elif kind is wire.Ack or kind is wire.Safe:
             assert self.on_count is not None
-            if isinstance(event, wire.Ack):
-                self.on_count(wire.FrameType.ACK, event.results)
+            if kind is wire.Ack:
+                self.on_count(wire.FrameType.ACK, event.results)  # type: ignore[union-attr]
             else:
-                self.on_count(wire.FrameType.SAFE, event.frames)
+                self.on_count(wire.FrameType.SAFE, event.frames)  # type: ignore[union-attr]
         self._frame_over()
         return True
 
@@ -380,7 +395,7 @@ class FrameWriter:
             else:
                 self.out.append(_Outgoing(views, done))
             return
-        rest = send_views(self.sock, views() if callable(views) else views, socket.MSG_DONTWAIT, self.peer)
+        rest = send_views(self.sock, views() if callable(views) else views, _DONTWAIT, self.peer)
         self.last_send = now
         if rest:
             self.out.append(_Outgoing(rest, done))
@@ -394,10 +409,10 @@ class FrameWriter:
         while out:
             item = out[0]
             views = item.views() if callable(item.views) else item.views
-            before = sum(len(v) for v in views)
-            rest = send_views(self.sock, views, socket.MSG_DONTWAIT, self.peer)
+            before = (len(views), len(views[0])) if views else (0, 0)  # what is left only shrinks
+            rest = send_views(self.sock, views, _DONTWAIT, self.peer)
             if rest:
-                if sum(len(v) for v in rest) != before:
+                if (len(rest), len(rest[0])) != before:
                     self.last_progress = self.last_send = now
                 item.views = rest
                 return
@@ -446,7 +461,7 @@ def send_views(sock: socket.socket, views: list[memoryview], flags: int, peer: s
             sent = sock.sendmsg(views, [], flags)
         except OSError as exc:
             if exc.errno in _TIMED_OUT:
-                if flags & socket.MSG_DONTWAIT:
+                if flags & _DONTWAIT:
                     return views
                 raise ConnectionBroken("timeout", f"{peer} stopped reading: send timed out") from None
             raise ConnectionBroken("reset", f"sending to {peer} failed: {exc}") from None

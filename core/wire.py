@@ -119,6 +119,8 @@ _NUMPY_DTYPES: dict[DType, np.dtype] = {
     DType.BOOL: np.dtype("?"),
 }
 _CODES = {dt: code for code, dt in _NUMPY_DTYPES.items()}
+#: The NumPy dtype by the raw code a header carries (a validated header's code is always here).
+NUMPY_DTYPE_BY_CODE: dict[int, np.dtype] = {int(code): dt for code, dt in _NUMPY_DTYPES.items()}
 
 #: The one dtype table: every wire dtype by its NumPy name. Frameworks name their dtypes the same
 #: way (``torch.bfloat16``, ``tf.bfloat16``, ``jnp.bfloat16``), so each adapter derives its list
@@ -310,6 +312,9 @@ _HEADER_STRUCTS: dict[FrameType, struct.Struct] = {
     FrameType.SAFE: struct.Struct("<Q"),  # frames
 }
 
+_PUSH_HEADER = _HEADER_STRUCTS[FrameType.PUSH]
+_RESULT_HEADER = _HEADER_STRUCTS[FrameType.RESULT]
+
 #: Largest type header, for preallocated receive buffers.
 MAX_HEADER_SIZE = max(st.size for st in _HEADER_STRUCTS.values())
 
@@ -341,10 +346,19 @@ def _bytes(value: bytes, size: int, name: str) -> bytes:
 
 def encode_header(frame_type: FrameType, header: bytes, payload_len: int) -> bytes:
     """Prefix plus an already packed type header."""
-    return PREFIX.pack(MAGIC, PROTOCOL_VERSION, frame_type, len(header), _u(payload_len, 32, "payload_len")) + header
+    try:
+        return PREFIX.pack(MAGIC, PROTOCOL_VERSION, frame_type, len(header), payload_len) + header
+    except struct.error:
+        _u(payload_len, 32, "payload_len")
+        raise
 
 
 def _encode_parts(frame: Frame) -> tuple[FrameType, bytes, bytes | memoryview]:
+    # The data path's acknowledgements first: one each way for every few results.
+    if isinstance(frame, Ack):
+        return FrameType.ACK, _HEADER_STRUCTS[FrameType.ACK].pack(_u(frame.results, 64, "results")), b""
+    if isinstance(frame, Safe):
+        return FrameType.SAFE, _HEADER_STRUCTS[FrameType.SAFE].pack(_u(frame.frames, 64, "frames")), b""
     if isinstance(frame, Hello):
         job = frame.job.encode("utf-8")
         if not 0 < len(job) <= MAX_JOB_ID_BYTES:
@@ -380,10 +394,6 @@ def _encode_parts(frame: Frame) -> tuple[FrameType, bytes, bytes | memoryview]:
         return FrameType.ERROR, header, message
     if isinstance(frame, Heartbeat):
         return FrameType.HEARTBEAT, b"", b""
-    if isinstance(frame, Ack):
-        return FrameType.ACK, _HEADER_STRUCTS[FrameType.ACK].pack(_u(frame.results, 64, "results")), b""
-    if isinstance(frame, Safe):
-        return FrameType.SAFE, _HEADER_STRUCTS[FrameType.SAFE].pack(_u(frame.frames, 64, "frames")), b""
     raise LocalProtocolError(f"cannot encode {type(frame).__name__}")
 
 
@@ -404,11 +414,15 @@ def push_header(push: Push, payload_len: int) -> bytes:
     itemsize = numpy_dtype(push.dtype).itemsize
     if payload_len != push.count * itemsize and not (push.op is ReduceOp.BROADCAST and payload_len == 0):
         raise LocalProtocolError(f"push payload is {payload_len} bytes, expected {push.count * itemsize}")
-    header = _HEADER_STRUCTS[FrameType.PUSH].pack(
-        _u(push.key, 64, "key"), _u(push.incarnation, 64, "incarnation"), _u(push.total, 64, "total"),
-        _u(push.offset, 64, "offset"), _u(push.count, 32, "count"), _u(push.chunk, 32, "chunk"),
-        push.dtype, push.op, _u(push.root, 16, "root"),
-    )
+    try:  # the struct checks every field's range; the checks below only name the culprit
+        header = _PUSH_HEADER.pack(push.key, push.incarnation, push.total, push.offset, push.count, push.chunk,
+                                   push.dtype, push.op, push.root)
+    except struct.error:
+        for value, bits, name in ((push.key, 64, "key"), (push.incarnation, 64, "incarnation"), (push.total, 64, "total"),
+                                  (push.offset, 64, "offset"), (push.count, 32, "count"), (push.chunk, 32, "chunk"),
+                                  (push.root, 16, "root")):
+            _u(value, bits, name)
+        raise
     return encode_header(FrameType.PUSH, header, payload_len)
 
 
@@ -416,11 +430,15 @@ def result_header(result: Result, data_len: int) -> bytes:
     """Prefix, header and bitmap of a result whose ``data_len`` data bytes are sent separately."""
     if data_len != result.count * numpy_dtype(result.dtype).itemsize:
         raise LocalProtocolError(f"result data is {data_len} bytes, expected {result.count} elements")
-    header = _HEADER_STRUCTS[FrameType.RESULT].pack(
-        _u(result.key, 64, "key"), _u(result.offset, 64, "offset"), _u(result.count, 32, "count"),
-        _u(result.chunk, 32, "chunk"), result.dtype, _u(result.contributors, 16, "contributors"),
-        _u(len(result.bitmap), 32, "bitmap_len"),
-    )
+    try:  # as in push_header
+        header = _RESULT_HEADER.pack(result.key, result.offset, result.count, result.chunk, result.dtype,
+                                     result.contributors, len(result.bitmap))
+    except struct.error:
+        for value, bits, name in ((result.key, 64, "key"), (result.offset, 64, "offset"), (result.count, 32, "count"),
+                                  (result.chunk, 32, "chunk"), (result.contributors, 16, "contributors"),
+                                  (len(result.bitmap), 32, "bitmap_len")):
+            _u(value, bits, name)
+        raise
     return encode_header(FrameType.RESULT, header, len(result.bitmap) + data_len) + result.bitmap
 
 
@@ -531,6 +549,14 @@ def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
 
 # What a FrameDecoder is in the middle of.
 _PREFIX, _HEADER, _WHOLE, _WANTED, _LANDING, _LANDED, _DISCARD, _DEAD = range(8)
+#: In place, a new frame is received into a read-ahead buffer of this size: its prefix, header
+#: and a result's bitmap (and the small frames behind it) then take one receive instead of one
+#: each. What follows the header waits there until the receiver names its place, so at most
+#: this many bytes of a payload are read before it does.
+READ_AHEAD_BYTES = 1024
+_NO_ROOM = memoryview(bytearray())
+_HEADER_WHAT = {t: f"a {t.name} header" for t in FrameType}
+_PAYLOAD_WHAT = {t: f"a {t.name} payload" for t in FrameType}
 #: Payloads of data frames the receiver does not want land here, in turns (written, never read).
 _DISCARD_BUFFER = memoryview(bytearray(256 * 1024))
 
@@ -585,7 +611,8 @@ class FrameDecoder:
     """
 
     __slots__ = ("_max_payload", "_data_frames", "_accept", "_head", "_stage", "_target", "_got", "_frame_type",
-                 "_payload_len", "_payload_left", "_header", "_error", "_eof", "_pending", "_ready", "what")
+                 "_payload_len", "_payload_left", "_header", "_error", "_eof", "_pending", "_ready", "what",
+                 "_ahead", "_ahead_at", "_ahead_end", "_reading_ahead", "_event", "_landed")
 
     def __init__(self, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD, *, data_frames: frozenset[FrameType] = frozenset(),
                  accept: frozenset[FrameType] | None = None) -> None:
@@ -602,19 +629,48 @@ class FrameDecoder:
         self._payload_len = self._payload_left = 0
         self._stage, self._target, self._got = _PREFIX, self._head[: PREFIX.size], 0
         self.what = "a frame"  # what the decoder waits for, for timeout messages
+        self._ahead: memoryview | None = None  # the read-ahead buffer (in place only), made on first use
+        self._ahead_at = self._ahead_end = 0  # its bytes not yet moved into the machine
+        self._reading_ahead = False  # the last buffer() was the read-ahead buffer
+        self._event: PayloadWanted | PayloadLanded | None = None  # what a data frame waits on, asked again until answered
+        self._landed: PayloadLanded | None = None
 
     # --- in place --------------------------------------------------------------------------
 
     def buffer(self) -> memoryview:
         """Where the next bytes go (at most ``len()`` of them); empty while an event waits for
-        the receiver's answer, or once the current part is complete (call :meth:`next_event`)."""
+        the receiver's answer, while bytes read ahead wait to be placed, or once the current part
+        is complete (call :meth:`next_event`). Between frames it is the read-ahead buffer
+        (:data:`READ_AHEAD_BYTES`), which may take bytes of the frames after the next one too."""
+        if self._ahead_end:
+            self._reading_ahead = False
+            return _NO_ROOM
+        if self._stage == _PREFIX and not self._got:
+            ahead = self._ahead
+            if ahead is None:
+                ahead = self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))
+            self._reading_ahead = True
+            return ahead
+        self._reading_ahead = False
         return self._target[self._got :]
 
     def filled(self, nbytes: int) -> None:
         """``nbytes`` arrived at the start of :meth:`buffer`."""
+        if self._reading_ahead:
+            if not 0 < nbytes <= READ_AHEAD_BYTES:
+                raise ValueError(f"filled({nbytes}) with {READ_AHEAD_BYTES} bytes of room")
+            self._reading_ahead = False
+            self._ahead_at, self._ahead_end = 0, nbytes
+            return
         if not 0 < nbytes <= len(self._target) - self._got:
             raise ValueError(f"filled({nbytes}) with {len(self._target) - self._got} bytes of room")
         self._got += nbytes
+
+    @property
+    def held(self) -> int:
+        """Bytes read ahead (in place) that the machine has not placed yet: :meth:`next_event`
+        places them, so a driver must call it before waiting for its socket again."""
+        return self._ahead_end - self._ahead_at
 
     def next_event(self) -> Event | None:
         """The next event, or ``None`` when :meth:`buffer` must be filled first."""
@@ -652,7 +708,7 @@ class FrameDecoder:
     @property
     def between_frames(self) -> bool:
         """No byte of the next frame has arrived."""
-        return self._stage == _PREFIX and not self._got
+        return self._stage == _PREFIX and not self._got and not self._ahead_end
 
     @property
     def landing(self) -> int:
@@ -667,43 +723,48 @@ class FrameDecoder:
     def release(self) -> None:
         """The connection is closed: let go of the receiver's buffer."""
         self._stage, self._target, self._got, self._header = _DEAD, memoryview(b""), 0, None
+        self._ahead, self._ahead_at, self._ahead_end = None, 0, 0
 
     def _step(self) -> Event | None:
         while True:
             stage = self._stage
-            if stage == _WANTED:
-                assert self._header is not None
-                return PayloadWanted(self._header)
-            if stage == _LANDED:
-                assert self._header is not None
-                return PayloadLanded(self._header)
-            if self._got < len(self._target):
-                return None
+            if stage == _WANTED or stage == _LANDED:
+                return self._event  # asked again until the receiver answers
+            target = self._target
+            missing = len(target) - self._got
+            if missing:
+                if not self._ahead_end:
+                    return None
+                self._place_read_ahead(target, missing)
+                if self._got < len(target):
+                    return None
             if stage == _PREFIX:
                 frame_type, header_len, payload_len = parse_prefix(self._head[: PREFIX.size], self._max_payload)
                 if self._accept is not None and frame_type not in self._accept:
                     raise RemoteProtocolError(f"unexpected {frame_type.name} frame")
                 self._frame_type, self._payload_len = frame_type, payload_len
                 self._stage, self._target, self._got = _HEADER, self._head[PREFIX.size : PREFIX.size + header_len], 0
-                self.what = f"a {frame_type.name} header"
+                self.what = _HEADER_WHAT[frame_type]
             elif stage == _HEADER:
-                header = self._header = parse_header(self._frame_type, self._target, self._payload_len)
+                header = self._header = parse_header(self._frame_type, target, self._payload_len)
                 self._payload_left = header.payload_len
                 if header.type in self._data_frames:
-                    self._stage, self._target, self._got = _WANTED, memoryview(b""), 0
-                    return PayloadWanted(header)
+                    self._stage, self._target, self._got = _WANTED, _NO_ROOM, 0
+                    self._event = PayloadWanted(header)
+                    self._landed = PayloadLanded(header)
+                    return self._event
                 self._stage, self._target, self._got = _WHOLE, memoryview(bytearray(header.payload_len)), 0
-                self.what = f"a {header.type.name} payload"
+                self.what = _PAYLOAD_WHAT[header.type]
             elif stage == _WHOLE:
-                whole, payload = self._header, self._target
+                whole = self._header
                 assert whole is not None
                 self._next_frame()
-                return parse_payload(whole, payload)
+                return parse_payload(whole, target)
             elif stage == _LANDING:
-                self._payload_left -= len(self._target)
-                self._stage = _LANDED
+                self._payload_left -= len(target)
+                self._stage, self._event = _LANDED, self._landed
             elif stage == _DISCARD:
-                self._payload_left -= len(self._target)
+                self._payload_left -= len(target)
                 if not self._payload_left:
                     skipped = self._header
                     assert skipped is not None
@@ -712,6 +773,21 @@ class FrameDecoder:
                 self._target, self._got = _DISCARD_BUFFER[: min(self._payload_left, len(_DISCARD_BUFFER))], 0
             else:
                 return None  # released
+
+    def _place_read_ahead(self, target: memoryview, missing: int) -> None:
+        """Move bytes read ahead into ``target``, as many as it misses."""
+        ahead, at, got = self._ahead, self._ahead_at, self._got
+        assert ahead is not None
+        n = self._ahead_end - at
+        if n > missing:
+            n = missing
+        target[got : got + n] = ahead[at : at + n]
+        self._got = got + n
+        at += n
+        if at == self._ahead_end:
+            self._ahead_at = self._ahead_end = 0
+        else:
+            self._ahead_at = at
 
     def _next_frame(self) -> None:
         self._stage, self._target, self._got, self._header, self.what = _PREFIX, self._head[: PREFIX.size], 0, None, "a frame"

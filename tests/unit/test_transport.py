@@ -313,6 +313,25 @@ def test_an_owner_that_closes_the_connection_from_its_callback_stops_the_reader_
         assert reader.stopped and asked == [1], "the reader went on after its owner closed the connection"
 
 
+def test_frames_read_ahead_beyond_the_turns_limit_are_decoded_before_the_reader_returns() -> None:
+    # Small frames behind a header arrive in the same read (the decoder's read-ahead). Once read
+    # they are in no socket buffer, so no poll would ever report them: one read() must decode all
+    # of them, even past its max_frames, and leave nothing held.
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        counts: list[tuple[wire.FrameType, int]] = []
+        reader = FrameReader(b, max_payload=1 << 20, now=time.monotonic(), data_frame=wire.FrameType.RESULT,
+                             sender="the test", on_header=lambda _h: SKIP, on_payload=lambda: None,
+                             on_error=lambda _e: None, on_count=lambda kind, count: counts.append((kind, count)))
+        a.sendall(b"".join(wire.encode(wire.Safe(i)) for i in range(1, 11)))
+        reader.read(time.monotonic(), 2)
+        assert counts == [(wire.FrameType.SAFE, i) for i in range(1, 11)]
+        assert not reader.decoder.held and reader.decoder.between_frames
+        with pytest.raises(BlockingIOError):
+            b.recv(1, socket.MSG_PEEK)
+
+
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
     with socket.create_server(("127.0.0.1", 0)) as server:
         client = socket.create_connection(server.getsockname(), timeout=5)

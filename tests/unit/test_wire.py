@@ -192,14 +192,15 @@ def _events_in_place(decoder: wire.FrameDecoder, data: bytes) -> list[wire.Event
 
 def test_a_data_frames_header_is_asked_again_until_the_receiver_answers() -> None:
     push = FRAMES[5]
+    encoded = wire.encode(push)
     decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.PUSH}))
-    [wanted] = _events_in_place(decoder, wire.encode(push))
+    [wanted] = _events_in_place(decoder, encoded[:-12])  # the header alone has arrived
     assert isinstance(wanted, wire.PayloadWanted) and wanted.header.fields[0] == 7
     assert not decoder.buffer(), "no byte of the payload is taken before the receiver names its place"
     assert decoder.next_event() == wanted  # a receiver out of memory answers later (WAIT)
     first, second = bytearray(4), bytearray(8)
     decoder.land_payload(memoryview(first), "the first element")
-    payload = wire.encode(push)[-12:]
+    payload = encoded[-12:]
     _fill(decoder, payload)
     assert isinstance(decoder.next_event(), wire.PayloadLanded) and first == payload[:4]
     decoder.land_payload(memoryview(second), "the rest")
@@ -209,6 +210,48 @@ def test_a_data_frames_header_is_asked_again_until_the_receiver_answers() -> Non
     assert isinstance(decoder.next_event(), wire.PayloadLanded) and second == payload[4:]
     decoder.end_payload()
     assert decoder.between_frames and decoder.what == "a frame"
+
+
+def test_a_frame_read_with_its_header_waits_in_the_read_ahead_buffer_for_its_place() -> None:
+    # Between frames the decoder offers its read-ahead buffer, so prefix, header and the start of
+    # the payload come in one read. The payload bytes wait there, at most READ_AHEAD_BYTES of
+    # them, until the receiver names their place, and land there in order.
+    push = FRAMES[5]
+    encoded = wire.encode(push) + wire.encode(FRAMES[10])
+    decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.PUSH}))
+    assert len(decoder.buffer()) == wire.READ_AHEAD_BYTES
+    [wanted] = _events_in_place(decoder, encoded)
+    assert isinstance(wanted, wire.PayloadWanted)
+    assert decoder.held == 12 + len(wire.encode(FRAMES[10])) and not decoder.buffer()
+    assert not decoder.between_frames, "bytes of a frame are held"
+    assert decoder.next_event() == wanted  # WAIT: the held bytes stay held
+    first, second = bytearray(4), bytearray(8)
+    decoder.land_payload(memoryview(first), "the first element")
+    assert isinstance(decoder.next_event(), wire.PayloadLanded) and first == encoded[-12 - len(wire.encode(FRAMES[10])) :][:4]
+    decoder.land_payload(memoryview(second), "the rest")
+    assert isinstance(decoder.next_event(), wire.PayloadLanded)
+    decoder.end_payload()
+    assert decoder.next_event() == FRAMES[10], "the frame behind it was read ahead too"
+    assert decoder.between_frames and not decoder.held
+
+
+def test_the_read_ahead_takes_at_most_its_size_of_a_large_payload() -> None:
+    big = wire.Result(3, 0, 4096, 0, wire.DType.INT32, 1, b"\x01", bytes(range(256)) * 64)
+    encoded = wire.encode(big)
+    decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.RESULT}))
+    taken = _fill(decoder, encoded)
+    assert taken == wire.READ_AHEAD_BYTES
+    wanted = decoder.next_event()
+    assert isinstance(wanted, wire.PayloadWanted)
+    header_bytes = len(encoded) - wanted.header.payload_len
+    assert decoder.held == wire.READ_AHEAD_BYTES - header_bytes
+    payload = bytearray(wanted.header.payload_len)
+    decoder.land_payload(memoryview(payload))
+    assert decoder.next_event() is None and not decoder.held, "the held bytes are placed, the rest is wanted"
+    assert len(decoder.buffer()) == len(payload) - (wire.READ_AHEAD_BYTES - header_bytes)
+    _fill(decoder, encoded[taken:])
+    assert isinstance(decoder.next_event(), wire.PayloadLanded)
+    assert bytes(payload) == encoded[header_bytes:]
 
 
 def test_a_receiver_cannot_land_more_or_less_than_the_payload() -> None:
@@ -229,13 +272,24 @@ def test_a_skipped_payload_longer_than_the_discard_buffer_is_dropped_and_the_nex
     big = wire.Result(3, 0, 200_000, 0, wire.DType.INT32, 1, b"\x01", bytes(800_000))
     decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.RESULT}))
     data = wire.encode(big) + wire.encode(FRAMES[10])
-    [wanted] = _events_in_place(decoder, data)
+    header_len = len(wire.encode(big)) - 800_001
+    [wanted] = _events_in_place(decoder, data[:header_len])
     assert isinstance(wanted, wire.PayloadWanted)
     decoder.skip_payload()
-    data = data[len(wire.encode(big)) - 800_001 :]
-    events = _events_in_place(decoder, data)
+    events = _events_in_place(decoder, data[header_len:])
     assert [type(e) for e in events] == [wire.PayloadSkipped, wire.Error]
     assert events[1] == FRAMES[10]
+
+
+def test_a_skipped_payload_read_ahead_with_its_header_is_dropped_too() -> None:
+    small = wire.Result(3, 0, 4, 0, wire.DType.INT32, 1, b"\x01", bytes(16))
+    decoder = wire.FrameDecoder(data_frames=frozenset({wire.FrameType.RESULT}))
+    [wanted] = _events_in_place(decoder, wire.encode(small) + wire.encode(FRAMES[10]))
+    assert isinstance(wanted, wire.PayloadWanted) and decoder.held
+    decoder.skip_payload()
+    events = _events_in_place(decoder, b"")
+    assert [type(e) for e in events] == [wire.PayloadSkipped, wire.Error] and events[1] == FRAMES[10]
+    assert decoder.between_frames
 
 
 def test_a_type_the_receiver_does_not_accept_is_refused_at_its_prefix() -> None:
