@@ -136,6 +136,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="the hook compresses float32 gradients to this on the wire (gloo keeps float32)")
     b.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb, for both models (default 25)")
     b.add_argument("--no-baseline", action="store_true", help="leave out the gloo DDP blocks")
+    b.add_argument("--piece-kib", type=int, default=None, metavar="KIB",
+                   help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default: the reducer's, "
+                        "512); 1024 sends whole chunks: less CPU per byte, a little less bandwidth")
     harness.add_run_arguments(b)
     b.set_defaults(func=_main)
 
@@ -154,6 +157,7 @@ class Options:
     wire_dtype: str | None = None
     bucket_cap_mb: float = 25.0
     baseline: bool = True
+    result_piece_bytes: int | None = None  # the reducers'
     out: str = "bench-results"
     prefix: str = DEFAULT_PREFIX
     quiet: bool = False
@@ -185,6 +189,8 @@ class Options:
                 raise EmulationError(f"--{name} must be >= 1{why}")
         if not self.bucket_cap_mb > 0:
             raise EmulationError("--bucket-cap-mb must be positive")
+        if self.result_piece_bytes is not None and self.result_piece_bytes < 0:
+            raise EmulationError("--piece-kib must be >= 0")
         if self.wire_dtype not in MATCH_TOLERANCE:
             raise EmulationError(f"--wire-dtype {self.wire_dtype}: use bf16 or fp16")
         # Per worker, in units of the gradient size: two models, their gradients (the buckets),
@@ -235,7 +241,8 @@ def _main(a: argparse.Namespace) -> int:
         opts = Options(
             framework=a.framework, workers=a.workers, reducers=a.reducers, rate_bps=parse_rate(a.rate),
             params=int(a.params * 1e6), batch=a.batch, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
-            wire_dtype=a.wire_dtype, bucket_cap_mb=a.bucket_cap_mb, baseline=not a.no_baseline, out=a.out, prefix=a.prefix)
+            wire_dtype=a.wire_dtype, bucket_cap_mb=a.bucket_cap_mb, baseline=not a.no_baseline, out=a.out, prefix=a.prefix,
+            result_piece_bytes=None if a.piece_kib is None else a.piece_kib * 1024)
         return bool(run_train(opts)["ok"])
 
     status: int = harness.run_command("train", a, run=run, rereport=_rereport)
@@ -507,6 +514,7 @@ def run_train(opts: Options) -> dict[str, Any]:
                f"h{n}..h{n + m - 1}, {format_rate(opts.rate_bps)} per link (both directions); model {layers} x "
                f"{width}x{width} dense, batch {opts.batch}; {step}"
                + (f"; {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
+               + ("" if opts.result_piece_bytes is None else f"; reducers' result_piece_bytes={opts.result_piece_bytes}")
                + f"; {opts.rounds} round(s) of {' / '.join(opts.modes)}, {opts.warmup} warm-up + {opts.steps} timed steps each")
     _say(opts, "  " + harness.describe_speed(source["machine"]["speed"]))
     if goodput:
@@ -579,6 +587,8 @@ def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodp
     parameter count and gradient bytes)."""
     n, m = opts.workers, opts.m
     env = harness.child_env(harness.write_secret(tmp))
+    if opts.result_piece_bytes is not None:
+        env["REDSRV_RESULT_PIECE_BYTES"] = str(opts.result_piece_bytes)
     if opts.framework == "jax":
         from redsrv.bench import train_jax
 

@@ -50,6 +50,7 @@ def test_table_names_the_frameworks_own_blocks():
     ({"warmup": 0}, "rebuilds its buckets"),
     ({"bucket_cap_mb": 0}, "--bucket-cap-mb must be positive"),
     ({"wire_dtype": "int8"}, "use bf16 or fp16"),
+    ({"result_piece_bytes": -1}, "--piece-kib must be >= 0"),
     ({"params": 10**12}, "GiB of memory"),
 ])
 def test_options_validation(change, message):
