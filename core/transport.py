@@ -240,9 +240,8 @@ class FrameReader:
     def _handle(self, event: wire.Event) -> bool:
         """Answer one decoder event; True when a frame ended."""
         decoder = self.decoder
-        kind = type(event)  # exact types, not isinstance: this runs for every frame
-        if kind is wire.PayloadWanted:
-            step = self.on_header(event.header)  # type: ignore[union-attr]
+        if isinstance(event, wire.PayloadWanted):
+            step = self.on_header(event.header)
             if self.stopped:  # the owner closed the connection from its callback
                 return False
             if step is WAIT:
@@ -254,7 +253,7 @@ class FrameReader:
                 assert isinstance(step, tuple)
                 decoder.land_payload(*step)
             return False
-        if kind is wire.PayloadLanded:
+        if isinstance(event, wire.PayloadLanded):
             more = self.on_payload()
             if self.stopped:
                 return True
@@ -262,16 +261,16 @@ class FrameReader:
                 decoder.land_payload(*more)
                 return False
             decoder.end_payload()
-        elif kind is wire.Error:
+        elif isinstance(event, wire.Error):
             self._frame_over()
-            self.on_error(event)  # type: ignore[arg-type]
+            self.on_error(event)
             return True
-        elif kind is wire.Ack or kind is wire.Safe:
+        elif isinstance(event, (wire.Ack, wire.Safe)):
             assert self.on_count is not None
-            if kind is wire.Ack:
-                self.on_count(wire.FrameType.ACK, event.results)  # type: ignore[union-attr]
+            if isinstance(event, wire.Ack):
+                self.on_count(wire.FrameType.ACK, event.results)
             else:
-                self.on_count(wire.FrameType.SAFE, event.frames)  # type: ignore[union-attr]
+                self.on_count(wire.FrameType.SAFE, event.frames)
         self._frame_over()
         return True
 
