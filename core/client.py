@@ -115,16 +115,21 @@ class Client:
     is thread-safe; many operations may be in flight, each under its own key.
     """
 
+    def __new__(cls, reducers: Sequence[str] | str | None = None, *, rank: int | None = None,
+                world_size: int | None = None, job: str | None = None, config: Config | None = None,
+                **options: Any) -> Client:
+        """A worker that shares its host with others (``Config.host_level``) gets the host-level
+        client (:mod:`host_client`), with this same API."""
+        if cls is Client and resolve_config(reducers, rank, world_size, job, config, options).host_level:
+            from .host_client import HostClient
+
+            return super().__new__(HostClient)
+        return super().__new__(cls)
+
     def __init__(self, reducers: Sequence[str] | str | None = None, *, rank: int | None = None,
                  world_size: int | None = None, job: str | None = None, config: Config | None = None,
                  **options: Any) -> None:
-        if config is None:
-            config = Config.from_env(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
-        elif reducers is not None or rank is not None or world_size is not None or job is not None or options:
-            given = dict(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
-            config = config.replace(**{k: v for k, v in given.items() if v is not None})
-        if not config.reducers:
-            raise ConfigError("no reducers given: pass reducers=[...] or set REDSRV_REDUCERS")
+        config = resolve_config(reducers, rank, world_size, job, config, options)
         self.config = config
         self._auto_keys = itertools.count()
         self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None
@@ -390,6 +395,20 @@ class Client:
             except OSError as exc:
                 log.warning("could not write the timeline to %s: %s", self._timeline.path, exc)
 
+
+
+def resolve_config(reducers: Sequence[str] | str | None, rank: int | None, world_size: int | None, job: str | None,
+                   config: Config | None, options: dict[str, Any]) -> Config:
+    """The settings a client is built with: ``config`` with the arguments given beside it, or
+    :meth:`Config.from_env` of the arguments."""
+    if config is None:
+        config = Config.from_env(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
+    elif reducers is not None or rank is not None or world_size is not None or job is not None or options:
+        given = dict(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
+        config = config.replace(**{k: v for k, v in given.items() if v is not None})
+    if not config.reducers:
+        raise ConfigError("no reducers given: pass reducers=[...] or set REDSRV_REDUCERS")
+    return config
 
 
 def _checked_out(out: Any, arr: np.ndarray) -> np.ndarray:

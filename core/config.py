@@ -21,7 +21,8 @@ from .wire import StragglerMode
 
 __all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address",
            "expand_reducers", "require_positive", "congestion_setting", "check_secret", "read_secret_file",
-           "launcher_variables", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES"]
+           "launcher_variables", "local_launcher_variables", "ENV_PREFIX", "WIRE_DTYPES", "STRAGGLER_MODES",
+           "HOST_REDUCE_MODES"]
 
 ENV_PREFIX = "REDSRV_"
 
@@ -29,6 +30,11 @@ ENV_PREFIX = "REDSRV_"
 WIRE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 STRAGGLER_MODES = {"all": StragglerMode.ALL, "first_m": StragglerMode.FIRST_M, "deadline": StragglerMode.DEADLINE}
+
+#: ``host_reduce``: "host" reduces inside each host first (core/host_client.py), "flat" sends every
+#: process's whole buffer to the reducers, "auto" picks "host" where a launcher says that several
+#: workers share this host and the job spans more than one host.
+HOST_REDUCE_MODES = ("auto", "host", "flat")
 
 
 def parse_address(text: str, default_port: int = C.DEFAULT_PORT) -> tuple[str, int]:
@@ -304,6 +310,12 @@ class Config:
     job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
     result_piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # reducer: cut-through piece, 0 = whole chunks
     timeline: str | None = None  # Chrome-trace file; "{rank}" is replaced by the rank
+    host_reduce: str = "auto"  # HOST_REDUCE_MODES
+    local_rank: int | None = None  # this worker's index among the workers on its host (launchers' LOCAL_RANK & co.)
+    local_size: int | None = None  # workers on this host
+    host_id: str | None = None  # who shares a host (REDSRV_HOST_ID); None: host name, boot id and network namespace
+    host_slot_bytes: int = C.DEFAULT_HOST_SLOT_BYTES  # each local worker's shared-memory staging area
+    host_piece_bytes: int | None = None  # the host-level pipeline's piece; None: constants.HOST_PIECES_IN_SLOT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reducers", expand_reducers(self.reducers))
@@ -348,6 +360,59 @@ class Config:
             raise ConfigError(f"streams_per_reducer must be <= 64, got {self.streams_per_reducer}")
         if not 1 <= self.io_threads <= C.MAX_IO_THREADS:
             raise ConfigError(f"io_threads (REDSRV_IO_THREADS) must be in 1..{C.MAX_IO_THREADS}, got {self.io_threads}")
+        self._check_host_settings()
+
+    def _check_host_settings(self) -> None:
+        if self.host_reduce not in HOST_REDUCE_MODES:
+            raise ConfigError(f"host_reduce (REDSRV_HOST_REDUCE) must be one of {', '.join(HOST_REDUCE_MODES)}, "
+                              f"got {self.host_reduce!r}")
+        if (self.local_rank is None) != (self.local_size is None):
+            raise ConfigError(f"local_rank ({self.local_rank}) and local_size ({self.local_size}) come together: "
+                              "give both or neither")
+        if self.local_size is not None and self.local_rank is not None:
+            if not 1 <= self.local_size <= self.world_size:
+                raise ConfigError(f"local_size must be in 1..world_size ({self.world_size}), got {self.local_size}")
+            if not 0 <= self.local_rank < self.local_size:
+                raise ConfigError(f"local_rank must be in 0..{self.local_size - 1} for local_size {self.local_size}, "
+                                  f"got {self.local_rank}")
+        if self.host_reduce == "host" and self.local_size is None:
+            raise ConfigError("host_reduce='host' needs local_rank and local_size (a launcher's LOCAL_RANK and "
+                              "LOCAL_WORLD_SIZE, or REDSRV_LOCAL_RANK and REDSRV_LOCAL_SIZE)")
+        if self.host_reduce == "host" and self.local_size is not None and self.world_size % self.local_size:
+            raise ConfigError(f"host-level reduction needs the same number of workers on every host: world_size "
+                              f"{self.world_size} is not a multiple of local_size {self.local_size} (or set "
+                              "host_reduce='flat')")
+        if self.host_id is not None and not 0 < len(self.host_id.encode("utf-8")) <= C.MAX_JOB_ID_BYTES:
+            raise ConfigError(f"host_id must be 1..{C.MAX_JOB_ID_BYTES} UTF-8 bytes, got {self.host_id!r}")
+        if self.host_slot_bytes < C.MIN_HOST_PIECE_BYTES:
+            raise ConfigError(f"host_slot_bytes must be at least {C.MIN_HOST_PIECE_BYTES}, got {self.host_slot_bytes}")
+        if self.host_piece_bytes is not None and not C.MIN_HOST_PIECE_BYTES <= self.host_piece_bytes <= self.host_slot_bytes:
+            raise ConfigError(f"host_piece_bytes must be in {C.MIN_HOST_PIECE_BYTES}..host_slot_bytes "
+                              f"({self.host_slot_bytes}), got {self.host_piece_bytes}")
+
+    @property
+    def host_level(self) -> bool:
+        """Whether this worker reduces inside its host first (``host_reduce``): "auto" does where
+        several workers share this host and the job spans more than one host, as hosts of equal
+        size (uneven hosts stay flat: every worker of such a host sees the same sizes, so all of
+        them decide alike)."""
+        if self.host_reduce == "auto":
+            return self.local_size is not None and 1 < self.local_size < self.world_size \
+                and self.world_size % self.local_size == 0
+        return self.host_reduce == "host"
+
+    @property
+    def piece_bytes(self) -> int:
+        """The host-level pipeline's piece (``host_piece_bytes``, or constants.HOST_PIECES_IN_SLOT)."""
+        if self.host_piece_bytes is not None:
+            return self.host_piece_bytes
+        share = (self.local_size or 1) * len(self.reducers) * self.chunk_bytes
+        return max(C.MIN_HOST_PIECE_BYTES, min(self.host_slot_bytes // C.HOST_PIECES_IN_SLOT, share))
+
+    @property
+    def hosts(self) -> int:
+        """Hosts of the job: ``world_size / local_size`` in host-level mode, else one per worker."""
+        return self.world_size // self.local_size if self.host_level and self.local_size else self.world_size
 
     @property
     def mode(self) -> StragglerMode:
@@ -384,6 +449,8 @@ class Config:
             sources.offer("world_size", cluster.num_workers, cluster.source)
             sources.offer("rank", cluster.worker_index, cluster.source)
         for name, var in launcher_variables(env):
+            sources.offer(name, _convert(name, env[var], "int", var), var)
+        for name, var in local_launcher_variables(env):
             sources.offer(name, _convert(name, env[var], "int", var), var)
         values = sources.values(fields)
         return cls(**values)
@@ -482,6 +549,32 @@ def launcher_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
              if var in environ]
     if not found:
         found = [(field_name, var) for field_name, var in zip(("rank", "world_size"), _SLURM) if var in environ]
+    return found
+
+
+#: (local rank variable, local size variable): torchrun, Open MPI, MPICH / Intel MPI (Hydra),
+#: Horovod's launcher. SLURM's SLURM_LOCALID / SLURM_NTASKS_PER_NODE (set only with
+#: ``--ntasks-per-node``) are consulted, as for the rank, only when none of these is present.
+_LOCAL_LAUNCHERS = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"))
+_SLURM_LOCAL = ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+
+
+def local_launcher_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The (field, variable) pairs that say which of the workers on this host this process is
+    (``local_rank``) and how many there are (``local_size``), from the launchers' variables in
+    ``environ``. A launcher that gives one without the other is not used (torchrun's
+    ``LOCAL_RANK`` alone comes from ``torch.distributed.launch --use-env`` without a size).
+
+    >>> local_launcher_variables({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "SLURM_LOCALID": "1"})
+    [('local_rank', 'LOCAL_RANK'), ('local_size', 'LOCAL_WORLD_SIZE')]
+    >>> local_launcher_variables({"LOCAL_RANK": "1"})
+    []
+    """
+    found = [(field_name, var) for pair in _LOCAL_LAUNCHERS if all(v in environ for v in pair)
+             for field_name, var in zip(("local_rank", "local_size"), pair)]
+    if not found and all(v in environ for v in _SLURM_LOCAL):
+        found = list(zip(("local_rank", "local_size"), _SLURM_LOCAL))
     return found
 
 

@@ -261,3 +261,17 @@ MAX_PROCESSES_PER_REDUCER_HOST = 256
 #: window (docs/reliability.md), so a second here costs them a second.
 PROCESS_RESTART_BACKOFF_S = 0.5
 PROCESS_RESTART_BACKOFF_MAX_S = 10.0
+
+#: Host-level reduction (core/host_client.py): each local worker's shared-memory staging area.
+#: An operation goes through it in pieces: a piece is copied in, reduced inside the host, sent
+#: across hosts (1/L of it by each of the L local workers) and copied out while the next pieces
+#: are on their way, so the area bounds a worker's host-level bytes in flight. 64 MiB holds a
+#: DDP bucket (25 MiB) whole with room for the next; pages are touched only as pieces use them.
+DEFAULT_HOST_SLOT_BYTES = 64 * 1024 * 1024
+#: The piece, unless set (``Config.host_piece_bytes``): L x reducers x chunk_bytes, so that each
+#: local worker's share of a piece is one full chunk per reducer (the per-chunk CPU the flat
+#: path pays per chunk_bytes is not paid more often), at most a quarter of the staging area so
+#: that four pieces overlap.
+HOST_PIECES_IN_SLOT = 4
+#: A piece smaller than this costs more in messages between the local workers than it overlaps.
+MIN_HOST_PIECE_BYTES = 64 * 1024

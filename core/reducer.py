@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import constants as C
+from .combine import ACCUMULATION_DTYPES, UFUNCS, Combiner
 from .wire import (
     DType,
     Error,
@@ -56,22 +57,6 @@ __all__ = [
     "JobStats",
     "LATENCY_BUCKETS",
 ]
-
-#: Accumulation dtype per wire dtype: 16-bit floats are combined in float32 (RELIABILITY R14).
-ACCUMULATION_DTYPES = {DType.FLOAT16: np.dtype("<f4"), DType.BFLOAT16: np.dtype("<f4")}
-
-#: The element-wise NumPy function of each combining op. Every op is applied in ascending rank
-#: order, so even the non-associative ones (float sums and products) give the same bytes on
-#: every rank and in every run.
-UFUNCS: dict[ReduceOp, np.ufunc] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PRODUCT: np.multiply,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
 
 NO_CHUNK = 0xFFFFFFFF
 
@@ -422,7 +407,7 @@ class ReducerCore:
         self.piece_bytes = piece_bytes  # 0: forward whole chunks only
         self.rejoin_grace = rejoin_grace  # the longest a rank's place is kept for its reconnect
         self.pool = pool or BufferPool(max_free_bytes=memory_budget_bytes)
-        self._widened = np.empty(0, dtype=np.uint8)  # float32 scratch for summing 16-bit pieces
+        self._combiner = Combiner()  # its float32 scratch sums 16-bit pieces
         self._jobs: dict[str, _Job] = {}
         self._conns: dict[int, _Conn] = {}
         self.job_stats: OrderedDict[str, JobStats] = OrderedDict()  # survives the job's state, bounded
@@ -1018,7 +1003,8 @@ class ReducerCore:
         assert parts is not None
         world = job.params.world_size
         shape = chunk.shape
-        self._combine_piece([parts[rank].shared.buffer[start:stop] for rank in range(world)], shape.dtype, shape.op)
+        self._combiner.combine_into_first([parts[rank].shared.buffer[start:stop] for rank in range(world)], shape.dtype,
+                                          shape.op)
         chunk.forwarded = stop
         item = numpy_dtype(shape.dtype).itemsize
         result = Result(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk, shape.dtype,
@@ -1033,27 +1019,6 @@ class ReducerCore:
     def _answer_to(self, chunk: _OpenChunk) -> list[int]:
         """The connections a chunk's result goes to: each contributor's, while it is open."""
         return [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
-
-    def _combine_piece(self, pieces: list[np.ndarray], dtype: DType, op: ReduceOp) -> None:
-        """Combine byte ranges of every rank's payload into the first, in rank order (16-bit
-        floats through a float32 scratch, rounded once): the same operations, in the same order,
-        as combining whole payloads."""
-        wire = numpy_dtype(dtype)
-        ufunc = UFUNCS[op]
-        out = pieces[0].view(wire)
-        acc_dtype = ACCUMULATION_DTYPES.get(dtype, wire)
-        if acc_dtype == wire:
-            for piece in pieces[1:]:
-                ufunc(out, piece.view(wire), out=out)
-            return
-        nbytes = out.size * acc_dtype.itemsize
-        if self._widened.nbytes < nbytes:
-            self._widened = np.empty(nbytes, dtype=np.uint8)
-        acc = self._widened[:nbytes].view(acc_dtype)
-        np.copyto(acc, out, casting="unsafe")
-        for piece in pieces[1:]:
-            ufunc(acc, piece.view(wire), out=acc, casting="unsafe")
-        np.copyto(out, acc, casting="unsafe")
 
     def _fold_prefix(self, job: _Job, chunk: _OpenChunk) -> None:
         """Sum pending contributions whose lower-ranked predecessors are all in."""
