@@ -55,7 +55,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "emulate", help="redsrv vs gloo ring all-reduce on an emulated rate-limited cluster (root)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--workers", type=int, nargs="+", default=[4], metavar="N",
-                   help="worker count(s) n; several values also plot the speedup vs n (default 4)")
+                   help="worker host count(s) n; several values also plot the speedup vs n (default 4)")
+    b.add_argument("--workers-per-host", type=int, default=1, metavar="L",
+                   help="worker processes per worker host (default 1): redsrv reduces inside each host first "
+                        "(host-level reduction), gloo runs its ring over all n*L ranks placed the same way")
+    b.add_argument("--compare-flat", action="store_true",
+                   help="with --workers-per-host above 1, also run redsrv without host-level reduction (every "
+                        "process sends its whole buffer: 'redsrv-flat') in the same run")
     b.add_argument("--reducers", type=int, default=None, metavar="M",
                    help="reducer count m (default: m = n, on their own hosts)")
     b.add_argument("--rate", default="1gbit",
@@ -116,6 +122,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 @dataclass(frozen=True)
 class Options:
     workers: tuple[int, ...] = (4,)
+    workers_per_host: int = 1
+    compare_flat: bool = False
     reducers: int | None = None
     rate_bps: int = 10**9
     sizes_bytes: tuple[int, ...] = (16 * 2**20, 64 * 2**20)
@@ -170,7 +178,15 @@ class Options:
 
     def validate(self) -> None:
         if not self.workers or min(self.workers) < 2:
-            raise EmulationError("--workers: need at least 2 workers per run")
+            raise EmulationError("--workers: need at least 2 worker hosts per run")
+        if self.workers_per_host < 1:
+            raise EmulationError("--workers-per-host must be >= 1")
+        if self.compare_flat and self.workers_per_host == 1:
+            raise EmulationError("--compare-flat compares host-level reduction with the flat path: it needs "
+                                 "--workers-per-host 2 or more")
+        if self.crosscheck and self.workers_per_host > 1:
+            raise EmulationError("--crosscheck runs `redsrv bench allreduce`, one worker per host: leave out "
+                                 "--workers-per-host")
         if self.reducers is not None and self.reducers < 1:
             raise EmulationError("--reducers must be >= 1")
         if not self.sizes_bytes or min(self.sizes_bytes) < 8:
@@ -214,7 +230,7 @@ class Options:
         if self.wire_dtype and self.dtype not in ("float32", "float64"):
             raise EmulationError(f"--wire-dtype compresses float32/float64 data; --dtype is {self.dtype}")
         # Per worker: the input, the expected sum, gloo's tensor and its reset copy, redsrv's result.
-        need = max(self.workers) * 5 * max(self.sizes_bytes)
+        need = max(self.workers) * self.workers_per_host * 5 * max(self.sizes_bytes)
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else need
         if need > 0.8 * avail:
             raise EmulationError(f"{max(self.workers)} workers at {report.format_size(max(self.sizes_bytes))} need about "
@@ -224,7 +240,8 @@ class Options:
 def _main(a: argparse.Namespace) -> int:
     def run() -> bool:
         opts = Options(
-            workers=tuple(a.workers), reducers=a.reducers, rate_bps=parse_rate(a.rate),
+            workers=tuple(a.workers), workers_per_host=a.workers_per_host, compare_flat=a.compare_flat, reducers=a.reducers,
+            rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
             chunks_per_span=a.chunks_per_span, streams=a.streams,
@@ -371,6 +388,10 @@ def run_emulate(opts: Options) -> dict[str, Any]:
             else:
                 _say(opts, f"  G = {goodput:.4f} GB/s ({goodput_source})")
             _say(opts, f"  TCP congestion control: redsrv {congestion['redsrv']}, gloo {congestion['gloo']}")
+            if opts.workers_per_host > 1:
+                impls += ["redsrv-flat"] if opts.compare_flat else []
+                _say(opts, f"  {opts.workers_per_host} worker processes per worker host: redsrv reduces inside each host "
+                           "first" + ("; redsrv-flat sends every process's buffer" if opts.compare_flat else ""))
             secret = harness.write_secret(tmp)
             for n in opts.workers:
                 blocks += _run_config(cluster, opts, n, impls, goodput, tmp, secret)
@@ -435,6 +456,8 @@ def _allreduce_timeout(sizes_bytes: Sequence[int], goodput: float) -> float:
 def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodput: float, tmp: str,
                 secret: str) -> list[dict[str, Any]]:
     m = opts.m_for(n)
+    per_host = opts.workers_per_host
+    ranks = n * per_host  # rank r on host r // per_host: the block placement of torchrun and mpirun
     env = harness.child_env(secret)
     if opts.tcp_congestion is not None:
         env["REDSRV_TCP_CONGESTION"] = opts.tcp_congestion
@@ -443,26 +466,30 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
     if opts.recv_buffer_bytes is not None:
         env["REDSRV_RECV_BUFFER_BYTES"] = str(opts.recv_buffer_bytes)
     reducer_hosts = opts.reducer_hosts(n)
-    _say(opts, f"\n  n={n} workers on h0..h{n - 1}, m={m} reducers on "
+    _say(opts, f"\n  n={n} worker hosts h0..h{n - 1}" + (f" with {per_host} workers each" if per_host > 1 else "")
+               + f", m={m} reducers on "
                + ", ".join(f"h{h}" for h in reducer_hosts) + (" (colocated)" if opts.colocate else ""))
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
     pumps: list[threading.Thread] = []
     try:
         reducers, addresses = harness.start_reducers(cluster, reducer_hosts, env=env, logdir=tmp, tag=str(n), procs=procs)
         spec_base = {
-            "world": n, "impls": impls, "sizes": list(opts.sizes_bytes), "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
+            "world": ranks, "per_host": per_host, "impls": impls, "sizes": list(opts.sizes_bytes),
+            "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
             "warmup": opts.warmup, "rounds": opts.rounds, "dtype": opts.dtype, "wire_dtype": opts.wire_dtype,
             "client_options": opts.client_options(), "reducers": addresses,
             "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-emulate-n{n}-{uuid.uuid4().hex[:8]}",
         }
-        specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
+        specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else [])
+                 for rank in range(ranks)]
         events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
         worker_env = env
         if opts.timeline is not None:
             os.makedirs(opts.timeline, exist_ok=True)
             worker_env = dict(env, REDSRV_TIMELINE=os.path.join(os.path.abspath(opts.timeline), f"trace-n{n}-{{rank}}.json"))
         workers, logs = harness.spawn_workers(cluster, "redsrv.bench.emulate", specs, env=worker_env, logdir=tmp, tag=str(n),
-                                              procs=procs, pumps=pumps, events=events)
+                                              procs=procs, pumps=pumps, events=events,
+                                              hosts=[rank // per_host for rank in range(ranks)])
         return _collect(opts, n, m, impls, workers, logs, events, goodput)
     finally:
         harness.terminate_and_drain(cluster, procs, pumps)
@@ -471,7 +498,7 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
 def _collect(opts: Options, n: int, m: int, impls: list[str], workers: list[subprocess.Popen], logs: list[str],  # type: ignore[type-arg]
              events: queue.Queue, goodput: float) -> list[dict[str, Any]]:  # type: ignore[type-arg]
     """Gather each block from every rank, print it, and stop on a failed or silent worker."""
-    gather = harness.RankGather(n)
+    gather = harness.RankGather(n * opts.workers_per_host)
     blocks: list[dict[str, Any]] = []
     total = opts.rounds * len(opts.sizes_bytes) * len(impls)
     speed = goodput * 1e9 * 0.1 if goodput else 1e8  # a pessimistic 10% of G
@@ -482,7 +509,7 @@ def _collect(opts: Options, n: int, m: int, impls: list[str], workers: list[subp
         got = gather.add(key, rank, msg)
         if got is None:
             return None
-        block = _merge(n, m, got)
+        block = _merge(n, m, got, opts.workers_per_host)
         blocks.append(block)
         _say(opts, _progress(block, len(blocks), total, goodput, opts))
         return f"the block after round {key[0] + 1} {report.format_size(key[1])} {key[2]}"
@@ -491,17 +518,17 @@ def _collect(opts: Options, n: int, m: int, impls: list[str], workers: list[subp
     return blocks
 
 
-def _merge(n: int, m: int, got: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def _merge(n: int, m: int, got: dict[int, dict[str, Any]], per_host: int = 1) -> dict[str, Any]:
     r0 = got[0]
-    return {"n": n, "m": m, "round": r0["round"], "size_bytes": r0["size_bytes"], "impl": r0["impl"],
-            **harness.merge_ranks(got, count_reducers=r0["impl"] == "redsrv")}
+    return {"n": n, "m": m, "per_host": per_host, "round": r0["round"], "size_bytes": r0["size_bytes"], "impl": r0["impl"],
+            **harness.merge_ranks(got, count_reducers=r0["impl"] != "gloo")}
 
 
 def _progress(block: dict[str, Any], k: int, total: int, goodput: float, opts: Options) -> str:
     n, m, size = block["n"], block["m"], block["size_bytes"]
     med = statistics.median(block["times"])
-    bound = (report.ring_bound(goodput, n) if block["impl"] == "gloo" else
-             report.server_bound(goodput, n, m, opts.colocate, _compression(opts.dtype, opts.wire_dtype)))
+    bound = report.bound_of(block["impl"], goodput, n, m, block.get("per_host", 1), opts.colocate,
+                            _compression(opts.dtype, opts.wire_dtype))
     frac = f"{size / med / 1e9 / bound:.3f} of bound" if bound else ""
     flag = " CPU-bound" if block["cpu_busy"] > report.CPU_BOUND_BUSY else ""
     metered = block.get("metered_s", block["wall_s"])
@@ -653,10 +680,9 @@ class _Gloo:
 
 
 class _Redsrv:
-    name = "redsrv"
-
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, name: str = "redsrv") -> None:
         self.client = client
+        self.name = name
 
     def reset(self, b: _Buffers) -> None:
         b.result.fill(0)  # so a chunk that never arrived cannot pass for the previous rep's
@@ -705,8 +731,13 @@ def _worker(spec_json: str) -> int:
     rank, n = spec["rank"], spec["world"]
 
     np_dtype = _numpy_dtype(spec["dtype"])
-    client = redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"], wire_dtype=spec["wire_dtype"],
-                           **spec["client_options"])
+    per_host = spec.get("per_host", 1)
+    where = {"host_reduce": "host", "local_rank": rank % per_host, "local_size": per_host} if per_host > 1 else {}
+    clients = {"redsrv": redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"],
+                                       wire_dtype=spec["wire_dtype"], **where, **spec["client_options"])}
+    if "redsrv-flat" in spec["impls"]:
+        clients["redsrv-flat"] = redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"] + "-flat",
+                                               wire_dtype=spec["wire_dtype"], host_reduce="flat", **spec["client_options"])
     impls: list[_Gloo | _Redsrv] = []
     dist: Any = None
     torch: Any = None
@@ -720,7 +751,7 @@ def _worker(spec_json: str) -> int:
             dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=rank, world_size=n,
                                     timeout=dt.timedelta(seconds=300))
             impls.append(_Gloo(dist, torch))
-        impls.append(_Redsrv(client))
+        impls += [_Redsrv(client, name) for name, client in clients.items()]
         harness.emit(event="ready")
         buffers: _Buffers | None = None
         for rnd in range(spec["rounds"]):
@@ -731,10 +762,12 @@ def _worker(spec_json: str) -> int:
                 for impl in impls:
                     result = _block(impl, buffers, spec["warmup"], reps, spec["reducer_pids"])
                     harness.emit(event="block", round=rnd, size_bytes=size, impl=impl.name, **result)
-        client.close()  # before "done": the parent stops the workers then, and close() writes the timeline
+        for client in clients.values():
+            client.close()  # before "done": the parent stops the workers then, and close() writes the timeline
         harness.emit(event="done")
     finally:
-        client.close()
+        for client in clients.values():
+            client.close()
         if dist is not None and dist.is_initialized():
             dist.destroy_process_group()
     return 0

@@ -173,16 +173,18 @@ def start_reducers(cluster: Cluster, hosts: Sequence[int], *, env: dict[str, str
 
 def spawn_workers(cluster: Cluster, module: str, specs: Sequence[dict[str, Any]], *, env: dict[str, str], logdir: str,
                   tag: str, procs: list[subprocess.Popen], pumps: Pumps,  # type: ignore[type-arg]
-                  events: queue.Queue) -> tuple[list[subprocess.Popen], list[str]]:  # type: ignore[type-arg]
-    """Rank r runs ``python -m MODULE worker SPEC_JSON`` on host r; a pump thread per rank puts
-    its marked lines on ``events`` as ``(rank, message)`` and ``(rank, None)`` at end of file.
-    Returns the processes and the paths of their stderr logs."""
+                  events: queue.Queue,  # type: ignore[type-arg]
+                  hosts: Sequence[int] | None = None) -> tuple[list[subprocess.Popen], list[str]]:  # type: ignore[type-arg]
+    """Rank r runs ``python -m MODULE worker SPEC_JSON`` on host ``hosts[r]`` (default: host r); a
+    pump thread per rank puts its marked lines on ``events`` as ``(rank, message)`` and
+    ``(rank, None)`` at end of file. Returns the processes and the paths of their stderr logs."""
     workers = []
     logs = []
     for rank, spec in enumerate(specs):
         path = os.path.join(logdir, f"worker{tag}-{rank}.log")
         logs.append(path)
-        p = _spawn_logged(cluster, rank, [sys.executable, "-m", module, "worker", json.dumps(spec)], env=env, log_path=path)
+        p = _spawn_logged(cluster, rank if hosts is None else hosts[rank], [sys.executable, "-m", module, "worker",
+                                                                            json.dumps(spec)], env=env, log_path=path)
         procs.append(p)
         workers.append(p)
         pump = threading.Thread(target=_pump, args=(p, rank, events), name=f"bench-pump-{rank}", daemon=True)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["ring_bound", "server_bound", "theory_speedup", "Row", "summarise", "format_table", "format_size", "plot",
+__all__ = ["ring_bound", "server_bound", "theory_speedup", "bound_of", "Row", "summarise", "format_table", "format_size", "plot",
            "CPU_BOUND_BUSY", "BANDWIDTH_BOUND_BYTES"]
 
 #: Whole-machine CPU busy above which a result measures the CPU, not the network.
@@ -63,6 +63,24 @@ def theory_speedup(n: int, m: int, colocated: bool = False, compression: float =
     return server_bound(1.0, n, m, colocated, compression) / ring_bound(1.0, n)
 
 
+def bound_of(impl: str, goodput: float, n: int, m: int, per_host: int = 1, colocated: bool = False,
+             compression: float = 1.0) -> float:
+    """The bound of one implementation's row, with ``per_host`` workers on each of ``n`` hosts:
+    gloo's ring over the n·L ranks crosses each host's link once in each direction (consecutive
+    ranks share a host); redsrv with host-level reduction sends each host's buffer once, the
+    flat path ("redsrv-flat") every worker's.
+
+    >>> round(bound_of("gloo", 0.1, 4, 4, per_host=2) / ring_bound(0.1, 8), 3), bound_of("redsrv", 0.1, 4, 4, per_host=2)
+    (1.0, 0.1)
+    >>> bound_of("redsrv-flat", 0.1, 4, 4, per_host=2)
+    0.05
+    """
+    if impl == "gloo":
+        return ring_bound(goodput, n * per_host)
+    bound = server_bound(goodput, n, m, colocated, compression)
+    return bound / per_host if impl == "redsrv-flat" else bound
+
+
 @dataclass
 class Row:
     n: int
@@ -92,6 +110,7 @@ class Row:
     speedup_max: float | None = None
     theory: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    per_host: int = 1  # worker processes on each of the n worker hosts
 
     @property
     def cpu_bound(self) -> bool:
@@ -110,15 +129,16 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
     for b in blocks:
         groups.setdefault((b["n"], b["m"], b["size_bytes"], b["impl"]), []).append(b)
     rows = []
-    for (n, m, size, impl), bs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3] != "gloo")):
+    for (n, m, size, impl), bs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][3] != "gloo", kv[0][3])):
         times = [t for b in bs for t in b["times"]]
         med = statistics.median(times)
-        bound = ring_bound(goodput, n) if impl == "gloo" else server_bound(goodput, n, m, colocated, compression)
+        per_host = bs[0].get("per_host", 1)
+        bound = bound_of(impl, goodput, n, m, per_host, colocated, compression)
         busy = [b["cpu_busy"] for b in bs]
         wall = sum(b.get("metered_s", b["wall_s"]) for b in bs)
         cpu = sum(b["cpu_s"] for b in bs)
         cores = bs[0].get("cores", 1)
-        reduced_gb = size * n * len(times) / 1e9
+        reduced_gb = size * n * per_host * len(times) / 1e9
         rows.append(Row(
             n=n, m=m, size_bytes=size, impl=impl, reps=len(times), rounds=len(bs), median_s=med, min_s=min(times),
             max_s=max(times), algbw_gbps=size / med / 1e9, bound_gbps=bound, fraction_of_bound=size / med / 1e9 / bound,
@@ -126,12 +146,14 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
             cpu_busy=statistics.median(busy), cpu_busy_max=max(busy),
             cpu_steal=statistics.median(b.get("cpu_steal", 0.0) for b in bs), own_cpu_share=cpu / (wall * cores) if wall else 0.0,
             cpu_s_per_gb=cpu / reduced_gb if reduced_gb else 0.0, correct=all(b["correct"] for b in bs),
-            worker_cpu_s_per_gb=sum(sum(b.get("worker_cpu_s", [])) for b in bs) / reduced_gb if reduced_gb else 0.0))
+            worker_cpu_s_per_gb=sum(sum(b.get("worker_cpu_s", [])) for b in bs) / reduced_gb if reduced_gb else 0.0,
+            per_host=per_host))
     by_key = {(r.n, r.size_bytes, r.impl): r for r in rows}
     for r in rows:
         ring = by_key.get((r.n, r.size_bytes, "gloo"))
-        if r.impl == "redsrv":
-            r.theory = theory_speedup(r.n, r.m, colocated, compression) if r.size_bytes >= BANDWIDTH_BOUND_BYTES else None
+        if r.impl != "gloo":
+            r.theory = (bound_of(r.impl, 1.0, r.n, r.m, r.per_host, colocated, compression)
+                        / bound_of("gloo", 1.0, r.n, r.m, r.per_host)) if r.size_bytes >= BANDWIDTH_BOUND_BYTES else None
             if ring is not None:
                 r.speedup = ring.median_s / r.median_s
                 pairs = [g / s for g, s in zip(ring.round_medians_s, r.round_medians_s, strict=False)]
@@ -156,7 +178,7 @@ def _time(s: float) -> str:
 
 
 def format_table(rows: Sequence[Row]) -> str:
-    head = (f"{'n':>2} {'m':>2} {'size':>8} {'impl':<7} {'median':>10} {'min-max':>19} {'algbw GB/s':>10} "
+    head = (f"{'n':>2} {'m':>2} {'size':>8} {'impl':<11} {'median':>10} {'min-max':>19} {'algbw GB/s':>10} "
             f"{'of bound':>8} {'speedup (theory)':>17} {'rounds':>13} {'CPU busy/ours':>13} {'CPU s/GB (workers)':>18}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -170,7 +192,7 @@ def format_table(rows: Sequence[Row]) -> str:
         if not r.correct:
             notes.append("WRONG SUMS")
         lines.append(
-            f"{r.n:>2} {r.m:>2} {format_size(r.size_bytes):>8} {r.impl:<7} {_time(r.median_s):>10} "
+            f"{r.n:>2} {r.m:>2} {format_size(r.size_bytes):>8} {r.impl:<11} {_time(r.median_s):>10} "
             f"{_time(r.min_s) + '-' + _time(r.max_s):>19} {r.algbw_gbps:>10.4f} {r.fraction_of_bound:>8.3f} {spd:>17} "
             f"{rng:>13} {f'{r.cpu_busy:.0%}/{r.own_cpu_share:.0%}':>13} "
             f"{f'{r.cpu_s_per_gb:.2f} ({r.worker_cpu_s_per_gb:.2f})':>18}  {'; '.join(notes)}")

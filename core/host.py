@@ -198,6 +198,8 @@ def decode(packet: bytes) -> Message:
         raise RemoteProtocolError(f"truncated local {kind.name} message ({len(packet)} bytes)")
     fields = body.unpack_from(packet, 1)
     rest = packet[1 + body.size :]
+    if rest and kind not in (_Type.DONE, _Type.FAIL):
+        raise RemoteProtocolError(f"local {kind.name} message with {len(rest)} trailing bytes")
     if kind is _Type.HELLO:
         return Hello(*fields)
     if kind is _Type.INPUT:
@@ -215,8 +217,6 @@ def decode(packet: bytes) -> Message:
         if len(rest) != kind_len + text_len:
             raise RemoteProtocolError(f"local FAIL message: {len(rest)} bytes of text, header says {kind_len + text_len}")
         return Fail(key, rest[:kind_len].decode("ascii", "replace"), rest[kind_len:].decode("utf-8", "replace"))
-    if rest:
-        raise RemoteProtocolError(f"local {kind.name} message with {len(rest)} trailing bytes")
     return Bye()
 
 
@@ -570,7 +570,7 @@ class HostCore:
             op.hosts_in_all &= int.from_bytes(done.hosts, "little")
         piece.copied_out = True
         op.copied += 1
-        actions = self._try_release(op, piece)
+        actions: list[Action] = []
         if op.copied == len(op.pieces):
             op.settled = True
             size = self.local_size
@@ -578,7 +578,7 @@ class HostCore:
                                  if op.hosts_in_all >> h & 1 for lr in range(size)))
             actions.append(Settle(op.key, op.future, result=op.out.reshape(op.shape) if op.given_out is None else op.given_out,
                                   contributors=Contributors(op.min_hosts * size, op.max_hosts * size, ranks)))
-        return actions
+        return actions + self._try_release(op, piece)
 
     def _try_release(self, op: HostOp, piece: _Piece) -> list[Action]:
         """Say RELEASED once this worker reads nothing of the piece any more: it copied the piece
@@ -592,7 +592,7 @@ class HostCore:
         return [SendToPeers(message), *self.receive(self.local_rank, message)]
 
     def _try_free(self, op: HostOp, piece: _Piece) -> list[Action]:
-        if len(piece.released) < self.local_size or (piece.submitted and not piece.share_over):
+        if piece.freed or len(piece.released) < self.local_size or (piece.submitted and not piece.share_over):
             return []
         if piece.frame is not None:
             self.free_frames.append(piece.frame)

@@ -94,7 +94,7 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_options_validation():
-    with pytest.raises(EmulationError, match="at least 2 workers"):
+    with pytest.raises(EmulationError, match="at least 2 worker hosts"):
         Options(workers=(1,)).validate()
     with pytest.raises(EmulationError, match="memory"):
         Options(workers=(8,), sizes_bytes=(2**40,)).validate()
