@@ -80,6 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="redsrv full chunks per reducer span (REDSRV_CHUNKS_PER_SPAN; default: the client's, 1 with "
                         "cut-through): more shortens the one-chunk tail and costs CPU per chunk")
     b.add_argument("--streams", type=int, default=None, help="redsrv TCP streams per reducer (default: the client's)")
+    b.add_argument("--host-piece-kib", type=int, default=None, metavar="KIB",
+                   help="with --workers-per-host: the host-level pipeline's piece in KiB (REDSRV_HOST_PIECE_BYTES; "
+                        "default: the client's, workers per host x reducers x chunk)")
     b.add_argument("--send-lowat-kib", type=int, default=None, metavar="KIB",
                    help="TCP_NOTSENT_LOWAT of redsrv's data sockets in KiB (REDSRV_SEND_LOWAT_BYTES; default: the "
                         "client's, 1024; 0 leaves it unset)")
@@ -135,6 +138,7 @@ class Options:
     chunk_bytes: int | None = None
     chunks_per_span: int | None = None
     streams: int | None = None
+    host_piece_bytes: int | None = None
     send_lowat_bytes: int | None = None
     result_piece_bytes: int | None = None  # the reducers'
     recv_buffer_bytes: int | None = None  # the reducers'
@@ -168,7 +172,8 @@ class Options:
         """The redsrv client settings this run sets (``Config`` field names); the rest stay the
         client's defaults."""
         chosen = {"chunk_bytes": self.chunk_bytes, "chunks_per_span": self.chunks_per_span,
-                  "streams_per_reducer": self.streams, "send_lowat_bytes": self.send_lowat_bytes}
+                  "streams_per_reducer": self.streams, "send_lowat_bytes": self.send_lowat_bytes,
+                  "host_piece_bytes": self.host_piece_bytes}
         return {name: value for name, value in chosen.items() if value is not None}
 
     @property
@@ -202,6 +207,8 @@ class Options:
             raise EmulationError("--chunk-kib must be in 1..65536")
         if self.chunks_per_span is not None and self.chunks_per_span < 1:
             raise EmulationError("--chunks-per-span must be >= 1")
+        if self.host_piece_bytes is not None and self.workers_per_host == 1:
+            raise EmulationError("--host-piece-kib sets the host-level pipeline: it needs --workers-per-host 2 or more")
         if self.streams is not None and not 1 <= self.streams <= 64:
             raise EmulationError("--streams must be in 1..64")
         if self.send_lowat_bytes is not None and self.send_lowat_bytes < 0:
@@ -245,6 +252,7 @@ def _main(a: argparse.Namespace) -> int:
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
             chunks_per_span=a.chunks_per_span, streams=a.streams,
+            host_piece_bytes=None if a.host_piece_kib is None else a.host_piece_kib * 1024,
             send_lowat_bytes=None if a.send_lowat_kib is None else a.send_lowat_kib * 1024,
             result_piece_bytes=None if a.piece_kib is None else a.piece_kib * 1024,
             recv_buffer_bytes=None if a.recv_buffer_kib is None else a.recv_buffer_kib * 1024, tcp_congestion=a.tcp_congestion,

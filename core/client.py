@@ -316,7 +316,11 @@ class Client:
         return int.from_bytes(digest, "little") & (_AUTO_KEY_BIT - 1)
 
     def _submit(self, arr: np.ndarray, shape: tuple[int, ...], key: Any, wire_dt: np.dtype, op_code: wire.ReduceOp,
-                root: int, mean: bool, timeout: float | None, out: np.ndarray | None = None) -> ReduceFuture:
+                root: int, mean: bool, timeout: float | None, out: np.ndarray | None = None, *,
+                ramp: bool = True) -> ReduceFuture:
+        """``ramp=False`` cuts each span into full chunks only: for the host-level path, whose
+        pieces are a pipeline of their own (core/host_client.py), so that a ramp would only add
+        chunks. Every rank of a job must submit a key the same way."""
         self.check()
         wire_code = wire.dtype_code(wire_dt)
         wire.dtype_code(arr.dtype)  # the caller's dtype must be supported too
@@ -330,7 +334,7 @@ class Client:
         reducers = chunker.placement(arr.size * item, self.num_reducers, C.MIN_SPAN_BYTES, key_u64)
         chunk_elements = chunker.full_chunk(arr.size, len(reducers), max(1, self.config.chunk_bytes // item),
                                             C.MIN_FULL_CHUNK_BYTES // item, self._chunks_per_span(op_code))
-        ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // item)
+        ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // item) if ramp else chunk_elements
         plan = chunker.plan(arr.size, len(reducers), chunk_elements, ramp_from, reducers)
         if not plan:
             # An empty contribution still makes the round trip, as one empty chunk where every

@@ -406,7 +406,7 @@ class Config:
         """The host-level pipeline's piece (``host_piece_bytes``, or constants.HOST_PIECES_IN_SLOT)."""
         if self.host_piece_bytes is not None:
             return self.host_piece_bytes
-        share = (self.local_size or 1) * len(self.reducers) * self.chunk_bytes
+        share = max(self.local_size or 1, len(self.reducers)) * self.chunk_bytes
         return max(C.MIN_HOST_PIECE_BYTES, min(self.host_slot_bytes // C.HOST_PIECES_IN_SLOT, share))
 
     @property

@@ -268,10 +268,11 @@ PROCESS_RESTART_BACKOFF_MAX_S = 10.0
 #: are on their way, so the area bounds a worker's host-level bytes in flight. 64 MiB holds a
 #: DDP bucket (25 MiB) whole with room for the next; pages are touched only as pieces use them.
 DEFAULT_HOST_SLOT_BYTES = 64 * 1024 * 1024
-#: The piece, unless set (``Config.host_piece_bytes``): L x reducers x chunk_bytes, so that each
-#: local worker's share of a piece is one full chunk per reducer (the per-chunk CPU the flat
-#: path pays per chunk_bytes is not paid more often), at most a quarter of the staging area so
-#: that four pieces overlap.
+#: The piece, unless set (``Config.host_piece_bytes``): max(L, reducers) x chunk_bytes, so that
+#: each local worker's share of a piece is one full chunk for each of its reducers (each reaches
+#: its own reducers: core/host.py, share_reducers), and the per-chunk CPU the flat path pays per
+#: chunk_bytes is not paid more often; at most a quarter of the staging area so that four pieces
+#: overlap.
 HOST_PIECES_IN_SLOT = 4
 #: A piece smaller than this costs more in messages between the local workers than it overlaps.
 MIN_HOST_PIECE_BYTES = 64 * 1024

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 import enum
-import math
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,7 +54,7 @@ from .errors import (
     RemoteProtocolError,
 )
 
-__all__ = ["HostCore", "HostOp", "Placement", "Hello", "Input", "Done", "Released", "Fail", "Bye", "Message",
+__all__ = ["HostCore", "HostOp", "Placement", "share_reducers", "Hello", "Input", "Done", "Released", "Fail", "Bye", "Message",
            "SubmitShare", "SendToPeers", "Action", "encode", "decode", "MAX_MESSAGE_BYTES"]
 
 
@@ -267,6 +267,21 @@ Action = SendToPeers | SubmitShare | Settle
 # --- operations ------------------------------------------------------------------------------------
 
 
+def share_reducers(reducers: int, local_size: int) -> list[list[int]]:
+    """The reducers each local worker's share goes to. With at least as many reducers as local
+    workers each gets its own (reducer j to local worker j mod L), so every reducer serves one
+    share's job and sees one connection per host, as in the flat path, and a host's NIC carries
+    one flow per reducer; shares are then weighted by these counts so every reducer carries the
+    same load. With fewer reducers, local workers share them.
+
+    >>> share_reducers(4, 2), share_reducers(3, 2), share_reducers(2, 4)
+    ([[0, 2], [1, 3]], [[0, 2], [1]], [[0], [1], [0], [1]])
+    """
+    if reducers >= local_size:
+        return [list(range(lr, reducers, local_size)) for lr in range(local_size)]
+    return [[lr % reducers] for lr in range(local_size)]
+
+
 @dataclass(frozen=True)
 class Placement:
     """Which workers share which host: ``block`` (host h holds ranks h*L .. h*L+L-1, as torchrun,
@@ -318,10 +333,11 @@ class _Piece:
     told_released: bool = False
     freed: bool = False  # every worker released it (and this worker's frame, if any, is free again)
 
-    def share(self, local_rank: int, local_size: int) -> tuple[int, int]:
-        """Elements ``[start, stop)`` of share ``local_rank``, relative to the piece."""
-        count = self.stop - self.start
-        return count * local_rank // local_size, count * (local_rank + 1) // local_size
+    def share(self, local_rank: int, bounds: Sequence[int]) -> tuple[int, int]:
+        """Elements ``[start, stop)`` of share ``local_rank``, relative to the piece: ``bounds``
+        are the cumulative share weights (see :class:`HostCore`)."""
+        count, total = self.stop - self.start, bounds[-1]
+        return count * bounds[local_rank] // total, count * bounds[local_rank + 1] // total
 
 
 @dataclass
@@ -375,10 +391,13 @@ class HostCore:
     ``slots[i]`` is local worker i's staging area (``uint8``, ``frames`` frames of
     ``frame_bytes``); ``job``, ``rank`` and ``peers`` (local rank -> "rank R, pid P") name things in
     messages. ``all_mode``: every host contributes to every chunk (straggler mode "all"), so a mean
-    divides by the world size once."""
+    divides by the world size once. ``weights``: how much of each piece each local worker owns
+    (default: equal shares), in proportion to the reducers its cross-host client reaches
+    (:func:`share_reducers`)."""
 
     def __init__(self, *, local_rank: int, placement: Placement, host: int, slots: Sequence[np.ndarray],
-                 frame_bytes: int, job: str, rank: int, peers: dict[int, str], all_mode: bool) -> None:
+                 frame_bytes: int, job: str, rank: int, peers: dict[int, str], all_mode: bool,
+                 weights: Sequence[int] | None = None) -> None:
         self.local_rank = local_rank
         self.local_size = placement.local_size
         self.placement = placement
@@ -390,6 +409,7 @@ class HostCore:
         self.rank = rank
         self.peers = peers
         self.all_mode = all_mode
+        self.bounds = [0, *itertools.accumulate(weights if weights is not None else [1] * self.local_size)]
         self.ops: dict[int, HostOp] = {}  # key -> operation, in submission order, until every frame is free
         self.early: dict[int, list[tuple[int, Message]]] = {}  # messages for keys not submitted here yet
         self.retired: collections.OrderedDict[int, None] = collections.OrderedDict()  # keys whose late messages are dropped
@@ -406,7 +426,7 @@ class HostCore:
         op.pieces = [_Piece(i, start, min(start + piece_elements, op.x.size))
                      for i, start in enumerate(range(0, max(op.x.size, 1), piece_elements))]
         self.ops[op.key] = op
-        actions = self._stage()
+        actions: list[Action] = []
         for sender, message in self.early.pop(op.key, []):
             actions += self.receive(sender, message)
         return actions
@@ -486,29 +506,38 @@ class HostCore:
 
     # --- the steps ---
 
-    def _stage(self) -> list[Action]:
-        """Copy pieces into free frames, operations in submission order (a later operation never
+    def _next_to_stage(self) -> tuple[HostOp, _Piece] | None:
+        """The next piece to copy in, operations in submission order (a later operation never
         takes a frame before an earlier one has all of its own: every worker of the host stages
         in the same order, so no two wait for each other's frames)."""
-        actions: list[Action] = []
+        if not self.free_frames:
+            return None
         for op in self.ops.values():
-            if op.failed:
-                continue
-            while op.staged < len(op.pieces):
-                if not self.free_frames:
-                    return actions
-                piece = op.pieces[op.staged]
-                piece.frame = self.free_frames.pop()
-                op.staged += 1
-                if op.op is not wire.ReduceOp.BROADCAST or op.root == self.rank:
-                    data = op.x[piece.start : piece.stop].view(np.uint8)
-                    self._frame(self.local_rank, piece.frame)[: data.size] = data
-                total, dtype, code, root, mean, wire_dtype = op.signature
-                message = Input(op.key, piece.index, piece.frame, total, dtype, code, root, mean, wire_dtype)
-                actions += [SendToPeers(message), *self.receive(self.local_rank, message)]
-                if op.failed:
-                    break
-        return actions
+            if not op.failed and op.staged < len(op.pieces):
+                return op, op.pieces[op.staged]
+        return None
+
+    @property
+    def can_stage(self) -> bool:
+        """A piece waits to be staged and a frame is free: the engine should call :meth:`stage`."""
+        return self._next_to_stage() is not None
+
+    def stage(self) -> list[Action]:
+        """Copy the next piece into a free frame and announce it. One piece per call, so that
+        the engine reads the other workers' messages between pieces: their reductions start
+        while this worker is still copying."""
+        found = self._next_to_stage()
+        if found is None:
+            return []
+        op, piece = found
+        piece.frame = self.free_frames.pop()
+        op.staged += 1
+        if op.op is not wire.ReduceOp.BROADCAST or op.root == self.rank:
+            data = op.x[piece.start : piece.stop].view(np.uint8)
+            self._frame(self.local_rank, piece.frame)[: data.size] = data
+        total, dtype, code, root, mean, wire_dtype = op.signature
+        message = Input(op.key, piece.index, piece.frame, total, dtype, code, root, mean, wire_dtype)
+        return [SendToPeers(message), *self.receive(self.local_rank, message)]
 
     def _try_reduce(self, op: HostOp, piece: _Piece) -> list[Action]:
         if len(piece.inputs) < self.local_size or piece.submitted or op.failed:
@@ -519,7 +548,7 @@ class HostCore:
             if (other.total, other.dtype, other.op, other.root, other.mean, other.wire_dtype) != mine:
                 return self._mismatch(op, local_rank, other)
         piece.submitted = True
-        start, stop = piece.share(self.local_rank, self.local_size)
+        start, stop = piece.share(self.local_rank, self.bounds)
         item = op.x.dtype.itemsize
         assert piece.frame is not None  # staged before its own INPUT went out
         mine_out = self._frame(self.local_rank, piece.frame)[start * item : stop * item].view(op.x.dtype)
@@ -538,7 +567,7 @@ class HostCore:
         return [SubmitShare(op.key, piece.index, x, mine_out, op.wire_dtype, op.op, 0, inner_mean, op.deadline)]
 
     def _finish_share(self, op: HostOp, piece: _Piece, contributors: Contributors) -> list[Action]:
-        start, stop = piece.share(self.local_rank, self.local_size)
+        start, stop = piece.share(self.local_rank, self.bounds)
         item = op.x.dtype.itemsize
         assert piece.frame is not None  # freed only after this share's transfer ended
         result = self._frame(self.local_rank, piece.frame)[start * item : stop * item].view(op.x.dtype)
@@ -561,7 +590,7 @@ class HostCore:
         item = op.x.dtype.itemsize
         target = op.out[piece.start : piece.stop].view(np.uint8)
         for owner in range(self.local_size):
-            start, stop = piece.share(owner, self.local_size)
+            start, stop = piece.share(owner, self.bounds)
             done = piece.done[owner]
             frame = piece.inputs[owner].frame
             target[start * item : stop * item] = self._frame(owner, frame)[start * item : stop * item]
@@ -603,17 +632,24 @@ class HostCore:
             self.retired[op.key] = None
             while len(self.retired) > _MAX_RETIRED_KEYS:
                 self.retired.popitem(last=False)
-        return self._stage()
+        return []
 
     # --- failures ---
 
-    def _fail(self, op: HostOp, error: RedsrvError, *, tell: bool = True) -> list[Action]:
+    def _fail(self, op: HostOp, error: RedsrvError, *, tell: bool = True, poison: bool | None = None) -> list[Action]:
         """Fail ``op`` here (and, ``tell``, on the host's other workers). Its frames stay taken
-        until every worker released them: a cross-host transfer may still read them."""
+        until every worker released them: a cross-host transfer may still read them.
+
+        ``poison`` (by default where every host must contribute, straggler mode "all"): make
+        the other hosts fail the operation now rather than at their deadline, since this host
+        will not send the shares it has not sent (:meth:`_poison`). In the straggler modes the
+        other hosts close their chunks without this host, as they would without a flat worker."""
         actions: list[Action] = []
         if op.failed:
             return actions
         op.failed = True
+        if poison if poison is not None else self.all_mode and self.broken is None:
+            actions += self._poison(op)
         if tell and self.broken is None:
             actions.append(SendToPeers(Fail(op.key, type(error).__name__, error.detail)))
         if not op.settled:
@@ -625,7 +661,7 @@ class HostCore:
         op.staged = len(op.pieces)  # nothing more is staged
         for piece in op.pieces:
             actions += self._try_release(op, piece)
-        return actions + self._stage()
+        return actions
 
     def _mismatch(self, op: HostOp, local_rank: int, other: Input) -> list[Action]:
         theirs = _describe(other.total, other.dtype, other.op, other.root, other.mean)
@@ -633,22 +669,22 @@ class HostCore:
             f"the workers of this host disagree: local rank {self.local_rank} (rank {self.rank}) passed {op.describe()}, "
             f"local rank {local_rank} ({self.peers.get(local_rank)}) passed {theirs}",
             job=self.job, rank=self.rank, key=label(op.label), phase="host-level reduction")
-        return self._fail(op, error, tell=False) + self._poison(op)
+        return self._fail(op, error, tell=False, poison=True)
 
     def _poison(self, op: HostOp) -> list[Action]:
         """Make the other hosts' operation fail as this host's did (RELIABILITY R23), instead of
-        waiting for this host's shares until their deadline: push, for every piece, a one-element
-        contribution under the share's key with another op than any host could pass. Every
-        non-empty contribution under a key has a chunk 0 on the same reducer
-        (chunker.placement), so it meets theirs there, and the reducer fails that chunk for
-        every host (a mismatch of shape), which fails their share, their piece and their
-        operation. Every worker of this host sees the same INPUTs, so every one of them poisons
-        its own share, whatever it passed."""
+        waiting for this host's shares until their deadline: push, for every piece whose share
+        this worker has not sent, a one-element contribution under the share's key with another
+        op than any host could pass. Every non-empty contribution under a key has a chunk 0 on
+        the same reducer (chunker.placement), so it meets theirs there, and the reducer fails that
+        chunk for every host (a mismatch of shape), which fails their share, their piece and their
+        operation, and ends their transfers, so their frames are free again. Every worker of this
+        host fails the operation, so every one of them poisons its own share, whatever it
+        passed."""
         flipped = wire.ReduceOp.SUM if op.op is wire.ReduceOp.BROADCAST else wire.ReduceOp.BROADCAST
-        pieces = max(1, math.ceil(op.x.size / max(1, self.frame_bytes // op.x.dtype.itemsize)))
         token = np.zeros(1, dtype=np.uint8)
-        return [SubmitShare(op.key, index, token, token, token.dtype, flipped, self.host, False, op.deadline, poison=True)
-                for index in range(pieces)]
+        return [SubmitShare(op.key, piece.index, token, token, token.dtype, flipped, self.host, False, op.deadline,
+                            poison=True) for piece in op.pieces if not piece.submitted]
 
     def _waiting_for(self, op: HostOp) -> str:
         for piece in op.pieces:

@@ -93,11 +93,14 @@ def _socket_name(config: Config, local_rank: int) -> bytes:
 
 def cross_host_config(config: Config, local_rank: int, host_index: int, hosts: int) -> Config:
     """The flat client's settings for this worker's share: its own job per local rank, the host
-    index as rank, one contribution per host. A straggler mode's ``min_contributors`` counts
-    workers; across hosts it counts whole hosts (every worker of a host contributes at once)."""
+    index as rank, one contribution per host, its own reducers (:func:`host.share_reducers`). A
+    straggler mode's ``min_contributors`` counts workers; across hosts it counts whole hosts
+    (every worker of a host contributes at once)."""
     local_size = config.local_size or 1
     timeline = config.timeline.replace("{rank}", str(config.rank)) if config.timeline else None
-    return config.replace(job=f"{config.job}/local{local_rank}", rank=host_index, world_size=hosts, host_reduce="flat",
+    mine = host.share_reducers(len(config.reducers), local_size)[local_rank]
+    return config.replace(reducers=tuple(config.reducers[j] for j in mine), job=f"{config.job}/local{local_rank}",
+                          rank=host_index, world_size=hosts, host_reduce="flat",
                           local_rank=None, local_size=None, timeline=timeline,
                           min_contributors=math.ceil(config.min_contributors / local_size))
 
@@ -297,7 +300,8 @@ class HostClient(Client):
                 local_rank=self._group.local_rank, placement=placement, host=self._group.host_index,
                 slots=self._group.slots(), frame_bytes=self._group.frame_bytes, job=config.job, rank=config.rank,
                 peers={r: self._group.describe(r) for r in range(placement.local_size)},
-                all_mode=config.straggler_mode == "all")
+                all_mode=config.straggler_mode == "all",
+                weights=[len(r) for r in host.share_reducers(len(config.reducers), placement.local_size)])
             self._outgoing: dict[int, collections.deque[bytes]] = {r: collections.deque() for r in self._group.links}
             self._selector = selectors.DefaultSelector()
             self._selector.register(self._waker.read_end, selectors.EVENT_READ, None)
@@ -386,7 +390,8 @@ class HostClient(Client):
     # --- submission (called by Client's argument-checking front) ---
 
     def _submit(self, arr: np.ndarray, shape: tuple[int, ...], key: Any, wire_dt: np.dtype, op_code: wire.ReduceOp,
-                root: int, mean: bool, timeout: float | None, out: np.ndarray | None = None) -> ReduceFuture:
+                root: int, mean: bool, timeout: float | None, out: np.ndarray | None = None, *,
+                ramp: bool = True) -> ReduceFuture:
         self.check()
         wire.dtype_code(arr.dtype)
         key_u64 = self._key(key)
@@ -416,7 +421,7 @@ class HostClient(Client):
         try:
             next_tick = time.monotonic() + C.TICK_INTERVAL_S
             while True:
-                timeout = max(0.0, next_tick - time.monotonic())
+                timeout = 0.0 if self._core.can_stage else max(0.0, next_tick - time.monotonic())
                 for selected, events in self._selector.select(timeout):
                     peer = selected.data
                     if peer is None:
@@ -432,6 +437,7 @@ class HostClient(Client):
                         self._shutdown()
                         return
                     self._handle(event)
+                self._execute(self._core.stage())  # one piece, then the others' messages again
                 now = time.monotonic()
                 if now >= next_tick:
                     self._execute(self._core.tick(now))
@@ -477,7 +483,7 @@ class HostClient(Client):
         remaining = max(0.001, action.deadline - time.monotonic())
         try:
             future = self._inner._submit(action.x, action.x.shape, ("host", action.key, action.piece), action.wire_dtype,
-                                         action.op, action.root, action.mean, remaining, action.out)
+                                         action.op, action.root, action.mean, remaining, action.out, ramp=False)
         except RedsrvError as exc:
             if action.poison:
                 return
