@@ -475,18 +475,27 @@ class HostCore:
         return actions + self._try_release(op, piece) + self._try_free(op, piece)
 
     def peer_lost(self, local_rank: int, why: str) -> list[Action]:
-        """A local worker's link broke or it said goodbye: every operation fails, and so does
-        every later one (its share of each piece can no longer be reduced)."""
+        """A local worker's link broke or it said goodbye (every message it sent before is in):
+        every operation that still needs its INPUT or DONE fails, and so does every later one
+        (its share of each piece can no longer be reduced). An operation it has done its part
+        of completes: a worker that finished and closed first leaves the others to finish too."""
         if self.broken is None:
             self.broken = PeerLostError(f"local rank {local_rank} ({self.peers.get(local_rank)}) on this host {why}; "
                                         "the host-level reduction of every worker of this host fails from now on",
                                         job=self.job, rank=self.rank, phase="host-level reduction")
         actions: list[Action] = []
         for op in list(self.ops.values()):
-            if not op.failed:
+            if op.settled:
+                del self.ops[op.key]  # its frames wait for a RELEASED that may never come: a broken host frees nothing
+            elif any(local_rank not in piece.inputs or local_rank not in piece.done for piece in op.pieces):
                 actions += self._fail(op, self.broken, tell=False)
         self.early.clear()
         return actions
+
+    @property
+    def busy(self) -> bool:
+        """Some operation is not settled yet."""
+        return any(not op.settled for op in self.ops.values())
 
     def tick(self, now: float) -> list[Action]:
         """Operations past their deadline fail, naming what this host still waits for."""
@@ -602,6 +611,8 @@ class HostCore:
         actions: list[Action] = []
         if op.copied == len(op.pieces):
             op.settled = True
+            if self.broken is not None:
+                del self.ops[op.key]
             size = self.local_size
             ranks = tuple(sorted(self.placement.rank(h, lr) for h in range(self.placement.hosts)
                                  if op.hosts_in_all >> h & 1 for lr in range(size)))

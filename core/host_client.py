@@ -283,7 +283,6 @@ class HostClient(Client):
         self._live: set[int] = set()  # keys whose futures are not settled yet
         self._live_lock = threading.Lock()
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._waker = Waker()
         self._closing = threading.Event()
         self._shut = False
         self._completed = 0
@@ -291,6 +290,7 @@ class HostClient(Client):
         self._inner: Client | None = None
         self._thread: threading.Thread | None = None
         self._group = LocalGroup.meet(config)
+        self._waker = Waker()
         try:
             placement = self._group.placement
             assert placement is not None
@@ -303,6 +303,8 @@ class HostClient(Client):
                 all_mode=config.straggler_mode == "all",
                 weights=[len(r) for r in host.share_reducers(len(config.reducers), placement.local_size)])
             self._outgoing: dict[int, collections.deque[bytes]] = {r: collections.deque() for r in self._group.links}
+            self._dead_writers: set[int] = set()
+            self._leave_when_idle = False
             self._selector = selectors.DefaultSelector()
             self._selector.register(self._waker.read_end, selectors.EVENT_READ, None)
             for peer, sock in self._group.links.items():
@@ -438,6 +440,8 @@ class HostClient(Client):
                         return
                     self._handle(event)
                 self._execute(self._core.stage())  # one piece, then the others' messages again
+                if self._leave_when_idle and not self._core.busy:
+                    self._leave_cross_host_job()
                 now = time.monotonic()
                 if now >= next_tick:
                     self._execute(self._core.tick(now))
@@ -510,6 +514,8 @@ class HostClient(Client):
             future.set_result(result)
 
     def _send(self, peer: int, packet: bytes) -> None:
+        if peer in self._dead_writers:
+            return
         queue = self._outgoing[peer]
         if queue:
             queue.append(packet)
@@ -519,8 +525,8 @@ class HostClient(Client):
         except BlockingIOError:
             queue.append(packet)
             self._selector.modify(self._group.links[peer], selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
-        except OSError as exc:
-            self._lose(peer, f"cannot be reached ({exc.strerror or exc})")
+        except OSError:
+            self._unwritable(peer)
 
     def _flush(self, peer: int) -> None:
         queue, sock = self._outgoing[peer], self._group.links.get(peer)
@@ -532,10 +538,20 @@ class HostClient(Client):
                 queue.popleft()
         except BlockingIOError:
             return
-        except OSError as exc:
-            self._lose(peer, f"cannot be reached ({exc.strerror or exc})")
+        except OSError:
+            self._unwritable(peer)
             return
         self._selector.modify(sock, selectors.EVENT_READ, peer)
+
+    def _unwritable(self, peer: int) -> None:
+        """A peer that closed or died cannot be written to; what it sent before is still to be
+        read, in order, and its end of file (or goodbye) is what declares it gone (:meth:`_read`).
+        Until then, what is sent to it is dropped: it no longer reads."""
+        self._outgoing[peer].clear()
+        sock = self._group.links.get(peer)
+        if sock is not None:
+            self._selector.modify(sock, selectors.EVENT_READ, peer)
+        self._dead_writers.add(peer)
 
     def _read(self, peer: int) -> None:
         sock = self._group.links.get(peer)
@@ -570,12 +586,14 @@ class HostClient(Client):
         log.log(logging.INFO if why == _GOODBYE else logging.WARNING, "job %r rank %d: local rank %d (%s) %s",
                 self.config.job, self.config.rank, peer, self._group.describe(peer), why)
         self._execute(self._core.peer_lost(peer, why))
-        self._leave_cross_host_job()
+        self._leave_when_idle = True
 
     def _leave_cross_host_job(self) -> None:
-        """A host that lost a worker cannot reduce that worker's share any more: its other workers
-        leave the cross-host jobs, so the reducers fail the other hosts' operations at once
-        (RELIABILITY R2) instead of at their deadline."""
+        """A host that lost a worker cannot reduce that worker's share any more: once the
+        operations that do not need it are settled, its other workers leave the cross-host jobs,
+        so that the reducers fail the other hosts' operations at once (RELIABILITY R2) instead
+        of at their deadline."""
+        self._leave_when_idle = False
         if self._inner is not None:
             threading.Thread(target=self._inner.close, name="redsrv-host-leave", daemon=True).start()
 

@@ -3,6 +3,7 @@
     python worker_main.py SPEC_JSON OUT_PREFIX
 
 SPEC: {"reducers": [...], "rank": r, "world_size": n, "job": "...", "config": {...},
+       "config_by_rank": {"r": {...}} (this rank's settings beside "config": its local rank, its host),
        "ops": [{"kind": "allreduce"|"broadcast", "size": int, "dtype": str, "seed": int,
                 "op": "sum"|"mean"|"min"|"max"|"product"|"band"|"bor"|"bxor", "wire_dtype": null|"bf16"|"fp16",
                 "key": ..., "root": 0}],
@@ -91,10 +92,12 @@ def main() -> int:
     fds_before = _open_fds()
     x = None
     try:
-        client = redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"],
-                               **spec.get("config", {}))
+        config = {**spec.get("config", {}), **spec.get("config_by_rank", {}).get(str(spec["rank"]), {})}
+        client = redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"], **config)
         report["connected_at"] = time.time()
-        report["io_threads"] = sorted(t.name for t in client._io.threads)
+        report["client"] = type(client).__name__
+        io = getattr(client, "_io", None)  # the flat client's I/O loops
+        report["io_threads"] = sorted(t.name for t in io.threads) if io is not None else []
         if spec.get("loop_until_error"):
             x = make_input(1, spec["rank"], spec.get("loop_size", 1000), "float32")
             original = x.copy()

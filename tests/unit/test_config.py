@@ -227,3 +227,18 @@ def test_a_secret_from_any_source_obeys_the_same_length_rule(tmp_path) -> None: 
     good.write_bytes(b"x" * 32 + b"\n")
     assert DaemonSettings.from_env({}, secret_file=str(good)).secret == b"x" * 32
 
+
+def test_host_level_is_chosen_from_the_launchers_variables() -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    config = Config.from_env(env, reducers="a:1")
+    assert config.host_level and config.hosts == 4 and (config.local_rank, config.local_size) == (1, 2)
+    assert not Config.from_env({**env, "REDSRV_HOST_REDUCE": "flat"}, reducers="a:1").host_level
+    one_host = Config.from_env({**env, "WORLD_SIZE": "2", "RANK": "1"}, reducers="a:1")
+    assert not one_host.host_level  # one host: the flat path, as before
+    uneven = Config.from_env({**env, "LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0"}, reducers="a:1")
+    assert not uneven.host_level  # 8 is not a multiple of 3: auto stays flat
+    with pytest.raises(ConfigError, match="multiple of local_size"):
+        Config.from_env({**env, "LOCAL_WORLD_SIZE": "3", "LOCAL_RANK": "0", "REDSRV_HOST_REDUCE": "host"}, reducers="a:1")
+    with pytest.raises(ConfigError, match="conflicting local_rank"):
+        Config.from_env({**env, "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, reducers="a:1")
+
