@@ -885,6 +885,10 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
 
     def create(spec: _torch_c10d.GroupSpec) -> RedsrvProcessGroup:
         base = Config.from_env(reducers=reducers, job=job, rank=spec.rank, world_size=spec.size, **config)
+        launched = Config.from_env(reducers=reducers, job=job, **config)
+        if (launched.rank, launched.world_size) != (spec.rank, spec.size) and "host_reduce" not in config:
+            # A subgroup: the launcher's local ranks describe the whole job, not this group.
+            base = base.replace(host_reduce="flat")
         op_timeout = base.op_timeout
         if spec.timeout is not None and spec.timeout.total_seconds() > 0:
             op_timeout = min(op_timeout, spec.timeout.total_seconds())

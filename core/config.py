@@ -369,19 +369,17 @@ class Config:
         if (self.local_rank is None) != (self.local_size is None):
             raise ConfigError(f"local_rank ({self.local_rank}) and local_size ({self.local_size}) come together: "
                               "give both or neither")
-        if self.local_size is not None and self.local_rank is not None:
-            if not 1 <= self.local_size <= self.world_size:
-                raise ConfigError(f"local_size must be in 1..world_size ({self.world_size}), got {self.local_size}")
-            if not 0 <= self.local_rank < self.local_size:
-                raise ConfigError(f"local_rank must be in 0..{self.local_size - 1} for local_size {self.local_size}, "
-                                  f"got {self.local_rank}")
-        if self.host_reduce == "host" and self.local_size is None:
-            raise ConfigError("host_reduce='host' needs local_rank and local_size (a launcher's LOCAL_RANK and "
-                              "LOCAL_WORLD_SIZE, or REDSRV_LOCAL_RANK and REDSRV_LOCAL_SIZE)")
-        if self.host_reduce == "host" and self.local_size is not None and self.world_size % self.local_size:
-            raise ConfigError(f"host-level reduction needs the same number of workers on every host: world_size "
-                              f"{self.world_size} is not a multiple of local_size {self.local_size} (or set "
-                              "host_reduce='flat')")
+        if self.local_size is not None and self.local_rank is not None and not 0 <= self.local_rank < self.local_size:
+            raise ConfigError(f"local_rank must be in 0..{self.local_size - 1} for local_size {self.local_size}, "
+                              f"got {self.local_rank}")
+        if self.host_reduce == "host":
+            if self.local_size is None:
+                raise ConfigError("host_reduce='host' needs local_rank and local_size (a launcher's LOCAL_RANK and "
+                                  "LOCAL_WORLD_SIZE, or REDSRV_LOCAL_RANK and REDSRV_LOCAL_SIZE)")
+            if not 1 <= self.local_size <= self.world_size or self.world_size % self.local_size:
+                raise ConfigError(f"host-level reduction needs the same number of workers on every host: world_size "
+                                  f"{self.world_size} is not a multiple of local_size {self.local_size} (or set "
+                                  "host_reduce='flat')")
         if self.host_id is not None and not 0 < len(self.host_id.encode("utf-8")) <= C.MAX_JOB_ID_BYTES:
             raise ConfigError(f"host_id must be 1..{C.MAX_JOB_ID_BYTES} UTF-8 bytes, got {self.host_id!r}")
         if self.host_slot_bytes < C.MIN_HOST_PIECE_BYTES:

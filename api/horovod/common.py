@@ -268,8 +268,11 @@ class _Runtime:
     def connect(self, process_set: ProcessSet, ranks: list[int], job: str) -> None:
         process_set._client = None
         if self.rank in ranks and self.config.reducers:
-            process_set._client = Client(config=self.config.replace(job=job, rank=ranks.index(self.rank),
-                                                                      world_size=len(ranks)))
+            # A subset of the ranks: the launcher's local ranks describe the whole job, not this set.
+            whole = len(ranks) == self.size
+            process_set._client = Client(config=self.config.replace(
+                job=job, rank=ranks.index(self.rank), world_size=len(ranks),
+                host_reduce=self.config.host_reduce if whole else "flat"))
 
     def close(self) -> None:
         for process_set in list(self.sets.values()):

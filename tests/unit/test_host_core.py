@@ -99,7 +99,8 @@ class Cluster:
         shares = self.shares.pop(k)
         if k in self.fail_share:
             for h in range(self.hosts):
-                self._apply((h, lr), self.cores[(h, lr)].share_finished(key, piece, self.now, error=PeerLostError("reducer gone")))
+                lost = PeerLostError("reducer gone")
+                self._apply((h, lr), self.cores[(h, lr)].share_finished(key, piece, self.now, error=lost))
             return True
         first = shares[0]
         if first.op is wire.ReduceOp.BROADCAST:
@@ -148,7 +149,8 @@ def reference(inputs: dict[tuple[int, int], np.ndarray], hosts: int, local: int,
 
 def _inputs(hosts: int, local: int, size: int, dtype: np.dtype, seed: int) -> dict[tuple[int, int], np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {(h, lr): rng.standard_normal(size).astype(np.float32).astype(dtype) if dtype.kind == "f" or dtype == ml_dtypes.bfloat16
+    floating = dtype.kind == "f" or dtype == ml_dtypes.bfloat16
+    return {(h, lr): rng.standard_normal(size).astype(np.float32).astype(dtype) if floating
             else rng.integers(-50, 50, size).astype(dtype) for h in range(hosts) for lr in range(local)}
 
 

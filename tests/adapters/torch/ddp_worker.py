@@ -312,6 +312,7 @@ def main() -> int:
     redsrv.torch.register_backend(spec["reducers"], job=spec["job"])
     group = dist.new_group(backend="redsrv")
     client = redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"] + ".hook")
+    report["hook_client"] = type(client).__name__  # HostClient where the launcher put several workers on a host
     try:
         for index, name in enumerate(spec["configs"]):
             started = time.perf_counter()

@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -77,7 +78,8 @@ class Run:
 RELAXED = {"REDSRV_HEARTBEAT_INTERVAL": "0.5", "REDSRV_HEARTBEAT_MISSES": "20"}
 
 
-def run_workers(world_size: int, configs: list[str], tmp: str) -> Run:
+def run_workers(world_size: int, configs: list[str], tmp: str, env_of: Callable[[int], dict[str, str]] | None = None) -> Run:
+    """``env_of(rank)``: variables a launcher would give that rank besides the usual ones."""
     from conftest import ProcessTracker, child_env
 
     tracker = ProcessTracker()
@@ -91,7 +93,8 @@ def run_workers(world_size: int, configs: list[str], tmp: str) -> Run:
             prefix = os.path.join(tmp, f"rank{rank}")
             log = open(prefix + ".log", "w")  # a file, never a pipe that could fill up
             tracker.files.append(log)
-            workers.append(tracker.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(RELAXED),
+            env = {**RELAXED, **(env_of(rank) if env_of else {})}
+            workers.append(tracker.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(env),
                                          stdout=log, stderr=subprocess.STDOUT))
             prefixes.append(prefix)
         deadline = time.monotonic() + RUN_TIMEOUT
@@ -115,6 +118,24 @@ def run_workers(world_size: int, configs: list[str], tmp: str) -> Run:
         return Run(world_size, results, reports, exit_codes, seconds)
     finally:
         tracker.cleanup()
+
+
+#: Two emulated hosts of two workers each, as torchrun would launch them (``--nproc-per-node 2``
+#: on each of two nodes): the hook's client and the backend's world group reduce inside each
+#: host first (core/host_client.py). Sums then run in host order: world3's tolerances apply.
+TRAINING_TWO_PER_HOST = ["fp32", "bf16_params", "mixed_dtypes", "wire_bf16", "backend_ddp"]
+TWO_PER_HOST_COLLECTIVES = ["all_reduce_sum_fp32", "all_reduce_sum_int64", "all_reduce_avg_fp32", "broadcast_bf16",
+                            "broadcast_int8_odd", "all_gather_int64", "barrier"]
+
+
+def two_per_host(rank: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank % 2), "LOCAL_WORLD_SIZE": "2",
+            "REDSRV_HOST_ID": f"node{rank // 2}"}
+
+
+@pytest.fixture(scope="module")
+def world4_two_per_host(tmp_path_factory) -> Run:  # type: ignore[no-untyped-def]
+    return run_workers(4, TRAINING_TWO_PER_HOST + ["collectives"], str(tmp_path_factory.mktemp("world4")), two_per_host)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +233,18 @@ def test_backend_sum_is_the_rank_order_sum(world3: Run) -> None:
         assert ours.tobytes() == expected.tobytes(), f"rank {rank}: not the float32 sum in rank order"
 
 
-@pytest.mark.parametrize("world", ["world2", "world3"])
+@pytest.mark.parametrize("world", ["world2", "world3", "world4_two_per_host"])
 def test_workers_exit_by_themselves(request: pytest.FixtureRequest, world: str) -> None:
     run: Run = request.getfixturevalue(world)
     assert run.exit_codes == [0] * run.world_size, f"worker exit codes {run.exit_codes} (None: still running, a hang)"
+
+
+@pytest.mark.parametrize("config", TRAINING_TWO_PER_HOST)
+def test_training_with_two_workers_per_host_matches_gloo_ddp(world4_two_per_host: Run, config: str) -> None:
+    assert all(r["hook_client"] == "HostClient" for r in world4_two_per_host.reports), "the host-level path was not used"
+    check_training(world4_two_per_host, config)
+
+
+@pytest.mark.parametrize("name", TWO_PER_HOST_COLLECTIVES)
+def test_backend_collective_with_two_workers_per_host_matches_gloo(world4_two_per_host: Run, name: str) -> None:
+    check_collective(world4_two_per_host, name)
