@@ -113,6 +113,11 @@ class Plan:
     # the reducers are the bottleneck, so the workers' converging pushes queue at the workers instead
     # of dropping at the reducers' switch ports; 0 (the kernel's autotuning) elsewhere.
     recv_buffer_bytes: int = C.DEFAULT_RECV_BUFFER_BYTES
+    # Worker processes per worker host (one per GPU), ``workers`` being the hosts: host-level
+    # reduction sends each host's gradient once (core/host_client.py); ``flat_speedup`` is what the
+    # flat path (every process sending its own) would give instead.
+    workers_per_host: int = 1
+    flat_speedup: float | None = None
 
     def seconds(self, message_bytes: int) -> float:
         """Predicted time of one all-reduce of ``message_bytes`` per worker: its bytes at the
@@ -133,9 +138,10 @@ class Plan:
 
     @property
     def worker_path_gbps(self) -> float:
-        """GB/s the worker's client moves each way: its I/O threads, one core each at most and
-        1/g threads' worth at most (the GIL)."""
-        return _worker_path(self.worker_io_threads, self.worker_cores, self.gil_share, self.worker_io_gbps)
+        """GB/s a worker host's clients move each way: each one's I/O threads, one core each at
+        most and 1/g threads' worth at most (the GIL), times the worker processes per host."""
+        return self.workers_per_host * _worker_path(self.worker_io_threads, self.worker_cores, self.gil_share,
+                                                    self.worker_io_gbps)
 
     @property
     def worker_cpu_bound(self) -> bool:
@@ -148,9 +154,20 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
          reducer_processes: int | None = None, reducers: int | None = None, worker_price: float | None = None,
          reducer_price: float | None = None, worker_cores: int = DEFAULT_WORKER_CORES,
          io_threads: int | None = None, gil_share: float = CLIENT_GIL_SHARE,
-         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES, port_buffer_bytes: int | None = None) -> Plan:
+         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES, port_buffer_bytes: int | None = None,
+         workers_per_host: int = 1) -> Plan:
     """Recommend reducer hosts, processes per host and the client's I/O threads (or evaluate
-    ``reducers`` / ``reducer_processes`` / ``io_threads``) for ``workers`` workers.
+    ``reducers`` / ``reducer_processes`` / ``io_threads``) for ``workers`` worker hosts, each
+    running ``workers_per_host`` worker processes (one per GPU).
+
+    With several workers per host, each host reduces inside itself first and its NIC carries the
+    gradient once; each of its L processes sends 1/L of it across hosts, so a host's data path is
+    L clients' worth. Ring all-reduce runs over all n·L ranks, crossing each host's NIC once each
+    way (consecutive ranks share a host): 2(nL-1)/(nL) of the gradient.
+
+    >>> p = plan(workers=4, worker_gbit=25, reducer_gbit=25, reducer_cores=16, workers_per_host=8)
+    >>> p.reducers, round(p.speedup, 2), round(p.flat_speedup, 2), p.bottleneck
+    (4, 1.94, 0.24, 'worker NIC')
 
     >>> p = plan(workers=8, worker_gbit=10, reducer_gbit=10, reducer_cores=32)
     >>> p.reducers, p.bottleneck, round(p.speedup, 2), p.worker_io_threads
@@ -179,14 +196,17 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         raise ValueError(f"piece_bytes is the reducers' cut-through piece, >= 0 (0: whole chunks); got {piece_bytes}")
     if not 0 <= gil_share <= 1:
         raise ValueError(f"gil_share is a share of the client's CPU, in 0..1; got {gil_share}")
+    if workers_per_host < 1:
+        raise ValueError(f"need at least one worker process per host, got {workers_per_host}")
     w = worker_gbit / 8  # GB/s
     r = reducer_gbit / 8
-    # Enough client I/O threads to fill the worker's NIC, one core each at most, and none past
-    # the GIL's cap (1/g threads' worth), where more add nothing.
+    # Enough client I/O threads to fill the worker's NIC (its L processes together), one core each
+    # at most, and none past the GIL's cap (1/g threads' worth), where more add nothing.
     gil_threads = math.ceil(1 / gil_share - 1e-9) if gil_share > 0 else worker_cores
-    enough_threads = min(worker_cores, gil_threads, max(1, math.ceil(w / worker_io_gbps - 1e-9)))
+    enough_threads = min(worker_cores, gil_threads, max(1, math.ceil(w / workers_per_host / worker_io_gbps - 1e-9)))
     t = io_threads if io_threads is not None else enough_threads
-    worker_path = _worker_path(t, worker_cores, gil_share, worker_io_gbps)
+    # Each of a host's L processes has a client of its own: the host's data path is L of them.
+    worker_path = workers_per_host * _worker_path(t, worker_cores, gil_share, worker_io_gbps)
     host_cpu = reducer_cores * core_gbps
     # Enough event loops to fill the NIC (or the cores' summing rate), one core each at most.
     enough_processes = min(reducer_cores, max(1, math.ceil(min(r, host_cpu) / reducer_io_gbps - 1e-9)))
@@ -197,12 +217,14 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     m = reducers if reducers is not None else max(1, math.ceil(workers * min(w, worker_path) / per_reducer - 1e-9))
     # A client loop serves whole reducers (core/client_io.py): no more loops than reducer addresses.
     t = min(t, m * p)
-    worker_path = _worker_path(t, worker_cores, gil_share, worker_io_gbps)
+    worker_path = workers_per_host * _worker_path(t, worker_cores, gil_share, worker_io_gbps)
     limits = {WORKER_NIC: w, WORKER_IO: worker_path, REDUCER_NIC: m * r / workers, REDUCER_IO: m * loops / workers,
               REDUCER_CPU: m * host_cpu / workers}
     bottleneck = min(limits, key=lambda k: limits[k])
     algbw = limits[bottleneck]
-    ring = w * workers / (2 * (workers - 1))
+    ranks = workers * workers_per_host
+    ring = w * ranks / (2 * (ranks - 1))
+    flat = min(w / workers_per_host, *(v for k, v in limits.items() if k != WORKER_NIC)) / ring
     warnings = []
     if worker_path < w:
         if t < enough_threads:
@@ -242,8 +264,9 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     if worker_price is not None and reducer_price is not None and worker_price > 0:
         cost = m * reducer_price / (workers * worker_price)
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
-                algbw / ring, 2 * (workers - 1) / workers, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
-                worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES, recv_buffer)
+                algbw / ring, 2 * (ranks - 1) / ranks, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
+                worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES, recv_buffer, workers_per_host,
+                flat if workers_per_host > 1 else None)
 
 
 def advised_recv_buffer(workers: int, port_buffer_bytes: int | None) -> int:
@@ -380,7 +403,10 @@ def measure_data_path(total_bytes: int = 256 << 20, *, timeout: float = 120.0) -
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser("plan", help="recommend the number of reducers and predict the speed-up over ring all-reduce",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workers", type=int, required=True, help="number of workers (n)")
+    p.add_argument("--workers", type=int, required=True, help="number of worker hosts (n)")
+    p.add_argument("--workers-per-host", type=int, default=1, metavar="L",
+                   help="worker processes per worker host, one per GPU (default 1): each host reduces inside itself "
+                        "first (host-level reduction), so its NIC carries the gradient once")
     p.add_argument("--worker-gbit", type=float, required=True, help="worker NIC bandwidth, Gbit/s")
     p.add_argument("--reducer-gbit", type=float, required=True, help="reducer NIC bandwidth, Gbit/s")
     p.add_argument("--reducer-cores", type=int, default=8, help="cores per reducer host (default 8)")
@@ -447,7 +473,8 @@ def _main(args: argparse.Namespace) -> int:
                  reducer_processes=args.reducer_processes, reducers=args.reducers,
                  worker_price=args.worker_price, reducer_price=args.reducer_price, worker_cores=args.worker_cores,
                  io_threads=args.io_threads, gil_share=args.gil_share, piece_bytes=args.piece_kib * 1024,
-                 port_buffer_bytes=None if args.switch_buffer_kib is None else int(args.switch_buffer_kib * 1024))
+                 port_buffer_bytes=None if args.switch_buffer_kib is None else int(args.switch_buffer_kib * 1024),
+                 workers_per_host=args.workers_per_host)
     except ValueError as exc:  # the flags are the configuration here (see the package's exception policy)
         raise ConfigError(str(exc)) from None
     message = int(args.message_mib * 2**20)
@@ -458,9 +485,12 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     worker_path = p.worker_path_gbps
     rows = [
-        ("workers x NIC", f"{p.workers} x {p.worker_gbps:g} Gbit/s"),
+        ("workers x NIC", f"{p.workers} x {p.worker_gbps:g} Gbit/s"
+         + (f", {p.workers_per_host} worker processes each (host-level reduction: each host's NIC carries the "
+            "gradient once)" if p.workers_per_host > 1 else "")),
         ("worker data path", f"{worker_path:.2f} GB/s each way = {worker_path * 8:.1f} Gbit/s "
-         f"({p.worker_io_threads} I/O thread(s) x {p.worker_io_gbps:.2f} GB/s"
+         + (f"per host ({p.workers_per_host} processes x " if p.workers_per_host > 1 else "(")
+         + f"{p.worker_io_threads} I/O thread(s) x {p.worker_io_gbps:.2f} GB/s"
          + (f", capped by the GIL ({p.gil_share:.0%} of the work)" if p.worker_io_threads * p.gil_share > 1 else "")
          + f": set REDSRV_IO_THREADS={p.worker_io_threads})"
          + ("  (recommended)" if args.io_threads is None else "")),
@@ -476,7 +506,9 @@ def _main(args: argparse.Namespace) -> int:
         ("bottleneck", p.bottleneck),
         ("predicted algbw (redsrv)", f"{p.algbw_gbps:.3f} GB/s = {p.line_rate_fraction:.0%} of the worker line rate"),
         ("ring all-reduce algbw", f"{p.ring_algbw_gbps:.3f} GB/s (at the worker line rate)"),
-        ("predicted speed-up", f"{p.speedup:.2f}x (at most {p.theory_max_speedup:.2f}x for {p.workers} workers)"),
+        ("predicted speed-up", f"{p.speedup:.2f}x (at most {p.theory_max_speedup:.2f}x for "
+         f"{p.workers * p.workers_per_host} workers)"
+         + (f"; without host-level reduction (REDSRV_HOST_REDUCE=flat) {p.flat_speedup:.2f}x" if p.flat_speedup else "")),
         (f"one all-reduce of {args.message_mib:g} MiB",
          f"{p.seconds(message) * 1e3:.1f} ms (ring {p.ring_seconds(message) * 1e3:.1f} ms; the results trail the pushes "
          f"by {RESULT_LAG_PIECES:g} pieces of {p.piece_bytes // 1024} KiB per reducer)"),

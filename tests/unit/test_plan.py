@@ -268,3 +268,17 @@ def test_cli_recommends_io_threads_in_the_table(capsys: pytest.CaptureFixture[st
     out = json.loads(capsys.readouterr().out)
     assert out["worker_io_threads"] == 1 and out["worker_cpu_bound"]
     assert any("set REDSRV_IO_THREADS=3" in w for w in out["warnings"])
+
+
+def test_several_workers_per_host_are_planned_as_hosts_that_reduce_inside_first() -> None:
+    """The issue's case: 4 hosts x 2 workers at 300 Mbit/s, 4 reducers. Host-level reduction sends
+    each host's gradient once (1.75x ring over 8 ranks); the flat path sends it twice (0.875x)."""
+    p = plan(workers=4, worker_gbit=0.3, reducer_gbit=0.3, reducer_cores=8, workers_per_host=2)
+    assert p.reducers == 4 and p.bottleneck == "worker NIC"
+    assert round(p.speedup, 3) == 1.75 and round(p.flat_speedup or 0, 3) == 0.875
+    assert round(p.theory_max_speedup, 3) == 1.75
+    # A host's L clients share its NIC: 8 processes need one I/O thread each for 100 Gbit/s.
+    fast = plan(workers=4, worker_gbit=100, reducer_gbit=100, reducer_cores=32, workers_per_host=8)
+    assert fast.worker_io_threads == 1 and fast.bottleneck == "worker NIC"
+    with pytest.raises(ValueError, match="worker process per host"):
+        plan(workers=4, worker_gbit=1, reducer_gbit=1, reducer_cores=8, workers_per_host=0)
