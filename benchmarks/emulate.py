@@ -59,9 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--workers-per-host", type=int, default=1, metavar="L",
                    help="worker processes per worker host (default 1): redsrv reduces inside each host first "
                         "(host-level reduction), gloo runs its ring over all n*L ranks placed the same way")
+    b.add_argument("--host-reduce", choices=["auto", "host", "flat"], default="auto",
+                   help="redsrv's host-level reduction (REDSRV_HOST_REDUCE): auto uses it with --workers-per-host above 1; "
+                        "host also at one worker per host")
     b.add_argument("--compare-flat", action="store_true",
-                   help="with --workers-per-host above 1, also run redsrv without host-level reduction (every "
-                        "process sends its whole buffer: 'redsrv-flat') in the same run")
+                   help="also run redsrv without host-level reduction (every process sends its whole buffer: "
+                        "'redsrv-flat') in the same run")
     b.add_argument("--reducers", type=int, default=None, metavar="M",
                    help="reducer count m (default: m = n, on their own hosts)")
     b.add_argument("--rate", default="1gbit",
@@ -126,6 +129,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 class Options:
     workers: tuple[int, ...] = (4,)
     workers_per_host: int = 1
+    host_reduce: str = "auto"
     compare_flat: bool = False
     reducers: int | None = None
     rate_bps: int = 10**9
@@ -155,6 +159,11 @@ class Options:
     out: str = "bench-results"
     prefix: str = DEFAULT_PREFIX
     quiet: bool = False
+
+    @property
+    def host_level(self) -> bool:
+        """Whether redsrv's workers reduce inside each host first."""
+        return self.host_reduce == "host" or (self.host_reduce == "auto" and self.workers_per_host > 1)
 
     def m_for(self, n: int) -> int:
         return self.reducers if self.reducers is not None else n
@@ -186,9 +195,9 @@ class Options:
             raise EmulationError("--workers: need at least 2 worker hosts per run")
         if self.workers_per_host < 1:
             raise EmulationError("--workers-per-host must be >= 1")
-        if self.compare_flat and self.workers_per_host == 1:
+        if self.compare_flat and not self.host_level:
             raise EmulationError("--compare-flat compares host-level reduction with the flat path: it needs "
-                                 "--workers-per-host 2 or more")
+                                 "--workers-per-host 2 or more, or --host-reduce host")
         if self.crosscheck and self.workers_per_host > 1:
             raise EmulationError("--crosscheck runs `redsrv bench allreduce`, one worker per host: leave out "
                                  "--workers-per-host")
@@ -207,8 +216,9 @@ class Options:
             raise EmulationError("--chunk-kib must be in 1..65536")
         if self.chunks_per_span is not None and self.chunks_per_span < 1:
             raise EmulationError("--chunks-per-span must be >= 1")
-        if self.host_piece_bytes is not None and self.workers_per_host == 1:
-            raise EmulationError("--host-piece-kib sets the host-level pipeline: it needs --workers-per-host 2 or more")
+        if self.host_piece_bytes is not None and not self.host_level:
+            raise EmulationError("--host-piece-kib sets the host-level pipeline: it needs --workers-per-host 2 or more, "
+                                 "or --host-reduce host")
         if self.streams is not None and not 1 <= self.streams <= 64:
             raise EmulationError("--streams must be in 1..64")
         if self.send_lowat_bytes is not None and self.send_lowat_bytes < 0:
@@ -247,7 +257,8 @@ class Options:
 def _main(a: argparse.Namespace) -> int:
     def run() -> bool:
         opts = Options(
-            workers=tuple(a.workers), workers_per_host=a.workers_per_host, compare_flat=a.compare_flat, reducers=a.reducers,
+            workers=tuple(a.workers), workers_per_host=a.workers_per_host, host_reduce=a.host_reduce,
+            compare_flat=a.compare_flat, reducers=a.reducers,
             rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
             dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
@@ -346,14 +357,14 @@ def run_emulate(opts: Options) -> dict[str, Any]:
     cluster = Cluster(opts.hosts, opts.rate_bps, prefix=opts.prefix, mtu=opts.mtu, delay_us=opts.delay_us,
                       gso_bytes=opts.host_gso_bytes)
     cluster.check()
-    impls = ["redsrv"]
+    impls = ["redsrv" if opts.host_level or opts.workers_per_host == 1 else "redsrv-flat"]
     torch_version = None
     if opts.baseline:
         if importlib.util.find_spec("torch") is None:
             _say(opts, "torch is not installed: running redsrv alone, without the gloo baseline "
                        "(install redsrv[torch] for it)")
         else:
-            impls = ["gloo", "redsrv"]
+            impls = ["gloo", *impls]
             torch_version = harness.torch_version()
     if opts.delay_us and max(opts.sizes_bytes) > 2**20:
         _say(opts, "note: the delay forwarder is Python: above ~1 MiB it, not the rate limit, bounds the throughput")
@@ -396,9 +407,9 @@ def run_emulate(opts: Options) -> dict[str, Any]:
             else:
                 _say(opts, f"  G = {goodput:.4f} GB/s ({goodput_source})")
             _say(opts, f"  TCP congestion control: redsrv {congestion['redsrv']}, gloo {congestion['gloo']}")
-            if opts.workers_per_host > 1:
+            if opts.host_level:
                 impls += ["redsrv-flat"] if opts.compare_flat else []
-                _say(opts, f"  {opts.workers_per_host} worker processes per worker host: redsrv reduces inside each host "
+                _say(opts, f"  {opts.workers_per_host} worker process(es) per worker host: redsrv reduces inside each host "
                            "first" + ("; redsrv-flat sends every process's buffer" if opts.compare_flat else ""))
             secret = harness.write_secret(tmp)
             for n in opts.workers:
@@ -482,7 +493,7 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
     try:
         reducers, addresses = harness.start_reducers(cluster, reducer_hosts, env=env, logdir=tmp, tag=str(n), procs=procs)
         spec_base = {
-            "world": ranks, "per_host": per_host, "impls": impls, "sizes": list(opts.sizes_bytes),
+            "world": ranks, "per_host": per_host, "host_level": opts.host_level, "impls": impls, "sizes": list(opts.sizes_bytes),
             "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
             "warmup": opts.warmup, "rounds": opts.rounds, "dtype": opts.dtype, "wire_dtype": opts.wire_dtype,
             "client_options": opts.client_options(), "reducers": addresses,
@@ -740,12 +751,14 @@ def _worker(spec_json: str) -> int:
 
     np_dtype = _numpy_dtype(spec["dtype"])
     per_host = spec.get("per_host", 1)
-    where = {"host_reduce": "host", "local_rank": rank % per_host, "local_size": per_host} if per_host > 1 else {}
-    clients = {"redsrv": redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"],
-                                       wire_dtype=spec["wire_dtype"], **where, **spec["client_options"])}
-    if "redsrv-flat" in spec["impls"]:
-        clients["redsrv-flat"] = redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=spec["job"] + "-flat",
-                                               wire_dtype=spec["wire_dtype"], host_reduce="flat", **spec["client_options"])
+    # "redsrv" reduces inside each host first (unless the run is flat at one worker per host, as
+    # before host-level reduction existed), "redsrv-flat" sends every process's buffer
+    flat = {"host_reduce": "flat"}
+    where = {"redsrv": {"host_reduce": "host", "local_rank": rank % per_host, "local_size": per_host}
+             if spec.get("host_level") else flat, "redsrv-flat": flat}
+    clients = {name: redsrv.Client(spec["reducers"], rank=rank, world_size=n, job=f"{spec['job']}-{name}",
+                                   wire_dtype=spec["wire_dtype"], **where[name], **spec["client_options"])
+               for name in spec["impls"] if name in where}
     impls: list[_Gloo | _Redsrv] = []
     dist: Any = None
     torch: Any = None

@@ -234,3 +234,25 @@ def test_result_files_record_how_fast_the_machine_was():
     speed = harness.provenance(None)["machine"]["speed"]
     assert speed["python_msteps_per_s"] > 0 and speed["numpy_add_gbps"] > 0
     assert f"{speed['numpy_add_gbps']:g} GB/s" in harness.describe_speed(speed)
+
+
+def test_several_workers_per_host_options_and_bounds():
+    assert Options(workers_per_host=2).host_level and not Options().host_level
+    assert Options(host_reduce="host").host_level and not Options(workers_per_host=2, host_reduce="flat").host_level
+    with pytest.raises(EmulationError, match="--compare-flat compares host-level reduction"):
+        Options(compare_flat=True).validate()
+    with pytest.raises(EmulationError, match="--host-piece-kib sets the host-level pipeline"):
+        Options(host_piece_bytes=2**20).validate()
+    Options(workers_per_host=2, compare_flat=True, host_piece_bytes=2**20).validate()
+    # 4 hosts x 2 workers, m = 4: ring over 8 ranks, host-level once per host, flat twice
+    g = 0.1
+    assert report.bound_of("gloo", g, 4, 4, per_host=2) == report.ring_bound(g, 8)
+    assert report.bound_of("redsrv", g, 4, 4, per_host=2) == g
+    assert report.bound_of("redsrv-flat", g, 4, 4, per_host=2) == g / 2
+    blocks = [{"n": 4, "m": 4, "per_host": 2, "round": 0, "size_bytes": 32 << 20, "impl": impl, "times": [t],
+               "cpu_busy": 0.5, "cpu_s": 1.0, "wall_s": t, "correct": True}
+              for impl, t in (("gloo", 1.75), ("redsrv", 1.0), ("redsrv-flat", 2.0))]
+    rows = {r.impl: r for r in report.summarise(blocks, goodput=g, colocated=False)}
+    assert round(rows["redsrv"].theory or 0, 3) == 1.75 and round(rows["redsrv-flat"].theory or 0, 3) == 0.875
+    assert rows["redsrv"].speedup == 1.75 and rows["redsrv-flat"].speedup == 0.875
+    assert rows["redsrv"].per_host == 2
