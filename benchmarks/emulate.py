@@ -59,9 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--workers-per-host", type=int, default=1, metavar="L",
                    help="worker processes per worker host (default 1): redsrv reduces inside each host first "
                         "(host-level reduction), gloo runs its ring over all n*L ranks placed the same way")
-    b.add_argument("--host-reduce", choices=["auto", "host", "flat"], default="auto",
-                   help="redsrv's host-level reduction (REDSRV_HOST_REDUCE): auto uses it with --workers-per-host above 1; "
-                        "host also at one worker per host")
+    b.add_argument("--host-reduce", choices=["auto", "flat"], default="auto",
+                   help="redsrv's host-level reduction (REDSRV_HOST_REDUCE): auto uses it with --workers-per-host above 1, "
+                        "flat sends every process's buffer")
     b.add_argument("--compare-flat", action="store_true",
                    help="also run redsrv without host-level reduction (every process sends its whole buffer: "
                         "'redsrv-flat') in the same run")
@@ -163,7 +163,7 @@ class Options:
     @property
     def host_level(self) -> bool:
         """Whether redsrv's workers reduce inside each host first."""
-        return self.host_reduce == "host" or (self.host_reduce == "auto" and self.workers_per_host > 1)
+        return self.host_reduce == "auto" and self.workers_per_host > 1
 
     def m_for(self, n: int) -> int:
         return self.reducers if self.reducers is not None else n
@@ -197,7 +197,7 @@ class Options:
             raise EmulationError("--workers-per-host must be >= 1")
         if self.compare_flat and not self.host_level:
             raise EmulationError("--compare-flat compares host-level reduction with the flat path: it needs "
-                                 "--workers-per-host 2 or more, or --host-reduce host")
+                                 "--workers-per-host 2 or more")
         if self.crosscheck and self.workers_per_host > 1:
             raise EmulationError("--crosscheck runs `redsrv bench allreduce`, one worker per host: leave out "
                                  "--workers-per-host")
@@ -217,8 +217,7 @@ class Options:
         if self.chunks_per_span is not None and self.chunks_per_span < 1:
             raise EmulationError("--chunks-per-span must be >= 1")
         if self.host_piece_bytes is not None and not self.host_level:
-            raise EmulationError("--host-piece-kib sets the host-level pipeline: it needs --workers-per-host 2 or more, "
-                                 "or --host-reduce host")
+            raise EmulationError("--host-piece-kib sets the host-level pipeline: it needs --workers-per-host 2 or more")
         if self.streams is not None and not 1 <= self.streams <= 64:
             raise EmulationError("--streams must be in 1..64")
         if self.send_lowat_bytes is not None and self.send_lowat_bytes < 0:
@@ -751,8 +750,8 @@ def _worker(spec_json: str) -> int:
 
     np_dtype = _numpy_dtype(spec["dtype"])
     per_host = spec.get("per_host", 1)
-    # "redsrv" reduces inside each host first (unless the run is flat at one worker per host, as
-    # before host-level reduction existed), "redsrv-flat" sends every process's buffer
+    # "redsrv" reduces inside each host first (with several workers per host), "redsrv-flat" sends
+    # every process's buffer
     flat = {"host_reduce": "flat"}
     where = {"redsrv": {"host_reduce": "host", "local_rank": rank % per_host, "local_size": per_host}
              if spec.get("host_level") else flat, "redsrv-flat": flat}

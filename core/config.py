@@ -394,9 +394,10 @@ class Config:
         several workers share this host and the job spans more than one host, as hosts of equal
         size (uneven hosts stay flat: every worker of such a host sees the same sizes, so all of
         them decide alike)."""
+        if self.local_size is None or self.local_size == 1:
+            return False  # one worker per host: nothing to reduce inside it, and the flat path is the same
         if self.host_reduce == "auto":
-            return self.local_size is not None and 1 < self.local_size < self.world_size \
-                and self.world_size % self.local_size == 0
+            return self.local_size < self.world_size and self.world_size % self.local_size == 0
         return self.host_reduce == "host"
 
     @property
