@@ -48,11 +48,3 @@ def test_one_process_is_told_to_use_a_launcher(monkeypatch, capsys):  # type: ig
         monkeypatch.delenv(var, raising=False)
     assert main(["bench", "allreduce", "--reducers", "127.0.0.1:9", "--sizes-kib", "4"]) == 2
     assert "at least 2 ranks" in capsys.readouterr().err
-
-
-def test_reps_doctest() -> None:
-    import doctest
-
-    import redsrv.bench.allreduce
-
-    assert doctest.testmod(redsrv.bench.allreduce).failed == 0

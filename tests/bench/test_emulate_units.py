@@ -216,21 +216,9 @@ def test_cli_bad_rate_exits_2_and_creates_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_doctests_of_the_forwarder_report():
-    import doctest
-
-    from redsrv.bench import emulate, tapdelay
-
-    assert doctest.testmod(tapdelay).failed == 0
-    assert doctest.testmod(emulate).failed == 0
-
-
 def test_result_files_record_how_fast_the_machine_was():
-    import doctest
-
     from redsrv.bench import harness
 
-    assert doctest.testmod(harness).failed == 0
     speed = harness.provenance(None)["machine"]["speed"]
     assert speed["python_msteps_per_s"] > 0 and speed["numpy_add_gbps"] > 0
     assert f"{speed['numpy_add_gbps']:g} GB/s" in harness.describe_speed(speed)

@@ -198,14 +198,6 @@ def test_cli_measure_plans_with_what_it_measured(capsys: pytest.CaptureFixture[s
     assert out["core_gbps"] == pytest.approx(measured["core_gbps"] / 2)
 
 
-def test_doctest() -> None:
-    import doctest
-
-    import redsrv.cli.plan
-
-    assert doctest.testmod(redsrv.cli.plan).failed == 0
-
-
 def test_an_all_reduce_takes_its_bytes_at_the_bottleneck_plus_the_results_lag_behind_the_pushes() -> None:
     # The lag is per operation: about RESULT_LAG_PIECES result pieces per reducer at the same rate
     # (docs/performance.md, "Scaling: n = 2..8"), so it weighs more with more reducers.
