@@ -80,15 +80,15 @@ def wait_for_open_operations(log: list[str], count: int, timeout: float = 10.0) 
     has warned of open chunks of ``count`` distinct operations: their pushes have arrived and wait
     there for a missing rank. Returns the operations' keys as the reducer logs them; fails after
     ``timeout`` seconds, naming what it saw."""
-    deadline = time.monotonic() + timeout
-    while True:
-        keys = {m.group(1) for line in list(log) if (m := _STALL_WARNING.search(line))}
-        if len(keys) >= count:
-            return keys
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the reducer warned of {len(keys)} open operation(s), not {count}, "
-                                 f"within {timeout}s: {keys}")
-        time.sleep(0.02)
+
+    def warned() -> set[str]:
+        return {m.group(1) for line in list(log) if (m := _STALL_WARNING.search(line))}
+
+    try:
+        return poll(lambda: keys if len(keys := warned()) >= count else None, timeout,  # type: ignore[no-any-return]
+                    f"the reducer warning of open chunks of {count} operation(s)", every=0.02)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; it warned of {sorted(warned())}") from None
 
 
 def rank_order_sum(arrays: list[np.ndarray]) -> np.ndarray:
@@ -136,7 +136,7 @@ def poll(predicate, timeout: float, what: str, every: float = 0.05):  # type: ig
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:.1f}s: {what} (last value {value!r})")
-        time.sleep(every)
+        time.sleep(every)  # noqa: TID251 - the interval of a poll with a deadline: the one sleep tests may use
 
 
 def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # type: ignore[type-arg]
