@@ -2,7 +2,9 @@
 
 It forwards bytes both ways, follows frame boundaries with the wire module's prefix parser, and
 when the phase is reached it acts once: signals the reducer or a worker process, closes a
-connection, or sends garbage in the faulty side's place.
+connection, sends garbage in the faulty side's place, or (``corrupt``, phase ``pull``) flips one
+byte in the middle of a large RESULT's data: a wrong sum that no protocol check can see, for the
+benchmarks' own checks to catch.
 
 Phases: ``handshake`` (a worker's HELLO has reached the reducer), ``push`` (half of a PUSH frame
 forwarded), ``wait`` (the victim rank's pushes are slowed, and the reducer's own log shows it
@@ -36,6 +38,8 @@ TRIGGERS = {
     "push": (True, "half:PUSH"),
     "pull": (False, "half:RESULT"),
 }
+#: A RESULT frame at least this long has data, not header or bitmap, at its middle byte.
+LARGE_FRAME_BYTES = 4096
 #: How long the reducer may take to show it holds a chunk for the victim once the victim is slowed:
 #: its stall warning (REDSRV_STALL_WARNING, short in these tests) comes at its next tick.
 HOLD_SEEN_WITHIN_S = 20.0
@@ -43,7 +47,7 @@ HOLD_SEEN_WITHIN_S = 20.0
 
 @dataclass
 class Fault:
-    kind: str  # kill | stop | term | close | garbage
+    kind: str  # kill | stop | term | close | garbage | corrupt
     target: str  # reducer | worker
     phase: str  # handshake | push | wait | pull
     reducer_pid: int
@@ -94,6 +98,8 @@ class _Frames:
             half = self.total // 2
             if self.remaining > half >= self.remaining - take:
                 events.append((f"half:{self.type.name}", i + self.remaining - half))
+                if self.total >= LARGE_FRAME_BYTES:
+                    events.append((f"half-large:{self.type.name}", i + self.remaining - half))
             if self.type is wire.FrameType.HELLO:
                 self.hello += data[i : i + take]
             self.remaining -= take
@@ -216,6 +222,8 @@ class FaultProxy:
         if f.kind in SIGNALS:
             os.kill(f.reducer_pid if f.target == "reducer" else f.worker_pids[f.victim], SIGNALS[f.kind])
             return True
+        if f.kind == "corrupt":
+            return True  # _pump flips the byte; the connection carries on
         # close / garbage act on connections: the triggering one for reducer faults, all of the
         # victim's for worker faults.
         conns = [trigger] if f.target == "reducer" else self._victim_conns()
@@ -242,6 +250,8 @@ class FaultProxy:
         src, dst = (conn.down, conn.up) if to_reducer else (conn.up, conn.down)
         frames = _Frames()
         wanted = TRIGGERS.get(self.fault.phase)
+        if self.fault.kind == "corrupt":
+            wanted = (False, "half-large:RESULT")
         while not self.stopping.is_set():
             try:
                 data = src.recv(65536)
@@ -271,7 +281,13 @@ class FaultProxy:
                 # reducer's frozen-peer check, which could end the run before the fault fired.
                 time.sleep(HELD_PAUSE_S)  # noqa: TID251 - the pacing of a slow link
             cut = next((offset for name, offset in events if (to_reducer, name) == wanted), None) if wanted else None
-            if cut is not None and self._wants(conn) and self.armed.is_set() and self.fault.fired_at is None:
+            fires = cut is not None and self._wants(conn) and self.armed.is_set() and self.fault.fired_at is None
+            if fires and self.fault.kind == "corrupt" and self._fire(conn):
+                assert cut is not None
+                at = min(cut, len(data) - 1)  # the middle byte, or the one before it when the read ends there
+                data = data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :]
+            elif fires:
+                assert cut is not None
                 try:
                     dst.sendall(data[:cut])
                 except OSError:
