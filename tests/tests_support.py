@@ -159,7 +159,13 @@ def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # ty
     gloo_checks = [c for b in blocks if b["mode"] == "gloo" for c in b["checks"]]
     assert all(c["ranks_identical"] for c in gloo_checks), gloo_checks
     hook_checks = [c for b in blocks if b["mode"] == "hook" for c in b["checks"]]
-    assert all(c["ranks_identical"] and c["match"] and c["moved"] > 0 for c in hook_checks), hook_checks
+    assert all(c["ranks_identical"] and c["hook_vs_gloo"]["match"] and c["hook_vs_gloo"]["moved"] > 0 for c in hook_checks), \
+        hook_checks
+    # Rank 0 replays the training in NumPy: every training block, the baseline's too, matches it.
+    trained = [b["checks"][0] for b in blocks if b["mode"] in ("gloo", "hook")]
+    assert all(c["vs_reference"]["match"] and c["vs_reference"]["moved"] > 0 for c in trained), trained
+    compute = [c for b in blocks if b["mode"] == "compute" for c in b["checks"]]
+    assert all(c["match"] for c in compute), compute
     model = doc["model"]
     assert model["buckets"] == [[model["params"], "float32"]]  # one fused float32 vector per step
     assert model["grad_bytes"] == 4 * model["params"]
