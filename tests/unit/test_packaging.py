@@ -65,3 +65,17 @@ def test_ci_runs_tensorflows_cpu_build_at_the_tf_extras_range() -> None:
     deps = Requirement(tox["testenv:tf"]["deps"].strip())
     assert deps.name == "tensorflow-cpu" and deps.specifier == requirement(EXTRAS["tf"], "tensorflow").specifier
     assert "tf" not in [e.strip() for e in tox["testenv:tf"]["extras"].split(",")]  # it would add `tensorflow` too
+
+
+def test_every_tox_environment_runs_in_ci_or_says_it_is_by_hand() -> None:
+    # The README names environments as what is tested (Keras 2: `tox -e tf-keras2`); one that CI
+    # never runs must say so, or the claim is untested.
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(ROOT / "tox.ini")
+    in_ci = {name.strip() for name in tox["tox"]["env_list"].split(",")}
+    for section in tox.sections():
+        name = section.removeprefix("testenv:")
+        if section.startswith("testenv:") and name not in in_ci:
+            assert "by hand" in tox[section]["description"], f"tox env {name!r} is neither in env_list nor by hand"
+    readme = (ROOT / "README.md").read_text()
+    assert "Keras 2 (`tox -e tf-keras2`)" in readme and "tf-keras2" in in_ci
