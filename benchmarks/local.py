@@ -27,7 +27,9 @@ import time
 
 import numpy as np
 
+from redsrv.bench.report import format_size
 from redsrv.cli.fleet import _Fleet, start_reducers, stop_processes
+from redsrv.cli.units import size_in
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -38,14 +40,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     b.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
-    b.add_argument("--sizes", type=float, nargs="+", default=[1, 4, 16, 64, 256], help="sizes in MiB (default 1 4 16 64 256)")
+    b.add_argument("--sizes", type=size_in("MiB"), nargs="+", default=[1, 4, 16, 64, 256], metavar="SIZE",
+                   help="sizes, e.g. 4KiB 64MiB; a bare number is MiB (default 1 4 16 64 256)")
     b.add_argument("--reps", type=int, default=5, help="timed repetitions per size (default 5, after 2 warm-ups)")
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None, help="compress float32 on the wire")
     b.add_argument("--op", choices=["sum", "mean"], default="sum",
                    help="the reduction (default sum; DDP and JAX's pmean use mean, which divides on the workers)")
     b.add_argument("--io-threads", type=int, default=None,
                    help="each worker's client I/O threads (default: REDSRV_IO_THREADS, else 1)")
-    b.add_argument("--json", help="write every rep to this JSON file")
+    b.add_argument("--json", metavar="PATH", help="write every rep to this JSON file")
     b.set_defaults(func=lambda a: run_local_bench(workers=a.workers, reducers=a.reducers, sizes_mib=a.sizes, reps=a.reps,
                                                   wire_dtype=a.wire_dtype, json_path=a.json, io_threads=a.io_threads,
                                                   op=a.op))
@@ -132,7 +135,8 @@ def run_local_bench(*, workers: int, reducers: int, sizes_mib: list[float], reps
                        "worker_cpu_s_per_gb": worker_cpu / reduced_gb if reduced_gb else 0.0,
                        "correct": not wrong, "wrong_results_by_rank": wrong}
                 rows.append(row)
-                print(f"  {size:>7.1f}Mi {median * 1000:>8.2f}ms {min(times) * 1000:>7.2f}ms {max(times) * 1000:>7.2f}ms "
+                print(f"  {format_size(nbytes):>9} {median * 1000:>8.2f}ms {min(times) * 1000:>7.2f}ms "
+                      f"{max(times) * 1000:>7.2f}ms "
                       f"{row['algbw_gbps']:>11.3f} {row['reducer_cpu_s_per_gb']:>17.3f} {row['worker_cpu_s_per_gb']:>16.3f}  "
                       + ("exact" if not wrong else "WRONG"))
         if json_path:

@@ -30,6 +30,7 @@ from redsrv.bench import report
 from redsrv.bench.emulate import Options, run_emulate
 from redsrv.bench.netns import DEFAULT_PREFIX, format_rate, parse_rate, port_queue_bytes, tcp_goodput_bps
 from redsrv.cli.plan import Plan, plan
+from redsrv.cli.units import size_in
 
 __all__ = ["add_parser", "Point", "predict_seconds", "measure_point", "summarise_points", "format_points",
            "MEDIAN_BOUND", "WORST_BOUND"]
@@ -134,7 +135,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--reducer-fractions", type=float, nargs="+", default=[0.5, 1.0], metavar="F",
                    help="m = round(F x n), at least 1 (default 0.5 1)")
     b.add_argument("--rates", nargs="+", default=["300mbit", "1gbit"], help="per-host rates (default 300mbit 1gbit)")
-    b.add_argument("--size", type=float, default=64, help="MiB per worker (default 64)")
+    b.add_argument("--size", type=size_in("MiB"), default=64, help="per worker, e.g. 64MiB; a bare number is MiB (default 64)")
     b.add_argument("--reps", type=int, default=3, help="timed reps per point (default 3)")
     b.add_argument("--out", default="bench-results", help="folder for the emulations' files and plan-check JSON")
     b.add_argument("--prefix", default=DEFAULT_PREFIX, help="namespace name prefix")

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from redsrv.cli.fleet import _Fleet, start_reducers, stop_processes
+from redsrv.cli.units import size_in
 
 OPS = ("send_recv", "broadcast", "gather", "scatter", "all_to_all_single", "all_gather_into_tensor",
        "reduce_scatter_tensor", "all_reduce")
@@ -47,8 +48,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     b.add_argument("--reducers", type=int, default=2, help="reducer processes (default 2)")
-    b.add_argument("--sizes", type=int, nargs="+", default=list(SIZES_KIB),
-                   help="per-rank sizes in KiB (default 4 64 1024 16384 65536)")
+    b.add_argument("--sizes", type=size_in("KiB", whole=True), nargs="+", default=list(SIZES_KIB), metavar="SIZE",
+                   help="per-rank sizes, e.g. 4KiB 64MiB; a bare number is KiB (default 4 64 1024 16384 65536)")
     b.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, help="operations (default all)")
     b.add_argument("--rounds", type=int, default=3, help="alternations of gloo and redsrv per size (default 3)")
     b.add_argument("--json", help="write every measurement to this JSON file")

@@ -63,6 +63,7 @@ from typing import Any
 
 from redsrv.bench import harness, report
 from redsrv.bench.netns import DEFAULT_PREFIX, IFNAME, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
+from redsrv.cli.units import size_in
 
 __all__ = ["add_parser", "Options", "run_train", "model_shape", "init_params", "summarise", "Summary", "ModeRow",
            "format_summary"]
@@ -138,9 +139,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--rounds", type=int, default=3, help="rounds of gloo/hook/raw/compute blocks (default 3)")
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None,
                    help="the hook compresses float32 gradients to this on the wire (gloo keeps float32)")
-    b.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb, for both models (default 25)")
+    b.add_argument("--bucket-cap-mb", type=size_in("MiB"), default=25.0, help="DDP's bucket_cap_mb, for both models (default 25)")
     b.add_argument("--no-baseline", action="store_true", help="leave out the gloo DDP blocks")
-    b.add_argument("--piece-kib", type=int, default=None, metavar="KIB",
+    b.add_argument("--piece-kib", type=size_in("KiB", whole=True), default=None, metavar="KIB",
                    help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default: the reducer's, "
                         "512); 1024 sends whole chunks: less CPU per byte, a little less bandwidth")
     harness.add_run_arguments(b)

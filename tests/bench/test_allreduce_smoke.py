@@ -22,7 +22,7 @@ def test_torchrun_two_ranks_two_reducers(procs, tmp_path):  # type: ignore[no-un
     out = tmp_path / "allreduce.json"
     run = procs.popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        "-m", "redsrv", "bench", "allreduce", "--reducers", ",".join(r.address for r in reducers),
-                       "--sizes-kib", "4", "64", "--reps", "2", "--warmup", "1", "--line-gbit", "10", "--timeout", "60",
+                       "--sizes", "4KiB", "64KiB", "--reps", "2", "--warmup", "1", "--line-gbit", "10", "--timeout", "60",
                        "--json", str(out)],
                       cwd=tmp_path, env=child_env({"OMP_NUM_THREADS": "1"}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                       text=True)
