@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from redsrv.cli.units import size_in
 from redsrv.core.errors import ConfigError
 
 __all__ = ["add_parser", "run", "reps_for"]
@@ -53,8 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         "allreduce", help="redsrv vs gloo all-reduce on your own cluster (run under torchrun, mpirun or srun)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--reducers", help="reducer addresses host:port,... (default: REDSRV_REDUCERS or TF_CONFIG)")
-    b.add_argument("--sizes-kib", type=int, nargs="+", default=list(SIZES_KIB),
-                   help="per-rank float32 sizes in KiB (default 4 16 64 ... 262144)")
+    b.add_argument("--sizes", "--sizes-kib", dest="sizes_kib", type=size_in("KiB", whole=True), nargs="+",
+                   default=list(SIZES_KIB), metavar="SIZE",
+                   help="per-rank float32 sizes, e.g. 4KiB 64MiB; a bare number is KiB (default 4 16 64 ... 262144)")
     b.add_argument("--reps", type=int, help="timed reps per size and implementation (default: 50 up to 1 MiB, "
                                             "fewer above, at least 5)")
     b.add_argument("--warmup", type=int, default=2, help="untimed reps per size and implementation first (default 2)")

@@ -39,7 +39,7 @@ def run_allreduce_bench(cluster: Cluster, *, n: int, reducer_hosts: Sequence[int
     """``redsrv bench allreduce`` on worker hosts h0..h{n-1} against fresh reducers on
     ``reducer_hosts``; returns rank 0's rows (see ``redsrv.bench.allreduce``)."""
     if any(size % 1024 for size in sizes_bytes):
-        raise EmulationError("--crosscheck needs sizes in whole KiB (redsrv bench allreduce takes --sizes-kib)")
+        raise EmulationError("--crosscheck needs sizes in whole KiB (redsrv bench allreduce takes sizes in KiB)")
     env = harness.child_env(secret)
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
     try:
@@ -51,7 +51,7 @@ def run_allreduce_bench(cluster: Cluster, *, n: int, reducer_hosts: Sequence[int
             rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR=cluster.hosts[0].ip,
                             MASTER_PORT=str(_RENDEZVOUS_PORT))
             argv = [sys.executable, "-m", "redsrv", "bench", "allreduce", "--reducers", ",".join(addresses),
-                    "--sizes-kib", *[str(size // 1024) for size in sizes_bytes], "--warmup", str(warmup),
+                    "--sizes", *[f"{size // 1024}KiB" for size in sizes_bytes], "--warmup", str(warmup),
                     "--json", json_path, "--png", os.path.join(tmp, f"allreduce-n{n}.png")]
             log_path = os.path.join(tmp, f"allreduce-n{n}-{rank}.log")
             logs.append(log_path)

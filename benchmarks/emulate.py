@@ -41,6 +41,7 @@ from typing import Any
 
 from redsrv.bench import crosscheck, harness, report
 from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
+from redsrv.cli.units import size_in
 from redsrv.core.config import check_recv_buffer, congestion_setting
 from redsrv.core.constants import DEFAULT_TCP_CONGESTION
 from redsrv.core.errors import ConfigError
@@ -69,8 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="reducer count m (default: m = n, on their own hosts)")
     b.add_argument("--rate", default="1gbit",
                    help="per-host line rate, both directions, e.g. 1gbit, 500mbit, none (default 1gbit)")
-    b.add_argument("--sizes", type=float, nargs="+", default=[16, 64], metavar="MIB",
-                   help="message sizes in MiB, e.g. 0.00390625 for 4 KiB (default 16 64)")
+    b.add_argument("--sizes", type=size_in("MiB"), nargs="+", default=[16, 64], metavar="SIZE",
+                   help="message sizes, e.g. 4KiB 16MiB; a bare number is MiB (default 16 64)")
     b.add_argument("--reps", type=int, default=None,
                    help="timed reps per size per round (default: 5 from 64 MiB, 20 for 1-64 MiB, 50 below)")
     b.add_argument("--warmup", type=int, default=2, help="untimed reps before each block (default 2)")
@@ -78,21 +79,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--dtype", choices=_DTYPES, default="float32", help="data type of the buffer (default float32)")
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None,
                    help="redsrv compresses float32 to this on the wire (gloo keeps --dtype)")
-    b.add_argument("--chunk-kib", type=int, default=None, help="redsrv pipeline chunk size in KiB (default: the client's)")
+    b.add_argument("--chunk-kib", type=size_in("KiB", whole=True), default=None,
+                   help="redsrv pipeline chunk size in KiB (default: the client's)")
     b.add_argument("--chunks-per-span", type=int, default=None, metavar="N",
                    help="redsrv full chunks per reducer span (REDSRV_CHUNKS_PER_SPAN; default: the client's, 1 with "
                         "cut-through): more shortens the one-chunk tail and costs CPU per chunk")
     b.add_argument("--streams", type=int, default=None, help="redsrv TCP streams per reducer (default: the client's)")
-    b.add_argument("--host-piece-kib", type=int, default=None, metavar="KIB",
+    b.add_argument("--host-piece-kib", type=size_in("KiB", whole=True), default=None, metavar="KIB",
                    help="with --workers-per-host: the host-level pipeline's piece in KiB (REDSRV_HOST_PIECE_BYTES; "
-                        "default: the client's, workers per host x reducers x chunk)")
-    b.add_argument("--send-lowat-kib", type=int, default=None, metavar="KIB",
+                        "default: the client's, max(workers per host, reducers) x chunk)")
+    b.add_argument("--send-lowat-kib", type=size_in("KiB", whole=True), default=None, metavar="KIB",
                    help="TCP_NOTSENT_LOWAT of redsrv's data sockets in KiB (REDSRV_SEND_LOWAT_BYTES; default: the "
                         "client's, 1024; 0 leaves it unset)")
-    b.add_argument("--piece-kib", type=int, default=None, metavar="KIB",
+    b.add_argument("--piece-kib", type=size_in("KiB", whole=True), default=None, metavar="KIB",
                    help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default: the reducer's, "
                         "512): a chunk's sum leaves in pieces of this size as they arrive; 0 sends whole chunks")
-    b.add_argument("--recv-buffer-kib", type=int, default=None, metavar="KIB",
+    b.add_argument("--recv-buffer-kib", type=size_in("KiB", whole=True), default=None, metavar="KIB",
                    help="SO_RCVBUF of the reducers' connections in KiB (REDSRV_RECV_BUFFER_BYTES; default: the "
                         "reducer's, 0 = the kernel's autotuning): bounds each worker's bytes in flight towards a "
                         "reducer; `redsrv plan` advises 256 where the reducers are the bottleneck")
@@ -112,7 +114,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                    help="also run `redsrv bench allreduce` on the same hosts after each worker count, and compare its "
                         "medians with the emulation's (agreement: within 5%%); float32 and the client's defaults only")
     b.add_argument("--mtu", type=int, default=1500, help="MTU of every link (default 1500)")
-    b.add_argument("--host-gso-kib", type=float, default=None, metavar="KIB",
+    b.add_argument("--host-gso-kib", type=size_in("KiB"), default=None, metavar="KIB",
                    help="largest packet a host sends (gso_max_size), in KiB (default: 0.5 ms of the rate, at most 64; "
                         "64 as before 2026-11-26: hosts then queue tens of ms of their own data at slow rates, "
                         "for less CPU per byte; docs/performance.md, \"Method\")")

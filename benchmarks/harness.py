@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from redsrv.bench.local import cpu_seconds
+from redsrv.bench.local import _CLOCK_TICKS, cpu_seconds
 from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, our_namespaces, remove_namespaces, signals_deferred
 from redsrv.cli.fleet import readline_within, stop_processes
 
@@ -398,6 +398,69 @@ def cpu_stat() -> tuple[int, int, int]:
     idle = fields[3] + fields[4]
     total = sum(fields[:8])
     return total - idle, total, fields[7]
+
+
+#: /proc/PID/stat flag of kernel threads (PF_KTHREAD): the kernel's own workers, which also carry
+#: the emulated links' packets (softirqs), so they are not "other load".
+_KERNEL_THREAD = 0x00200000
+
+
+def _processes_cpu() -> dict[tuple[int, int], tuple[int, float]]:
+    """(pid, start time) -> (parent pid, CPU seconds) of every user-space process now running."""
+    found: dict[tuple[int, int], tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile
+        if int(fields[6]) & _KERNEL_THREAD:
+            continue
+        found[(int(entry), int(fields[19]))] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
+    return found
+
+
+class OtherLoad:
+    """The share of the machine that processes other than this run's own used while it ran (a
+    ``with`` block): every user-space process but this one and its descendants, over the block's
+    wall time x the machine's cores. A performance figure measured while others used much of the
+    machine measures them, not the network (docs/performance.md, "Method").
+
+    Processes that start and end inside the block (the run's own: workers, reducers, ``ip``) are
+    never seen; kernel threads are left out, since they carry the emulated network's packets."""
+
+    def __init__(self) -> None:
+        self.share = 0.0
+        self.seconds = 0.0
+        self.by_pid: dict[int, float] = {}  # the other processes' CPU seconds in the block, where non-zero
+        self._before: dict[tuple[int, int], tuple[int, float]] = {}
+        self._started = 0.0
+
+    def __enter__(self) -> OtherLoad:
+        self._before = _processes_cpu()
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall = time.perf_counter() - self._started
+        after = _processes_cpu()
+        parent = {pid: ppid for (pid, _), (ppid, _) in after.items()}
+
+        def ours(pid: int) -> bool:
+            for _ in range(64):  # a parent chain; bounded in case of a cycle read mid-change
+                if pid == os.getpid():
+                    return True
+                if pid not in parent or pid <= 1:
+                    return False
+                pid = parent[pid]
+            return False
+
+        used = {key[0]: cpu - self._before.get(key, (0, 0.0))[1] for key, (_, cpu) in after.items() if not ours(key[0])}
+        self.by_pid = {pid: seconds for pid, seconds in used.items() if seconds > 0}
+        self.seconds = sum(self.by_pid.values())
+        self.share = self.seconds / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
 
 
 class CpuMeter:

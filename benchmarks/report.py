@@ -12,11 +12,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["ring_bound", "server_bound", "theory_speedup", "bound_of", "Row", "summarise", "format_table", "format_size", "plot",
-           "CPU_BOUND_BUSY", "BANDWIDTH_BOUND_BYTES"]
+__all__ = ["ring_bound", "server_bound", "theory_speedup", "bound_of", "Row", "summarise", "format_table", "format_size",
+           "plot", "CPU_BOUND_BUSY", "OTHER_LOAD_BOUND", "BANDWIDTH_BOUND_BYTES"]
 
 #: Whole-machine CPU busy above which a result measures the CPU, not the network.
 CPU_BOUND_BUSY = 0.85
+#: The performance smoke tests judge a run only when processes other than the run's own used at
+#: most this share of the machine (harness.OtherLoad); above it the run measured them: a miss.
+OTHER_LOAD_BOUND = 0.10
 
 #: Below this size an all-reduce is bound by latency, not bandwidth: no bandwidth theory.
 BANDWIDTH_BOUND_BYTES = 2**20

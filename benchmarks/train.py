@@ -21,8 +21,12 @@ step time as a fraction of G. Then the speedup gloo step / hook step beside the 
 an upper bound of what the hook and DDP add, since it also contains the compute that DDP could
 not hide behind communication; (hook - raw - compute) / raw is a lower bound, as if DDP had
 hidden none of it (assuming compute and communication cost as much together as apart). After
-each gloo and hook block the parameters are compared: identical on every rank, and (float32
-wire) the hook-trained model equal to the gloo-trained one within float32 rounding.
+each gloo and hook block the parameters are compared: identical on every rank, equal within
+tolerance to a NumPy float64 replay of the same data-parallel training (:class:`ReferenceModel`,
+on rank 0: every rank's batch, the mean gradient, the same SGD steps; so an all-reduce that is
+wrong the same way on every rank fails too, ``--no-baseline`` included), and the hook-trained model
+equal to the gloo-trained one. The compute-only block is compared with the replay of its local
+steps; the raw block's sums with their exact means. A wrong block makes the command exit 1.
 
 ``--framework jax`` and ``--framework tf`` run the same four blocks, timing rule and checks with
 the same model family (square dense layers, tanh, one CPU device per process) against each
@@ -59,6 +63,7 @@ from typing import Any
 
 from redsrv.bench import harness, report
 from redsrv.bench.netns import DEFAULT_PREFIX, IFNAME, Cluster, EmulationError, format_rate, parse_rate, tcp_goodput_bps
+from redsrv.cli.units import size_in
 
 __all__ = ["add_parser", "Options", "run_train", "model_shape", "init_params", "summarise", "Summary", "ModeRow",
            "format_summary"]
@@ -134,9 +139,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--rounds", type=int, default=3, help="rounds of gloo/hook/raw/compute blocks (default 3)")
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None,
                    help="the hook compresses float32 gradients to this on the wire (gloo keeps float32)")
-    b.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP's bucket_cap_mb, for both models (default 25)")
+    b.add_argument("--bucket-cap-mb", type=size_in("MiB"), default=25.0, help="DDP's bucket_cap_mb, for both models (default 25)")
     b.add_argument("--no-baseline", action="store_true", help="leave out the gloo DDP blocks")
-    b.add_argument("--piece-kib", type=int, default=None, metavar="KIB",
+    b.add_argument("--piece-kib", type=size_in("KiB", whole=True), default=None, metavar="KIB",
                    help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default: the reducer's, "
                         "512); 1024 sends whole chunks: less CPU per byte, a little less bandwidth")
     harness.add_run_arguments(b)
@@ -234,6 +239,13 @@ def init_params(np: Any, layers: int, width: int, seed: int = 1234) -> list[Any]
         out.append(rng.uniform(-bound, bound, (width, width)).astype(np.float32))
         out.append(rng.uniform(-bound, bound, (width,)).astype(np.float32))
     return out
+
+
+def rank_batch(np: Any, rank: int, batch: int, width: int) -> tuple[Any, Any]:
+    """Rank ``rank``'s inputs and targets (float32), the same in the JAX and TensorFlow workers."""
+    rng = np.random.default_rng(1000 + rank)
+    x = rng.standard_normal((batch, width), dtype=np.float32)
+    return x, rng.standard_normal((batch, width), dtype=np.float32)
 
 
 def _main(a: argparse.Namespace) -> int:
@@ -756,31 +768,96 @@ class RawReplay:
                 "check": {"bucket_elements_equal_params": sizes_ok, "results_exact": values_ok}}
 
 
-def hook_vs_gloo(hook: Sequence[Any], gloo: Sequence[Any], initial: Sequence[Any], tolerance: float) -> dict[str, Any]:
-    """The largest |hook - gloo| parameter difference over the largest distance training moved the
-    gloo model from ``initial``, against ``tolerance``. Any array type with ``-``, ``abs`` and
-    ``.max()`` (numpy, torch).
+def agreement(name: str, got: Sequence[Any], want: Sequence[Any], initial: Sequence[Any], tolerance: float) -> dict[str, Any]:
+    """The largest |got - want| parameter difference over the largest distance training moved
+    ``want`` from ``initial``, against ``tolerance``, as ``{name: relative, ..., "match": ...}``.
+    Any array type with ``-``, ``abs`` and ``.max()`` (numpy, torch).
 
     >>> import numpy as np
-    >>> hook_vs_gloo([np.array([1.0, 2.5])], [np.array([1.0, 3.0])], [np.array([0.0, 1.0])], 0.5)["hook_vs_gloo"]
+    >>> agreement("vs", [np.array([1.0, 2.5])], [np.array([1.0, 3.0])], [np.array([0.0, 1.0])], 0.5)["vs"]
     0.25
     """
     diff = moved = 0.0
-    for ph, pg, p0 in zip(hook, gloo, initial, strict=True):
-        diff = max(diff, float(abs(ph - pg).max()))
-        moved = max(moved, float(abs(pg - p0).max()))
+    for pg, pw, p0 in zip(got, want, initial, strict=True):
+        diff = max(diff, float(abs(pg - pw).max()))
+        moved = max(moved, float(abs(pw - p0).max()))
     relative = diff / moved if moved else math.inf
-    return {"hook_vs_gloo": relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
+    return {"name": name, name: relative, "moved": moved, "tolerance": tolerance, "match": relative <= tolerance}
+
+
+def hook_vs_gloo(hook: Sequence[Any], gloo: Sequence[Any], initial: Sequence[Any], tolerance: float) -> dict[str, Any]:
+    """The hook model against the gloo model trained on the same steps (:func:`agreement`)."""
+    return agreement("hook_vs_gloo", hook, gloo, initial, tolerance)
+
+
+class ReferenceModel:
+    """The training every block must reproduce, computed without any framework or network: the
+    benchmarks' model (square dense layers ``[W0, b0, W1, b1, ...]``, W out x in, tanh between
+    them, loss = sum of squared errors / batch, SGD) in NumPy float64.
+
+    A data-parallel step on every rank's batch is one step on the batches stacked: the gradient of
+    the summed loss over all rows / rows is the mean over ranks of each rank's gradient, which is
+    what every all-reduce here must deliver. Float64 rounds far less than the float32 training it
+    checks, so the comparison's tolerance is the training's own.
+
+    >>> import numpy as np
+    >>> ref = ReferenceModel([np.eye(2, dtype=np.float32), np.zeros(2, np.float32)], learning_rate=0.5)
+    >>> ref.step(np.array([[1.0, 0.0]]), np.array([[0.0, 0.0]]))
+    >>> [p.tolist() for p in ref.params]
+    [[[0.0, 0.0], [0.0, 1.0]], [-1.0, 0.0]]
+    """
+
+    def __init__(self, params: Sequence[Any], *, learning_rate: float = LEARNING_RATE) -> None:
+        import numpy as np
+
+        self.np = np
+        self.params = [np.asarray(p, dtype=np.float64).copy() for p in params]
+        self.learning_rate = learning_rate
+        self.steps = 0
+
+    def step(self, x: Any, y: Any) -> None:
+        """One SGD step on rows ``x`` with targets ``y`` (every rank's batch, stacked)."""
+        np = self.np
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        layers = len(self.params) // 2
+        outputs = [x]
+        for i in range(layers):
+            z = outputs[-1] @ self.params[2 * i].T + self.params[2 * i + 1]
+            outputs.append(np.tanh(z) if i < layers - 1 else z)
+        grad_out = 2 * (outputs[-1] - y) / x.shape[0]
+        for i in reversed(range(layers)):
+            grad_z = grad_out if i == layers - 1 else grad_out * (1 - outputs[i + 1] ** 2)
+            weight = self.params[2 * i]
+            grad_out = grad_z @ weight  # before the update: backward uses this step's weights
+            weight -= self.learning_rate * (grad_z.T @ outputs[i])
+            self.params[2 * i + 1] -= self.learning_rate * grad_z.sum(axis=0)
+        self.steps += 1
+
+    def advance_to(self, steps: int, x: Any, y: Any) -> None:
+        """Take steps on ``x``, ``y`` until ``steps`` have been taken in all."""
+        while self.steps < steps:
+            self.step(x, y)
 
 
 def trained_block(times: list[float], meter: harness.CpuMeter, ranks_identical: bool,
-                  agreement: dict[str, Any] | None) -> dict[str, Any]:
-    """A training block's report: correct when the model is bit-identical on every rank and, for
-    the hook block of a round whose gloo block ran first (the same steps on the same data), equal
-    to the gloo model within tolerance (``agreement``, from :func:`hook_vs_gloo`)."""
-    check: dict[str, Any] = {"ranks_identical": ranks_identical, **(agreement or {})}
-    correct = ranks_identical and (agreement is None or bool(agreement["match"]))
+                  agreements: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """A training block's report: correct when the model is bit-identical on every rank and
+    within tolerance of each of ``agreements`` (:func:`agreement`: the reference replay on rank 0;
+    for the hook block of a round whose gloo block ran first, the gloo model)."""
+    given = [a for a in agreements if a is not None]
+    check: dict[str, Any] = {"ranks_identical": ranks_identical, **{a["name"]: a for a in given}}
+    correct = ranks_identical and all(bool(a["match"]) for a in given)
     return {"times": times, "correct": correct, "check": check, **meter.fields()}
+
+
+def local_block(times: list[float], meter: harness.CpuMeter, trained: Sequence[Any], start: Sequence[Any], x: Any, y: Any,
+                steps: int, tolerance: float) -> dict[str, Any]:
+    """A compute-only block's report: the ``steps`` local SGD steps from ``start`` on this rank's
+    own batch (no communication) must give ``trained``, as the reference replays them."""
+    ref = ReferenceModel(start)
+    ref.advance_to(steps, x, y)
+    check = agreement("vs_local_reference", trained, ref.params, start, tolerance)
+    return {"times": times, "correct": bool(check["match"]), "check": check, **meter.fields()}
 
 
 def params_digest(arrays: Sequence[Any]) -> str:
@@ -868,9 +945,19 @@ class _TorchWorker:
             self.optimizers[name] = torch.optim.SGD(ddp.parameters(), lr=LEARNING_RATE)
         self.initial = [p.detach().clone() for p in self.models["hook"].parameters()]
         self.params = sum(p.numel() for p in self.initial)
-        g = torch.Generator().manual_seed(1000 + self.rank)  # every rank its own data, as in data parallelism
-        self.x = torch.randn(spec["batch"], spec["width"], generator=g)
-        self.y = torch.randn(spec["batch"], spec["width"], generator=g)
+        # Every rank its own data, as in data parallelism; each can make every rank's (the reference's).
+        batches = [self._batch(r) for r in range(self.n)]
+        self.x, self.y = batches[self.rank]
+        self.reference = None
+        if self.rank == 0:
+            self.reference = ReferenceModel([p.numpy() for p in self.initial])
+            self.all_x = torch.cat([x for x, _ in batches]).numpy()
+            self.all_y = torch.cat([y for _, y in batches]).numpy()
+
+    def _batch(self, rank: int) -> tuple[Any, Any]:
+        g = self.torch.Generator().manual_seed(1000 + rank)
+        x = self.torch.randn(self.spec["batch"], self.spec["width"], generator=g)
+        return x, self.torch.randn(self.spec["batch"], self.spec["width"], generator=g)
 
     def _ddp(self) -> Any:
         from torch import nn
@@ -912,7 +999,17 @@ class _TorchWorker:
     def _ddp_block(self, mode: str, rnd: int) -> dict[str, Any]:
         times, meter = self._timed(lambda _i: self._train_step(mode))
         same = self._ranks_identical(list(self.models[mode].parameters()))
-        return trained_block(times, meter, same, self._hook_vs_gloo() if mode == "hook" and "gloo" in self.models else None)
+        return trained_block(times, meter, same, [self._vs_reference(mode, rnd),
+                                                  self._hook_vs_gloo() if mode == "hook" and "gloo" in self.models else None])
+
+    def _vs_reference(self, mode: str, rnd: int) -> dict[str, Any] | None:
+        """Rank 0: the model against the reference replay of as many steps (the other ranks hold
+        the same model, which ranks_identical checks)."""
+        if self.reference is None:
+            return None
+        self.reference.advance_to((rnd + 1) * (self.spec["warmup"] + self.spec["steps"]), self.all_x, self.all_y)
+        return agreement("vs_reference", [p.detach().numpy() for p in self.models[mode].parameters()],
+                         self.reference.params, [p.numpy() for p in self.initial], self.spec["tolerance"])
 
     def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
         return self.raw.block(self.client, self.recorder.layout, params=self.params, wire_dtype=self.spec["wire_dtype"],
@@ -923,10 +1020,16 @@ class _TorchWorker:
         saved = [p.detach().clone() for p in ddp.parameters()]
         with ddp.no_sync():
             times, meter = self._timed(lambda _i: self._train_step("hook"))
+        trained = [p.detach().numpy().copy() for p in ddp.parameters()]
         with self.torch.no_grad():
             for p, s in zip(ddp.parameters(), saved, strict=True):
                 p.copy_(s)  # no_sync steps trained each rank on its own gradients: undo them
-        return {"times": times, "correct": True, "check": {"parameters_restored": True}, **meter.fields()}
+        block = local_block(times, meter, trained, [s.numpy() for s in saved], self.x.numpy(), self.y.numpy(),
+                            self.spec["warmup"] + self.spec["steps"], self.spec["tolerance"])
+        restored = all(self.torch.equal(p, s) for p, s in zip(ddp.parameters(), saved, strict=True))
+        block["check"]["parameters_restored"] = restored
+        block["correct"] = block["correct"] and restored
+        return block
 
     def _ranks_identical(self, params: Sequence[Any]) -> bool:
         """Bit-identical models on every rank: a gloo all_gather of each rank's digest."""

@@ -24,7 +24,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redsrv.bench import harness
-from redsrv.bench.train import LEARNING_RATE, RawReplay, hook_vs_gloo, init_params, params_digest, run_blocks, trained_block
+from redsrv.bench.train import (
+    LEARNING_RATE,
+    RawReplay,
+    ReferenceModel,
+    agreement,
+    hook_vs_gloo,
+    init_params,
+    local_block,
+    params_digest,
+    rank_batch,
+    run_blocks,
+    trained_block,
+)
 
 __all__ = ["worker", "worker_env", "XLA_THREAD_FLAGS", "SETUP"]
 
@@ -114,9 +126,13 @@ class _JaxWorker:
         self.np = np
         self.initial = init_params(np, spec["layers"], spec["width"])
         self.params = sum(p.size for p in self.initial)
-        rng = np.random.default_rng(1000 + self.rank)  # every rank its own data, as in data parallelism
-        x = rng.standard_normal((spec["batch"], spec["width"]), dtype=np.float32)
-        y = rng.standard_normal((spec["batch"], spec["width"]), dtype=np.float32)
+        # Every rank its own data, as in data parallelism; each can make every rank's (the reference's).
+        batches = [rank_batch(np, r, spec["batch"], spec["width"]) for r in range(self.n)]
+        x, y = self.own = batches[self.rank]
+        self.reference = None
+        if self.rank == 0:
+            self.reference = ReferenceModel(self.initial)
+            self.all_x, self.all_y = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
 
         def loss(params: list[Any], x: Any, y: Any) -> Any:
             h = x
@@ -198,7 +214,15 @@ class _JaxWorker:
         times, meter = self._timed(one)
         mine = self._local(self.models[mode])
         same = self._ranks_identical(mine)
-        return trained_block(times, meter, same, self._hook_vs_gloo(mine) if mode == "hook" and "gloo" in self.models else None)
+        return trained_block(times, meter, same, [self._vs_reference(mine, rnd),
+                                                  self._hook_vs_gloo(mine) if mode == "hook" and "gloo" in self.models else None])
+
+    def _vs_reference(self, mine: Sequence[Any], rnd: int) -> dict[str, Any] | None:
+        """As the torch worker's: rank 0 against the reference replay of as many steps."""
+        if self.reference is None:
+            return None
+        self.reference.advance_to((rnd + 1) * (self.spec["warmup"] + self.spec["steps"]), self.all_x, self.all_y)
+        return agreement("vs_reference", mine, self.reference.params, self.initial, self.spec["tolerance"])
 
     def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
         return self.raw.block(self.comm.client, self.layout, params=self.params, wire_dtype=self.spec["wire_dtype"],
@@ -207,13 +231,15 @@ class _JaxWorker:
     def _compute_block(self, mode: str, rnd: int) -> dict[str, Any]:
         step, (x, y) = self.steps["compute"], self.data["hook"]
         params = self.models["hook"]
+        stepped: list[Any] = []
 
         def one(_i: int) -> None:
             # Not donated and not kept: the hook model goes on from where it was.
-            self.jax.block_until_ready(step(params, x, y))
+            stepped[:] = self.jax.block_until_ready(step(params, x, y))
 
         times, meter = self._timed(one)
-        return {"times": times, "correct": True, "check": {"parameters_unchanged": True}, **meter.fields()}
+        # Each step starts from the hook model: the last one's output is one local step from it.
+        return local_block(times, meter, self._local(stepped), self._local(params), *self.own, 1, self.spec["tolerance"])
 
     def _ranks_identical(self, params: Sequence[Any]) -> bool:
         """Bit-identical models on every rank: each rank's digest through the coordination

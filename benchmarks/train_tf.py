@@ -28,7 +28,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from redsrv.bench import harness
-from redsrv.bench.train import LEARNING_RATE, RawReplay, hook_vs_gloo, init_params, params_digest, run_blocks, trained_block
+from redsrv.bench.train import (
+    LEARNING_RATE,
+    RawReplay,
+    ReferenceModel,
+    agreement,
+    hook_vs_gloo,
+    init_params,
+    local_block,
+    params_digest,
+    rank_batch,
+    run_blocks,
+    trained_block,
+)
 
 __all__ = ["worker", "worker_env", "SETUP"]
 
@@ -132,9 +144,14 @@ class _TfWorker:
         self.np = np
         self.initial = init_params(np, spec["layers"], spec["width"])
         self.params = sum(p.size for p in self.initial)
-        rng = np.random.default_rng(1000 + self.rank)  # every rank its own data, as in data parallelism
-        self.x = tf.constant(rng.standard_normal((spec["batch"], spec["width"]), dtype=np.float32))
-        self.y = tf.constant(rng.standard_normal((spec["batch"], spec["width"]), dtype=np.float32))
+        # Every rank its own data, as in data parallelism; each can make every rank's (the reference's).
+        batches = [rank_batch(np, r, spec["batch"], spec["width"]) for r in range(self.n)]
+        self.own = batches[self.rank]
+        self.x, self.y = (tf.constant(a) for a in self.own)
+        self.reference = None
+        if self.rank == 0:
+            self.reference = ReferenceModel(self.initial)
+            self.all_x, self.all_y = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
         self.models: dict[str, Any] = {}
         self.steps: dict[str, Callable[[], Any]] = {}
         for mode, strategy in self.strategies.items():
@@ -196,7 +213,15 @@ class _TfWorker:
             self.redsrv.check()
         mine = self._weights(mode)
         same = self._ranks_identical(mine)
-        return trained_block(times, meter, same, self._hook_vs_gloo(mine) if mode == "hook" and "gloo" in self.models else None)
+        return trained_block(times, meter, same, [self._vs_reference(mine, rnd),
+                                                  self._hook_vs_gloo(mine) if mode == "hook" and "gloo" in self.models else None])
+
+    def _vs_reference(self, mine: Sequence[Any], rnd: int) -> dict[str, Any] | None:
+        """As the torch worker's: rank 0 against the reference replay of as many steps."""
+        if self.reference is None:
+            return None
+        self.reference.advance_to((rnd + 1) * (self.spec["warmup"] + self.spec["steps"]), self.all_x, self.all_y)
+        return agreement("vs_reference", mine, self.reference.params, self.initial, self.spec["tolerance"])
 
     def _raw_block(self, mode: str, rnd: int) -> dict[str, Any]:
         return self.raw.block(self.client, self.recorder.layout, params=self.params, wire_dtype=self.spec["wire_dtype"],
@@ -205,9 +230,10 @@ class _TfWorker:
     def _compute_block(self, mode: str, rnd: int) -> dict[str, Any]:
         model = self.models["compute"]
         model.set_weights(self.models["hook"].get_weights())  # start where the hook model is, every round
-
+        start = self._weights("hook")
         times, meter = self._timed(lambda _i: self._run_step("compute"))
-        return {"times": times, "correct": True, "check": {"separate_model": True}, **meter.fields()}
+        return local_block(times, meter, self._weights("compute"), start, *self.own,
+                           self.spec["warmup"] + self.spec["steps"], self.spec["tolerance"])
 
     def _ranks_identical(self, params: Sequence[Any]) -> bool:
         """Bit-identical models on every rank: each rank's digest, all-gathered by the client."""

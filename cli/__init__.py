@@ -7,12 +7,12 @@ import importlib
 import json
 import logging
 import os
-import re
 import sys
 import threading
 from collections.abc import Sequence
 
 from redsrv.cli.fleet import stop_on_signals
+from redsrv.cli.units import parse_size, plain_help
 from redsrv.core import constants as C
 from redsrv.core.config import DaemonSettings
 from redsrv.core.daemon import ReducerDaemon
@@ -92,17 +92,12 @@ def _reducer(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-               "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-
-
 def _parse_bytes(text: str, option: str) -> int:
-    """``"2GiB"``, ``"512MB"``, ``"1048576"`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _BYTE_UNITS:
-        raise ConfigError(f"{option} must be a size such as 2GiB, 512MiB or 1000000, got {text!r}")
-    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+    """``"2GiB"``, ``"512MB"``, ``"1048576"`` -> bytes (cli/units.py); a bad one is a configuration error."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise ConfigError(f"{option} must be a size such as 2GiB, 512MiB or 1000000, got {text!r}") from None
 
 
 def _force_exit(close_timeout: float) -> None:
@@ -187,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = p.add_subparsers(dest="bench_command", required=True, metavar="KIND")
     for name in BENCH_MODULES:
         importlib.import_module(f"redsrv.bench.{name}").add_parser(bench)
+    plain_help(parser)  # the subcommands' descriptions are module docstrings, written in reST
     return parser
 
 

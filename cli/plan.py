@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from redsrv.cli.units import size_in
 from redsrv.core import constants as C
 from redsrv.core.errors import ConfigError
 
@@ -420,28 +421,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--reducers", type=int, help="evaluate this many reducer hosts instead of recommending")
     p.add_argument("--reducer-processes", type=int,
                    help="evaluate this many `redsrv reducer` processes per reducer host instead of recommending")
-    p.add_argument("--core-gbps", type=float, help=f"GB/s of contributions one core reduces (default {DEFAULT_CORE_GBPS})")
-    p.add_argument("--worker-io-gbps", type=float,
+    p.add_argument("--core-gbyte", dest="core_gbps", type=float,
+                   help=f"GB/s of contributions one core reduces (default {DEFAULT_CORE_GBPS})")
+    p.add_argument("--worker-io-gbyte", dest="worker_io_gbps", type=float,
                    help=f"GB/s one of the worker's client I/O threads moves each way (default {DEFAULT_IO_THREAD_GBPS})")
-    p.add_argument("--reducer-io-gbps", type=float,
+    p.add_argument("--reducer-io-gbyte", dest="reducer_io_gbps", type=float,
                    help=f"GB/s one reducer process moves each way (default {DEFAULT_IO_THREAD_GBPS})")
     p.add_argument("--measure", action="store_true",
                    help="measure this machine first: reduce throughput per core, and the data path of one worker client "
                         "and one reducer process on loopback (flags given explicitly win over the measurement)")
-    p.add_argument("--measure-mib", type=float, default=256,
+    p.add_argument("--measure-mib", type=size_in("MiB"), default=256,
                    help="MiB each way for the data-path measurement (default 256)")
     p.add_argument("--worker-price", type=float, help="price of a worker per hour (any currency)")
     p.add_argument("--reducer-price", type=float, help="price of a reducer per hour (same currency)")
-    p.add_argument("--message-mib", type=float, default=64,
+    p.add_argument("--message-mib", type=size_in("MiB"), default=64,
                    help="predict the time of one all-reduce of this many MiB per worker (default 64)")
-    p.add_argument("--piece-kib", type=int, default=C.DEFAULT_RESULT_PIECE_BYTES // 1024,
+    p.add_argument("--piece-kib", type=size_in("KiB", whole=True), default=C.DEFAULT_RESULT_PIECE_BYTES // 1024,
                    help="the reducers' cut-through piece in KiB (REDSRV_RESULT_PIECE_BYTES; default "
                         f"{C.DEFAULT_RESULT_PIECE_BYTES // 1024}; 0: whole chunks)")
-    p.add_argument("--switch-buffer-kib", type=float, default=None, metavar="KIB",
+    p.add_argument("--switch-buffer-kib", type=size_in("KiB"), default=None, metavar="KIB",
                    help="the queue of the switch port in front of each reducer, in KiB, where known: sizes the "
                         "reducers' receive window the plan advises when they are the bottleneck (default: "
                         f"{C.RECOMMENDED_RECV_BUFFER_BYTES // 1024} KiB)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write the plan as JSON to PATH instead of a table (no PATH or -: standard output)")
     p.set_defaults(func=_main)
 
 
@@ -450,7 +453,7 @@ def _main(args: argparse.Namespace) -> int:
     measured = None
     if args.measure:
         # With --json the measurement goes into the JSON; its prose to stderr, keeping stdout parseable.
-        say = sys.stderr if args.json else sys.stdout
+        say = sys.stderr if args.json == "-" else sys.stdout
         core = measure_core_gbps()
         print(f"measured: one core moves {core:.2f} GB/s of contributions through the reducer state machine "
               f"(TCP excluded; planning with {core / 2:.2f}, half of it, to leave room for the network stack)", file=say)
@@ -479,9 +482,17 @@ def _main(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     message = int(args.message_mib * 2**20)
     if args.json:
-        print(json.dumps({**asdict(p), "worker_cpu_bound": p.worker_cpu_bound, "message_bytes": message,
-                          "seconds": p.seconds(message), "ring_seconds": p.ring_seconds(message),
-                          **({"measured": measured} if measured else {})}, indent=1))
+        # JSON keys say their unit as the flags do (cli/units.py): the NICs in Gbit/s, rates in GB/s.
+        fields = {{"worker_gbps": "worker_gbit", "reducer_gbps": "reducer_gbit"}.get(k, k): v for k, v in asdict(p).items()}
+        text = json.dumps({**fields, "worker_cpu_bound": p.worker_cpu_bound, "message_bytes": message,
+                           "seconds": p.seconds(message), "ring_seconds": p.ring_seconds(message),
+                           **({"measured": measured} if measured else {})}, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+            print(f"wrote {args.json}")
         return 0
     worker_path = p.worker_path_gbps
     rows = [

@@ -105,11 +105,11 @@ def _close_open_clients() -> None:
 
 
 class Client:
-    """A worker's connection to the reducer fleet.
+    """A worker's connection to the reducer fleet (not a doctest: it needs running reducers)::
 
-    >>> with Client(["10.0.0.5:29600", "10.0.0.6:29600"], rank=0, world_size=4, job="run-17") as c:  # doctest: +SKIP
-    ...     total = c.allreduce(grads)
-    ...     mean = c.allreduce(grads, op="mean")
+        with Client(["10.0.0.5:29600", "10.0.0.6:29600"], rank=0, world_size=4, job="run-17") as c:
+            total = c.allreduce(grads)
+            mean = c.allreduce(grads, op="mean")
 
     Settings not given here come from ``REDSRV_*`` variables (see :class:`Config`). The client
     is thread-safe; many operations may be in flight, each under its own key.

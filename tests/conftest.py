@@ -21,6 +21,11 @@ import pytest
 
 from redsrv.cli.fleet import readline_within
 
+# Test modules, and this one, import shared helpers (tests_support, worker_main) by name.
+sys.path.insert(0, os.path.dirname(__file__))
+
+from tests_support import poll  # noqa: E402 - importable only once its folder is on the path
+
 LISTEN_RE = re.compile(r"listening on (\S+):(\d+) incarnation=(0x[0-9a-f]+)")
 
 #: Timeouts shrunk for tests (RELIABILITY: tests shrink defaults 10-100x).
@@ -96,14 +101,19 @@ class ProcessTracker:
     def restart_reducer(self, old: Reducer, timeout: float = 20.0) -> Reducer:
         """Start a new reducer process on the same address (after the old one died)."""
         extra = old.args[old.args.index("--port") + 2 :]
-        deadline = time.monotonic() + timeout
-        while True:
+        refusals: list[str] = []
+
+        def attempt() -> Reducer | None:  # the port is free once the kernel lets the old socket go
             try:
                 return self.start_reducer(*extra, port=old.port, timeout=timeout)
-            except RuntimeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+            except RuntimeError as exc:
+                refusals.append(str(exc))
+                return None
+
+        try:
+            return poll(attempt, timeout, f"a reducer restarted on port {old.port}", every=0.2)  # type: ignore[no-any-return]
+        except AssertionError as exc:
+            raise RuntimeError(f"{exc}; last refusal: {refusals[-1:]}") from None
 
     def cleanup(self) -> list[int]:
         """End every tracked process still running (SIGCONT, SIGTERM, then SIGKILL, by pid), and
@@ -211,14 +221,14 @@ def no_leaked_threads() -> Iterator[None]:
     """Fail a test that leaves redsrv threads running (clients or daemons not closed)."""
     before = {t.ident for t in threading.enumerate()}
     yield
-    deadline = time.monotonic() + 5
-    while True:
-        leaked = [t.name for t in threading.enumerate()
-                  if t.ident not in before and t.name.startswith("redsrv-") and t.is_alive()]
-        if not leaked or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not leaked, f"threads left running: {leaked}"
+
+    def leaked() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.ident not in before and t.name.startswith("redsrv-") and t.is_alive()]
+
+    try:
+        poll(lambda: not leaked(), 5, "redsrv threads the test started ending")
+    except AssertionError:
+        pytest.fail(f"threads left running: {leaked()}", pytrace=False)
 
 
 #: How long a process the test started may take to finish exiting after every fixture's teardown.
@@ -269,26 +279,21 @@ class WorkerRun:
 
     def wait_for_steps(self, count: int = 3, timeout: float = 60.0) -> None:
         """Block until every worker of a looping run has completed ``count`` steps."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(m.isdigit() and int(m) >= count for m in self._progress()):
-                return
+
+        def reached() -> bool:
             if any(p.poll() is not None for p in self.procs):
                 raise AssertionError("a worker exited before the fault was injected")
-            time.sleep(0.05)
-        raise AssertionError(f"workers did not reach step {count} within {timeout}s")
+            return all(m.isdigit() and int(m) >= count for m in self._progress())
+
+        poll(reached, timeout, f"every worker reaching step {count}")
 
     def wait_for_errors(self, timeout: float) -> None:
         """Block until every worker has raised; fail, naming those that have not, after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            marks = self._progress()
-            if all(m == "error" for m in marks):
-                return
-            if time.monotonic() > deadline:
-                silent = [p.pid for p, m in zip(self.procs, marks) if m != "error"]
-                raise AssertionError(f"workers (pids {silent}) had not raised {timeout}s after the fault")
-            time.sleep(0.05)
+        try:
+            poll(lambda: all(m == "error" for m in self._progress()), timeout, "every worker raising")
+        except AssertionError:
+            silent = [p.pid for p, m in zip(self.procs, self._progress()) if m != "error"]
+            raise AssertionError(f"workers (pids {silent}) had not raised {timeout}s after the fault") from None
 
     def wait(self, timeout: float = 90.0) -> tuple[list[dict], list[dict]]:  # type: ignore[type-arg]
         import json
@@ -340,7 +345,3 @@ def workers(procs: ProcessTracker, tmp_path):  # type: ignore[no-untyped-def]
         return WorkerRun(ps, prefixes, time.monotonic())
 
     return start
-
-
-# Test modules import shared helpers (tests_support, worker_main) by name.
-sys.path.insert(0, os.path.dirname(__file__))

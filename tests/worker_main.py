@@ -7,7 +7,7 @@ SPEC: {"reducers": [...], "rank": r, "world_size": n, "job": "...", "config": {.
        "ops": [{"kind": "allreduce"|"broadcast", "size": int, "dtype": str, "seed": int,
                 "op": "sum"|"mean"|"min"|"max"|"product"|"band"|"bor"|"bxor", "wire_dtype": null|"bf16"|"fp16",
                 "key": ..., "root": 0}],
-       "concurrent": bool, "reverse_on_odd_ranks": bool, "start_delay": {"rank": seconds},
+       "concurrent": bool, "reverse_on_odd_ranks": bool, "start_after": {"rank": path},
        "loop_until_error": bool, "loop_size": int, "loop_seconds": float, "step_pause": float}
 
 Writes OUT_PREFIX.npz with result i as "r{i}" and OUT_PREFIX.json with timings, contributor
@@ -17,6 +17,7 @@ counts and, if one was raised, the error's type, message and attributes.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -66,7 +67,7 @@ def _recover(spec: dict) -> dict:  # type: ignore[type-arg]
             return {"ok": bool(out.tobytes() == expected.tobytes()), "attempts": attempts}
         except redsrv.RedsrvError as exc:
             last = repr(exc)
-            time.sleep(0.3)
+            time.sleep(0.3)  # noqa: TID251 - a retry's backoff while the fleet comes back, inside the deadline above
     return {"ok": False, "attempts": attempts, "last_error": last}
 
 
@@ -111,14 +112,17 @@ def main() -> int:
                 if step in (1, 3, 10):  # progress marks for tests that inject a fault mid-training
                     with open(out_prefix + ".progress", "w") as f:
                         f.write(str(step))
-                time.sleep(spec.get("step_pause", 0.0))
+                time.sleep(spec.get("step_pause", 0.0))  # noqa: TID251 - a training step's compute time: pacing
         else:
             futures = []
             order = list(enumerate(spec["ops"]))
             if spec.get("reverse_on_odd_ranks") and spec["rank"] % 2:
                 order.reverse()  # keys, not submission order, must match results across ranks
-            if spec.get("start_delay"):
-                time.sleep(spec["start_delay"].get(str(spec["rank"]), 0.0))
+            go = spec.get("start_after", {}).get(str(spec["rank"]))
+            if go is not None:  # a straggler by construction: it pushes once the test says so
+                from tests_support import poll
+
+                poll(lambda: os.path.exists(go), 60, f"the go-ahead file {go}")
             for i, op in order:
                 x = make_input(op.get("seed", i), spec["rank"], op["size"], op.get("dtype", "float32"))
                 key = tuple(op["key"]) if isinstance(op.get("key"), list) else op.get("key")

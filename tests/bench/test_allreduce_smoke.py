@@ -22,7 +22,7 @@ def test_torchrun_two_ranks_two_reducers(procs, tmp_path):  # type: ignore[no-un
     out = tmp_path / "allreduce.json"
     run = procs.popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                        "-m", "redsrv", "bench", "allreduce", "--reducers", ",".join(r.address for r in reducers),
-                       "--sizes-kib", "4", "64", "--reps", "2", "--warmup", "1", "--line-gbit", "10", "--timeout", "60",
+                       "--sizes", "4KiB", "64KiB", "--reps", "2", "--warmup", "1", "--line-gbit", "10", "--timeout", "60",
                        "--json", str(out)],
                       cwd=tmp_path, env=child_env({"OMP_NUM_THREADS": "1"}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                       text=True)
@@ -48,11 +48,3 @@ def test_one_process_is_told_to_use_a_launcher(monkeypatch, capsys):  # type: ig
         monkeypatch.delenv(var, raising=False)
     assert main(["bench", "allreduce", "--reducers", "127.0.0.1:9", "--sizes-kib", "4"]) == 2
     assert "at least 2 ranks" in capsys.readouterr().err
-
-
-def test_reps_doctest() -> None:
-    import doctest
-
-    import redsrv.bench.allreduce
-
-    assert doctest.testmod(redsrv.bench.allreduce).failed == 0

@@ -2,9 +2,11 @@
 
 Checks that the sums are right, that the cluster leaves no namespace or process behind, and that
 redsrv is not absurdly slower than gloo: below the 0.8x sanity bound fails (theory is 1.0x at
-n=2), unless other load kept the machine CPU-bound during the run (an expected failure then).
-The full comparison is a manual benchmark (docs/performance.md). Skipped where network
-namespaces cannot be created.
+n=2). The speed-up is judged only as a measurement of the network: processes other than the
+run's own must have used at most report.OTHER_LOAD_BOUND of the machine during the run
+(harness.OtherLoad), else the run is a miss. The run's own CPU (redsrv's processes) is what is
+measured, so it never excuses a slow result. The full comparison is a manual benchmark
+(docs/performance.md). Skipped where network namespaces cannot be created.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import psutil
 import pytest
 
+from redsrv.bench import harness, report
 from redsrv.bench.emulate import Options, run_emulate
 from redsrv.bench.netns import our_namespaces
 
@@ -30,9 +33,10 @@ HAS_TORCH = importlib.util.find_spec("torch") is not None
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_two_workers_two_reducers_16mib(tmp_path):
     prefix = f"rst{os.getpid() % 100000}"
-    doc = run_emulate(Options(workers=(2,), reducers=2, rate_bps=10**9, sizes_bytes=(16 * 2**20,), reps=4, warmup=1,
-                              rounds=2, out=str(tmp_path), prefix=prefix, quiet=True,
-                              timeline=str(tmp_path / "timeline")))
+    with harness.OtherLoad() as others:
+        doc = run_emulate(Options(workers=(2,), reducers=2, rate_bps=10**9, sizes_bytes=(16 * 2**20,), reps=4, warmup=1,
+                                  rounds=2, out=str(tmp_path), prefix=prefix, quiet=True,
+                                  timeline=str(tmp_path / "timeline")))
     assert our_namespaces(prefix) == [], "namespaces left behind"
     children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
     assert not children, f"processes left behind: {[c.cmdline() for c in children]}"
@@ -51,13 +55,11 @@ def test_two_workers_two_reducers_16mib(tmp_path):
     if HAS_TORCH:
         speedup = redsrv_row["speedup"]
         detail = (f"redsrv took {redsrv_row['median_s']:.3f}s vs gloo {rows['gloo']['median_s']:.3f}s (speedup "
-                  f"{speedup:.2f}x, machine CPU busy {redsrv_row['cpu_busy']:.0%})")
+                  f"{speedup:.2f}x, machine CPU busy {redsrv_row['cpu_busy']:.0%}, other processes {others.share:.0%})")
         # Absurd: the emulation or the client is broken (no rate limit, a stall, a retry loop).
         assert speedup >= 0.5, detail
-        if max(redsrv_row["cpu_busy"], rows["gloo"]["cpu_busy"]) > 0.85:
-            # A speed-up measured on a saturated machine measures the other load (it hurts
-            # multi-process Python more than gloo), so it is not judged against 0.8x.
-            pytest.xfail(f"machine CPU-bound during the run: {detail}")
+        # Not a measurement of the network: a miss, never an expected failure.
+        assert others.share <= report.OTHER_LOAD_BOUND, f"other processes used the machine during the run: {detail}"
         # The issue's sanity bound (theory 1.00x; measured 0.91-0.92x on an idle 2-vCPU VM).
         assert speedup >= 0.8, detail
     else:

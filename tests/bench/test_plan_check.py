@@ -1,15 +1,15 @@
 """`redsrv plan`'s model against a fresh short emulation (benchmarks/plan_check.py).
 
-The emulated point is network-bound by design (2 workers, 2 reducers, 300 Mbit/s): there the
-model must hold within the issue's worst-case bound. If other load keeps the machine CPU-bound
-during the run, the point measures that load, not the model, and the test is an expected failure
-(as in test_emulate_smoke.py)."""
+The emulated points are network-bound by design: there the model must hold within the issue's
+worst-case bound. A point is judged only as a measurement of the network: processes other than
+the run's own must have used at most report.OTHER_LOAD_BOUND of the machine (harness.OtherLoad),
+else it is a miss, never an expected failure (as in test_emulate_smoke.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from redsrv.bench import plan_check
+from redsrv.bench import harness, plan_check, report
 from redsrv.bench.plan_check import Point
 
 from tests_support import why_no_namespaces
@@ -17,17 +17,18 @@ from tests_support import why_no_namespaces
 REASON = why_no_namespaces()
 
 
-def test_errors_are_judged_over_network_bound_points_only() -> None:
+def test_the_headline_judges_every_point_and_marks_the_cpu_bound_ones() -> None:
     points = [Point(2, 2, 10**9, 1 << 20, predicted_s=1.0, measured_s=1.04, bottleneck="worker NIC", cpu_busy=0.5),
               Point(4, 2, 10**9, 1 << 20, predicted_s=1.0, measured_s=1.02, bottleneck="reducer NIC", cpu_busy=0.6),
               Point(8, 8, 10**9, 1 << 20, predicted_s=1.0, measured_s=1.60, bottleneck="worker NIC", cpu_busy=0.97)]
     summary = plan_check.summarise_points(points)
-    assert summary["judged"] == 2 and summary["within_bounds"] is True
-    assert summary["median_error"] == pytest.approx(0.03) and summary["worst_error"] == pytest.approx(0.04)
+    # The CPU-bound point is the worst one: the headline keeps it (a slower machine of the same
+    # kind would be CPU-bound at the headline points too, and hiding them hides that regression).
+    assert summary["judged"] == 3 and summary["cpu_bound"] == 1 and summary["within_bounds"] is False
+    assert summary["median_error"] == pytest.approx(0.04) and summary["worst_error"] == pytest.approx(0.60)
     text = plan_check.format_points(points)
-    assert "CPU-bound: not judged" in text and "within bounds" in text
-    worse = [*points, Point(6, 3, 10**9, 1 << 20, predicted_s=1.0, measured_s=1.2, bottleneck="reducer NIC", cpu_busy=0.5)]
-    assert plan_check.summarise_points(worse)["within_bounds"] is False
+    assert "+60.0%  97%  CPU-bound" in text and "over all 3 point(s) (1 CPU-bound)" in text and "OUTSIDE" in text
+    assert plan_check.summarise_points(points[:2])["within_bounds"] is True
 
 
 @pytest.mark.netns
@@ -47,10 +48,11 @@ def test_errors_are_judged_over_network_bound_points_only() -> None:
 ], ids=["n2-m2-300mbit", "n4-m2-1gbit", "n8-m4-300mbit"])
 def test_the_model_predicts_a_fresh_network_bound_emulation_within_the_worst_case_bound(
         tmp_path, n: int, m: int, rate_bps: int, size_mib: int) -> None:  # type: ignore[no-untyped-def]
-    point = plan_check.measure_point(n=n, m=m, rate_bps=rate_bps, size_bytes=size_mib * 2**20, reps=3, out=str(tmp_path),
-                                     prefix="rspt")
+    with harness.OtherLoad() as others:
+        point = plan_check.measure_point(n=n, m=m, rate_bps=rate_bps, size_bytes=size_mib * 2**20, reps=3, out=str(tmp_path),
+                                         prefix="rspt")
     detail = (f"predicted {point.predicted_s:.3f}s ({point.bottleneck}), measured {point.measured_s:.3f}s, error "
-              f"{point.error:+.1%}, machine {point.cpu_busy:.0%} busy")
-    if point.cpu_bound:
-        pytest.xfail(f"machine CPU-bound during the run: {detail}")
+              f"{point.error:+.1%}, machine {point.cpu_busy:.0%} busy, other processes {others.share:.0%}")
+    # Not a measurement of the network: a miss, never an expected failure.
+    assert others.share <= report.OTHER_LOAD_BOUND, f"other processes used the machine during the run: {detail}"
     assert abs(point.error) <= plan_check.WORST_BOUND, detail

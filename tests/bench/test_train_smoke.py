@@ -41,7 +41,13 @@ def test_two_workers_two_reducers_small_model(tmp_path):
         assert b["correct"], f"round {b['round']} {b['mode']}: {b['checks']}"
         assert len(b["times"]) == 3 and all(t > 0 for t in b["times"])
     hook_checks = [c for b in blocks if b["mode"] == "hook" for c in b["checks"]]
-    assert all(c["ranks_identical"] and c["match"] and c["moved"] > 0 for c in hook_checks), hook_checks
+    assert all(c["ranks_identical"] and c["hook_vs_gloo"]["match"] and c["hook_vs_gloo"]["moved"] > 0 for c in hook_checks), \
+        hook_checks
+    # Rank 0 replays the training in NumPy: every training block, the baseline's too, matches it.
+    trained = [b["checks"][0] for b in blocks if b["mode"] in ("gloo", "hook")]
+    assert all(c["vs_reference"]["match"] and c["vs_reference"]["moved"] > 0 for c in trained), trained
+    compute = [c for b in blocks if b["mode"] == "compute" for c in b["checks"]]
+    assert all(c["match"] for c in compute), compute
     model = doc["model"]
     assert sum(numel for numel, _ in model["buckets"]) == model["params"]
     assert model["grad_bytes"] == 4 * model["params"]
@@ -52,3 +58,17 @@ def test_two_workers_two_reducers_small_model(tmp_path):
     for mode in ("hook", "raw"):
         assert rows[mode]["grad_gbps"] <= doc["goodput_gbps"] * 1.05, rows[mode]
     assert doc["summary"]["speedup"] > 0 and doc["summary"]["overhead"] is not None
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_without_the_baseline_every_block_is_still_checked_against_a_computed_reference(tmp_path):
+    prefix = f"rstn{os.getpid() % 100000}"
+    doc = run_train(Options(workers=2, reducers=2, rate_bps=10**9, params=2_000_000, steps=2, warmup=1, rounds=1,
+                            baseline=False, out=str(tmp_path), prefix=prefix, quiet=True))
+    assert our_namespaces(prefix) == [], "namespaces left behind"
+    blocks = {b["mode"]: b for b in doc["blocks"]}
+    assert set(blocks) == set(MODES) - {"gloo"}
+    hook = blocks["hook"]["checks"][0]  # rank 0's: the reference replay runs there
+    assert "hook_vs_gloo" not in hook and hook["vs_reference"]["match"] and hook["vs_reference"]["moved"] > 0, hook
+    assert all(c["match"] for c in blocks["compute"]["checks"]), blocks["compute"]["checks"]
+    assert doc["ok"]

@@ -288,3 +288,59 @@ def test_result_file_says_how_each_framework_trains(framework, key):
     assert setup[key]["learning_rate"] == train.LEARNING_RATE
     if framework != "torch":
         assert {"baseline", "redsrv", "optimizer"} <= set(setup[key])
+
+
+def _torch_data_parallel(torch, initial, batches, steps, reduce):  # type: ignore[no-untyped-def]
+    """SGD on ``batches`` (one per rank) with torch's autograd, the ranks' gradients combined by
+    ``reduce``: what DDP computes when its all-reduce is ``reduce``."""
+    params = [torch.tensor(p, requires_grad=True) for p in initial]
+    for _ in range(steps):
+        grads = []
+        for x, y in batches:
+            h = torch.tensor(x)
+            for i in range(0, len(params), 2):
+                h = h @ params[i].T + params[i + 1]
+                if i + 2 < len(params):
+                    h = torch.tanh(h)
+            loss = ((h - torch.tensor(y)) ** 2).sum() / h.shape[0]
+            grads.append(torch.autograd.grad(loss, params))
+        with torch.no_grad():
+            for k, p in enumerate(params):
+                p -= train.LEARNING_RATE * reduce([g[k] for g in grads])
+    return [p.detach().numpy() for p in params]
+
+
+def test_the_reference_replay_is_data_parallel_sgd_and_catches_an_all_reduce_wrong_on_every_rank():
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    initial = train.init_params(np, 3, 16)
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((4, 16), dtype=np.float32), rng.standard_normal((4, 16), dtype=np.float32))
+               for _ in range(3)]
+    ref = train.ReferenceModel(initial)
+    ref.advance_to(5, np.concatenate([x for x, _ in batches]), np.concatenate([y for _, y in batches]))
+    tolerance = train.MATCH_TOLERANCE[None]
+
+    def check(reduce):  # type: ignore[no-untyped-def]
+        return train.agreement("vs_reference", _torch_data_parallel(torch, initial, batches, 5, reduce), ref.params,
+                               initial, tolerance)
+
+    assert check(lambda gs: sum(gs) / len(gs))["match"]  # the mean over ranks: DDP's all-reduce
+    # Wrong the same way on every rank, so every rank's model is identical and only the reference sees it:
+    assert not check(lambda gs: sum(gs))["match"]  # a sum, not a mean
+    assert not check(lambda gs: sum(gs[:-1]) / len(gs))["match"]  # a rank's contribution lost
+
+
+def test_a_compute_block_is_checked_against_its_local_steps():
+    import numpy as np
+
+    initial = train.init_params(np, 2, 8)
+    rng = np.random.default_rng(2)
+    x, y = rng.standard_normal((3, 8), dtype=np.float32), rng.standard_normal((3, 8), dtype=np.float32)
+    meter = SimpleNamespace(fields=lambda: {})
+    ref = train.ReferenceModel(initial)
+    ref.advance_to(4, x, y)
+    trained = [p.astype(np.float32) for p in ref.params]
+    assert train.local_block([0.1], meter, trained, initial, x, y, 4, train.MATCH_TOLERANCE[None])["correct"]
+    assert not train.local_block([0.1], meter, initial, initial, x, y, 4, train.MATCH_TOLERANCE[None])["correct"]

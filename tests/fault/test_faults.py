@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import redsrv
 from redsrv.core import wire
 from redsrv.core.constants import PROTOCOL_VERSION
 
-from tests_support import make_input, rank_order_sum, read_frames, read_one_operation, scripted_handshake
+from tests_support import make_input, poll, rank_order_sum, read_frames, read_one_operation, scripted_handshake
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -200,7 +201,7 @@ def test_a_slow_but_steady_push_is_not_taken_for_a_frozen_worker(fleet) -> None:
         started = time.monotonic()
         for offset in range(0, len(payload), piece):
             slow.sendall(payload[offset : offset + piece])
-            time.sleep(0.15)
+            time.sleep(0.15)  # noqa: TID251 - the pacing of the slow peer under test, not a synchronisation
         assert time.monotonic() - started > 2 * HEARTBEAT_BOUND  # longer than any silence allowed
         decoder = wire.FrameDecoder(max_payload=len(payload) + 64)
         slow.settimeout(5)
@@ -351,7 +352,8 @@ def test_unknown_environment_variable_stops_the_daemon_at_start_up() -> None:
 
 def _scripted_reducer(answer) -> tuple[str, threading.Thread, socket.socket]:  # type: ignore[no-untyped-def]
     """A one-connection reducer that handshakes, reads the pushes of one operation, and answers
-    with the byte strings ``answer(pushes)`` returns, 0.3 s apart: for client behaviour no real
+    with the byte strings ``answer(pushes)`` yields, each sent before the next is asked for (so a
+    generator can wait for the client to reach a state between two): for client behaviour no real
     reducer shows."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
@@ -360,9 +362,7 @@ def _scripted_reducer(answer) -> tuple[str, threading.Thread, socket.socket]:  #
         conn, _ = listener.accept()
         with conn:
             pushes = read_one_operation(scripted_handshake(conn, 5))
-            for i, data in enumerate(answer(pushes)):
-                if i:
-                    time.sleep(0.3)
+            for data in answer(pushes):
                 conn.sendall(data)
             try:
                 while conn.recv(1 << 16):  # until the client closes
@@ -412,17 +412,26 @@ def test_an_error_instead_of_the_rest_of_a_chunk_in_pieces_is_seen_within_a_tick
     freeze)."""
     x = np.zeros(2**20, dtype=np.float32)
     sent: list[float] = []
+    clients: list[redsrv.Client] = []
 
-    def answer(pushes: list[wire.Push]) -> list[bytes]:
+    def waiting_for_the_rest() -> bool:
+        (stream,) = clients[0]._io.all_streams()
+        return stream.reader.lowat > 1  # the piece was read and the loop now sleeps until the rest is in
+
+    def answer(pushes: list[wire.Push]) -> Iterator[bytes]:
         largest = max(pushes, key=lambda p: p.count)
         assert (largest.count - 1000) * 4 >= 65536  # the rest is worth a raised low-water mark
-        sent.append(time.monotonic() + 0.3)  # the ERROR leaves after the piece was read
-        return [_piece(largest, 0, 1000, 1.0), wire.encode(
-            wire.Error(wire.ErrorCode.PEER_LOST, False, "rank 7 of job 'pieces' disconnected", largest.key, largest.chunk))]
+        yield _piece(largest, 0, 1000, 1.0)
+        poll(waiting_for_the_rest, 10, "the client waiting for the rest of the chunk with a raised low-water mark",
+             every=0.01)
+        sent.append(time.monotonic())
+        yield wire.encode(
+            wire.Error(wire.ErrorCode.PEER_LOST, False, "rank 7 of job 'pieces' disconnected", largest.key, largest.chunk))
 
     address, thread, listener = _scripted_reducer(answer)
     try:
         with redsrv.Client([address], rank=0, world_size=1, job="pieces", **dict(FAST, heartbeat_misses=25)) as client:
+            clients.append(client)
             with pytest.raises(redsrv.PeerLostError, match="rank 7"):
                 client.allreduce(x, timeout=10)
             assert time.monotonic() - sent[0] < 1.0  # a tick is 0.1 s; silence is called a freeze after 5 s

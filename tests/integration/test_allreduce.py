@@ -164,11 +164,16 @@ def test_broadcast_is_exact(fleet, workers) -> None:  # type: ignore[no-untyped-
         assert results[rank]["r0"].tobytes() == root_data.tobytes()
 
 
-def test_first_m_mode_excludes_the_straggler_and_averages_over_contributors(fleet, workers) -> None:  # type: ignore[no-untyped-def]
+def test_first_m_mode_excludes_the_straggler_and_averages_over_contributors(fleet, workers, tmp_path) -> None:  # type: ignore[no-untyped-def]
     n = 4
+    go = tmp_path / "rank3-may-push"
     spec = ops({"size": 20_000, "seed": 9, "op": "mean"})
-    spec.update(config={"straggler_mode": "first_m", "min_contributors": 3}, start_delay={"3": 2.0})
-    results, reports = workers(fleet(2), n, spec).wait()
+    spec.update(config={"straggler_mode": "first_m", "min_contributors": 3}, start_after={"3": str(go)})
+    run = workers(fleet(2), n, spec)
+    for proc in run.procs[:3]:  # the first three have their average, and have left, before rank 3 pushes
+        proc.wait(timeout=60)
+    go.touch()
+    results, reports = run.wait()
     assert all(r["error"] is None for r in reports), [r["error"] for r in reports]
     expected = rank_order_sum([make_input(9, r, 20_000, "float32") for r in range(3)]) / np.float32(3)
     for rank in range(n):  # the straggler receives the same average, without its own data

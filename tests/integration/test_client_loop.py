@@ -16,6 +16,7 @@ import pytest
 import redsrv
 
 from conftest import child_env
+from tests_support import poll
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,10 +39,8 @@ def test_many_reducers_and_streams_cost_a_worker_one_thread() -> None:
                 fa, fb = a.allreduce_async(x, key=step), b.allreduce_async(x * 2, key=step)
                 assert np.array_equal(a.wait(fa), x * 3)
                 assert np.array_equal(b.wait(fb), x * 3)
-            # Each client adds its loop; the reducers' handshake threads are gone by now.
-            deadline = time.monotonic() + 5
-            while threading.active_count() > before + 2 and time.monotonic() < deadline:
-                time.sleep(0.02)
+            # Each client adds its loop; the reducers' handshake threads end once their worker joined.
+            poll(lambda: threading.active_count() <= before + 2, 5, "the reducers' handshake threads ending", every=0.02)
             assert threading.active_count() == before + 2
         assert _client_threads() == []
     finally:
@@ -117,9 +116,7 @@ def test_closing_the_client_from_a_result_callback_on_its_own_loop_neither_hangs
         assert np.array_equal(first.result(timeout=10), x * 2)
         with pytest.raises(redsrv.ClientClosedError):
             pending.result(timeout=10)
-        deadline = time.monotonic() + 5
-        while len(_client_threads()) > 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        poll(lambda: len(_client_threads()) <= 1, 5, "the closed client's loop ending", every=0.02)
         assert _client_threads() == ["redsrv-io"]  # the partner's
         partner.close()
     finally:

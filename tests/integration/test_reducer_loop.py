@@ -4,12 +4,13 @@ threads, and it still sums each job exactly."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 import redsrv
+
+from tests_support import poll
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,10 +33,8 @@ def test_many_connections_cost_the_reducer_no_threads() -> None:
             futures = [c.allreduce_async(np.full(300_000, c.rank + step, dtype=np.float32), key=step) for c in clients]
             for c, f in zip(clients, futures):
                 assert np.array_equal(c.wait(f), np.full(300_000, 1 + 2 * step, dtype=np.float32))
-        deadline = time.monotonic() + 5
-        while _reducer_threads() != ["redsrv-loop"] and time.monotonic() < deadline:
-            time.sleep(0.02)  # handshake threads end once their worker joined
-        assert _reducer_threads() == ["redsrv-loop"]
+        # handshake threads end once their worker joined
+        poll(lambda: _reducer_threads() == ["redsrv-loop"], 5, "the reducer's handshake threads ending", every=0.02)
         assert sum(entry["connections"] for entry in daemon.snapshot().values()) == 48  # type: ignore[misc]
     finally:
         for c in clients:
@@ -70,10 +69,7 @@ def test_a_bug_while_serving_one_connection_costs_only_that_connection() -> None
             assert np.array_equal(healthy.allreduce(x, key=1), x)
             with pytest.raises(redsrv.PeerLostError):
                 buggy.allreduce(x, key=666, timeout=10)
-            deadline = time.monotonic() + 5
-            while not ticks_failed and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert ticks_failed
+            poll(lambda: ticks_failed, 5, "the reducer's tick failing", every=0.02)
             for key in range(2, 6):  # the loop and the other job carry on
                 assert np.array_equal(healthy.allreduce(x, key=key), x)
         assert daemon.failure is None

@@ -7,9 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from conftest import child_env
+from tests_support import poll
 
 RUN = [sys.executable, "-m", "redsrv", "run"]
 
@@ -35,14 +35,12 @@ if "RUNTEST_BLOCK" in env:
 
 
 def wait_for_lines(path: str, count: int, timeout: float = 60.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def lines() -> list[str] | None:
         with open(path) as f:
-            lines = [line for line in f if " pid " in line]
-        if len(lines) >= count:
-            return lines
-        time.sleep(0.05)
-    raise AssertionError(f"fewer than {count} worker lines after {timeout}s")
+            found = [line for line in f if " pid " in line]
+        return found if len(found) >= count else None
+
+    return poll(lines, timeout, f"{count} worker lines in {path}")  # type: ignore[no-any-return]
 
 
 def read(path: str) -> str:

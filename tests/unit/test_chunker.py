@@ -75,13 +75,6 @@ def test_invalid_arguments() -> None:
         chunker.spans(-1, 2)
 
 
-def test_doctests() -> None:
-    import doctest
-
-    failures, _ = doctest.testmod(chunker)
-    assert failures == 0
-
-
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**34), st.integers(1, 64), st.integers(1, 2**20), st.integers(0, 2**64 - 1))
 def test_placement_uses_distinct_reducers_with_spans_of_at_least_the_minimum(

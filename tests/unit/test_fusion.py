@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -81,7 +79,3 @@ def test_arrays_that_do_not_fit_the_group_are_refused() -> None:
     with pytest.raises(ValueError, match="a fused vector of 2 elements cannot hold the group's 3"):
         fusion.split(np.zeros(2, np.float32), group)
 
-
-def test_doctests() -> None:
-    result = doctest.testmod(fusion)
-    assert result.attempted > 0 and result.failed == 0

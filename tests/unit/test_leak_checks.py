@@ -45,7 +45,8 @@ def test_a_test_that_leaks_a_process_fails_and_the_process_is_ended(tmp_path: Pa
     pid_file = tmp_path / "leaked.pid"
     inner = tmp_path / "inner"
     inner.mkdir()
-    (inner / "conftest.py").write_text(CONFTEST.read_text())
+    for helper in ("conftest.py", "tests_support.py", "worker_main.py"):  # conftest imports the other two
+        (inner / helper).write_text((CONFTEST.parent / helper).read_text())
     (inner / "test_inner.py").write_text(textwrap.dedent(INNER_TESTS.format(pid_file=str(pid_file))))
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", str(inner)],

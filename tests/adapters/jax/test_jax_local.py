@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import redsrv  # noqa: E402
 import redsrv.jax as rjax  # noqa: E402
 
+from tests_support import poll  # noqa: E402
+
 pytestmark = pytest.mark.jax
 
 AXIS = "i"
@@ -297,9 +299,8 @@ def test_a_dead_reducer_is_stored_and_raised_by_check_never_hung() -> None:
         reducer.stop()
         started = time.monotonic()
         with pytest.raises(redsrv.PeerLostError) as info:
-            for _ in range(50):  # the break is seen by the next exchange or the client's own check
-                step(x)
-                time.sleep(0.05)
+            # the break is seen by the next exchange or the client's own check: step until it is
+            poll(lambda: step(x) is None, 10, "a step raising PeerLostError")
         assert time.monotonic() - started < 10
         # the raw step still completes (callbacks never raise) and its result is poisoned
         raw = jax.pmap(lambda x: comm.psum(x, AXIS), axis_name=AXIS)(x)

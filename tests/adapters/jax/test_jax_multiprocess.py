@@ -134,11 +134,13 @@ def test_a_killed_reducer_surfaces_as_an_error_on_the_host_not_a_hang(fleet, pro
                 "world_size": 2, "job": "jax-kill", "loop_seconds": 90}
         prefix = str(tmp_path / f"k{rank}")
         runs.append((start_worker(procs, spec, prefix, LOCAL_DEVICES), prefix))
-    deadline = time.monotonic() + 120
-    while not all(_progress(prefix) >= 3 for _, prefix in runs):
-        assert time.monotonic() < deadline, "workers made no progress"
+    from tests_support import poll
+
+    def trained() -> bool:
         assert all(proc.poll() is None for proc, _ in runs), "a worker exited before the kill"
-        time.sleep(0.1)
+        return all(_progress(prefix) >= 3 for _, prefix in runs)
+
+    poll(trained, 120, "every worker completing 3 steps", every=0.1)
     killed_at = time.time()
     reducers[1].signal(signal.SIGKILL)
     for proc, prefix in runs:

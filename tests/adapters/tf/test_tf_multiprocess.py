@@ -145,11 +145,13 @@ def test_killed_reducer_makes_fit_raise_instead_of_hanging(fleet, procs, tmp_pat
             "job": "keras-kill"}
     prefixes = [str(tmp_path / f"w{i}") for i in range(2)]
     workers = [start(procs, spec, prefixes[i], tf_config(addresses, 2, i)) for i in range(2)]
-    deadline = time.monotonic() + 180
-    while not all(os.path.exists(p + ".progress") for p in prefixes):  # both are in the training loop
-        assert time.monotonic() < deadline, "workers did not finish an epoch"
+    from tests_support import poll
+
+    def training() -> bool:  # both are in the training loop
         assert all(w.poll() is None for w in workers), "a worker exited before the reducer was killed"
-        time.sleep(0.2)
+        return all(os.path.exists(p + ".progress") for p in prefixes)
+
+    poll(training, 180, "both workers finishing an epoch", every=0.2)
     reducers[0].signal(signal.SIGKILL)
     killed_at = time.monotonic()
     for worker, prefix in zip(workers, prefixes):
@@ -177,11 +179,13 @@ def test_backup_and_restore_resumes_after_a_killed_worker(fleet, procs, tmp_path
     first = [start(procs, {**base, "mode": "worker", "job": "keras-backup-1", "backup": backups[i],
                            **({"stop_at": [1, 2]} if i == 1 else {})}, prefixes[i], tf_config(reducers, 2, i))
              for i in range(2)]
-    deadline = time.monotonic() + 180
-    while not os.path.exists(prefixes[1] + ".stopped"):  # worker 1 is at batch 2 of epoch 2, waiting
-        assert time.monotonic() < deadline, "worker 1 did not reach epoch 2"
+    from tests_support import poll
+
+    def stopped() -> bool:  # worker 1 is at batch 2 of epoch 2, waiting
         assert all(w.poll() is None for w in first), "a worker exited before worker 1 was killed"
-        time.sleep(0.2)
+        return os.path.exists(prefixes[1] + ".stopped")
+
+    poll(stopped, 180, "worker 1 reaching epoch 2", every=0.2)
     os.kill(first[1].pid, signal.SIGKILL)
     _, report = finish(first[0], prefixes[0], timeout=60)
     assert report["error"] is not None and report["epochs_run"] == [0, 1], report

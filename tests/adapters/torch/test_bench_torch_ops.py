@@ -1,6 +1,6 @@
 """Smoke run of ``redsrv bench torch-ops`` (the per-operation comparison with gloo in
-docs/torch_backend.md): it runs, every requested cell is measured, and the JSON holds the
-samples the table's medians come from."""
+docs/torch_backend.md): it runs, every requested cell is measured and checked, and the JSON
+holds the samples the table's medians come from; a wrong result makes it exit 1."""
 
 from __future__ import annotations
 
@@ -29,6 +29,27 @@ def test_bench_torch_ops_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def
     for row in rows:
         assert row["gloo_ms"] > 0 and row["redsrv_ms"] > 0 and row["ratio"] > 0 and row["control_ratio"] > 0, row
         assert len(row["samples_ms"]["redsrv"]) == len(row["samples_ms"]["gloo"]) == row["reps"], row
+        assert set(row["wrong"]) >= {"gloo", "redsrv", "control"} and not any(row["wrong"].values()), row
     assert rows[2]["relay_ms"] is not None and rows[0]["relay_ms"] is None  # the relayed design, all-gather only
     table = done.stdout.splitlines()
     assert any(line.startswith("all_gather_into_tensor") and "64 KiB" in line for line in table), done.stdout
+
+
+def test_bench_torch_ops_reports_a_wrong_result_and_exits_1(procs, capsys) -> None:  # type: ignore[no-untyped-def]
+    # A real wrong sum: a proxy flips one byte in the middle of a reducer's result (fault_proxy).
+    from redsrv.bench import torch_ops
+    from redsrv.cli.fleet import _Fleet
+
+    from fault_proxy import Fault, FaultProxy
+
+    reducer = procs.start_reducer()
+    proxy = FaultProxy((reducer.host, reducer.port), Fault("corrupt", "reducer", "pull", reducer.proc.pid, {}))
+    proxy.arm()
+    try:
+        status = torch_ops.run(workers=2, reducers=1, sizes_kib=[64], ops=["all_reduce"], rounds=1, json_path=None,
+                               fleet=_Fleet([reducer.proc], [proxy.address]))
+    finally:
+        proxy.close()
+    assert proxy.fault.fired_at is not None, "the proxy never corrupted a result"
+    assert status == 1
+    assert "WRONG RESULTS: all_reduce at 64 KiB through redsrv: 1 call(s)" in capsys.readouterr().err

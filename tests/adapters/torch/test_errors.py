@@ -24,7 +24,7 @@ LOST_BOUND = 2.0
 
 def test_backward_raises_on_timeout_and_on_a_reducer_killed_mid_step(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from conftest import child_env
-    from tests_support import wait_for_open_operations
+    from tests_support import poll, wait_for_open_operations
 
     # A short stall warning is how the test learns that the step's buckets reached the reducer.
     timeout_reducer, killed_reducer = procs.start_reducer(), procs.start_reducer(env={"REDSRV_STALL_WARNING": "0.05"})
@@ -35,11 +35,11 @@ def test_backward_raises_on_timeout_and_on_a_reducer_killed_mid_step(procs, tmp_
     worker = procs.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(), stdout=log,
                          stderr=subprocess.STDOUT)
 
-    deadline = time.monotonic() + 120
-    while not os.path.exists(prefix + ".waiting"):
+    def waiting() -> bool:
         assert worker.poll() is None, f"worker exited early: {open(prefix + '.log').read()[-3000:]}"
-        assert time.monotonic() < deadline, "worker never reached the second scenario"
-        time.sleep(0.05)
+        return os.path.exists(prefix + ".waiting")
+
+    poll(waiting, 120, "the worker reaching the second scenario")
     wait_for_open_operations(killed_reducer.log, 1)  # the step's buckets wait there for rank 1
     killed_at = time.time()
     killed_reducer.signal(signal.SIGKILL)
