@@ -282,3 +282,49 @@ def test_a_killed_local_worker_fails_every_rank_of_every_host_with_a_typed_error
         assert report["threads_left"] == []
     same_host = reports[0]["error"]["message"]
     assert "local rank 1" in same_host and "rank 1" in same_host, same_host
+
+
+def test_first_m_closes_on_whole_hosts_and_a_late_host_gets_the_same_result(fleet) -> None:
+    """Straggler mode first_m with m = 2 of 4 workers: across hosts it counts whole hosts
+    (ceil(2 / 2) = 1), so host 0 completes without host 1, whose workers submit only after host
+    0's have their results, and get the kept result: the same bytes, naming host 0's ranks."""
+    reducers = [r.address for r in fleet(2)]
+    world, size = 4, 200_001
+    host0_done = threading.Event()
+    finished: list[int] = []
+    lock = threading.Lock()
+
+    def body(rank: int) -> tuple[np.ndarray, Any, np.ndarray]:
+        with redsrv.Client(reducers, rank=rank, world_size=world, job="hl-first-m", straggler_mode="first_m",
+                           min_contributors=2, **host_config(rank, 2, 2), **FAST) as client:
+            if rank >= 2:
+                assert host0_done.wait(60)
+            x = make_input(5, rank, size, "float32")
+            future = client.allreduce_async(x, key="s")
+            total = client.wait(future)
+            mean = client.allreduce(x, op="mean", key="m")
+            with lock:
+                finished.append(rank)
+                if rank < 2 and sum(1 for r in finished if r < 2) == 2:
+                    host0_done.set()
+            return total, future.contributors, mean
+
+    results = run_ranks(world, body)
+    host0 = make_input(5, 0, size, "float32") + make_input(5, 1, size, "float32")
+    for rank, (total, contributors, mean) in enumerate(results):
+        assert total.tobytes() == host0.tobytes(), rank
+        assert contributors == redsrv.Contributors(2, 2, (0, 1)), (rank, contributors)
+        assert mean.tobytes() == (host0 / np.float32(1) / np.float32(2)).astype(np.float32).tobytes(), rank
+
+
+def test_the_timeline_names_each_worker_not_its_host(fleet, tmp_path) -> None:
+    reducers = [r.address for r in fleet(2)]
+    path = str(tmp_path / "trace-{rank}.json")
+
+    def body(rank: int) -> None:
+        with redsrv.Client(reducers, rank=rank, world_size=4, job="hl-timeline", timeline=path, **host_config(rank, 2, 2),
+                           **FAST) as client:
+            client.allreduce(np.ones(100_000, np.float32), key="t")
+
+    run_ranks(4, body)
+    assert sorted(os.listdir(tmp_path)) == [f"trace-{r}.json" for r in range(4)]
