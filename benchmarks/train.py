@@ -125,7 +125,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--framework", default="torch",
                    help=f"training framework: {', '.join(FRAMEWORKS)} (default torch)")
-    b.add_argument("--workers", type=int, default=4, metavar="N", help="worker count n (default 4)")
+    b.add_argument("--workers", type=int, default=4, metavar="N", help="worker host count n (default 4)")
+    b.add_argument("--workers-per-host", type=int, default=1, metavar="L",
+                   help="worker processes per worker host (default 1; torch): the hook's client reduces inside each host "
+                        "first, gloo's DDP runs over all n*L ranks placed the same way")
     b.add_argument("--reducers", type=int, default=None, metavar="M",
                    help="reducer count m, each on its own host (default: m = n)")
     b.add_argument("--rate", default="1gbit",
@@ -152,6 +155,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
 class Options:
     framework: str = "torch"
     workers: int = 4
+    workers_per_host: int = 1
     reducers: int | None = None
     rate_bps: int = 10**9
     params: int = 25_000_000
@@ -183,7 +187,9 @@ class Options:
         if self.framework not in FRAMEWORKS:
             raise EmulationError(f"--framework {self.framework}: implemented are {', '.join(FRAMEWORKS)}")
         if self.workers < 2:
-            raise EmulationError("--workers: need at least 2 workers")
+            raise EmulationError("--workers: need at least 2 worker hosts")
+        if self.workers_per_host < 1 or (self.workers_per_host > 1 and self.framework != "torch"):
+            raise EmulationError("--workers-per-host: at least 1, and above 1 for --framework torch only")
         if self.reducers is not None and self.reducers < 1:
             raise EmulationError("--reducers must be >= 1")
         if self.params < MIN_PARAMS:
@@ -201,7 +207,7 @@ class Options:
         # Per worker, in units of the gradient size: two models, their gradients (the buckets),
         # the initial and the saved parameters, the raw block's inputs and results, the hook's
         # results in flight.
-        need = self.workers * 9 * 4 * self.params
+        need = self.workers * self.workers_per_host * 9 * 4 * self.params
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else need
         if need > 0.8 * avail:
             raise EmulationError(f"{self.workers} workers with {self.params / 1e6:g}M parameters need about "
@@ -250,7 +256,7 @@ def rank_batch(np: Any, rank: int, batch: int, width: int) -> tuple[Any, Any]:
 
 def _main(a: argparse.Namespace) -> int:
     def run() -> bool:
-        opts = Options(
+        opts = Options(workers_per_host=a.workers_per_host,
             framework=a.framework, workers=a.workers, reducers=a.reducers, rate_bps=parse_rate(a.rate),
             params=int(a.params * 1e6), batch=a.batch, steps=a.steps, warmup=a.warmup, rounds=a.rounds,
             wire_dtype=a.wire_dtype, bucket_cap_mb=a.bucket_cap_mb, baseline=not a.no_baseline, out=a.out, prefix=a.prefix,
@@ -336,10 +342,11 @@ class Summary:
 
 
 def summarise(blocks: Sequence[dict[str, Any]], *, n: int, m: int, grad_bytes: int, goodput: float,
-              compression: float = 1.0, framework: str = "torch") -> Summary:
+              compression: float = 1.0, framework: str = "torch", per_host: int = 1) -> Summary:
     """One row per mode in :data:`MODES` order, and the speedup and overhead as ratios of medians
     (with the same ratio per round, for the spread). ``compression``: the hook's wire
-    compression factor, for the theory (gloo always sends float32)."""
+    compression factor, for the theory (gloo always sends float32); ``per_host``: workers on
+    each of the ``n`` hosts (report.bound_of)."""
     rows = []
     for mode in MODES:
         bs = sorted((b for b in blocks if b["mode"] == mode), key=lambda b: b["round"])
@@ -360,7 +367,8 @@ def summarise(blocks: Sequence[dict[str, Any]], *, n: int, m: int, grad_bytes: i
             own_cpu_share=cpu / (wall * bs[0].get("cores", 1)) if wall else 0.0, correct=all(b["correct"] for b in bs)))
     by_mode = {r.mode: r for r in rows}
     summary = Summary(rows=rows, n=n, m=m, grad_bytes=grad_bytes, goodput=goodput,
-                      theory=report.theory_speedup(n, m, compression=compression), correct=all(r.correct for r in rows),
+                      theory=report.bound_of("redsrv", 1.0, n, m, per_host, compression=compression)
+                      / report.bound_of("gloo", 1.0, n, m, per_host), correct=all(r.correct for r in rows),
                       framework=framework)
     gloo, hook, raw, compute = (by_mode.get(k) for k in MODES)
     if gloo and hook:
@@ -489,6 +497,7 @@ def _rereport(path: str) -> int:
     except (OSError, ValueError, KeyError) as exc:
         raise EmulationError(f"cannot read results from {path}: {exc}") from None
     s = summarise(blocks, n=opts["workers"], m=opts["reducers"] or opts["workers"], grad_bytes=model["grad_bytes"],
+                  per_host=opts.get("workers_per_host", 1),
                   goodput=doc["goodput_gbps"], compression=_compression(opts["wire_dtype"]),
                   framework=opts.get("framework", "torch"))
     print(format_summary(s))
@@ -522,7 +531,8 @@ def run_train(opts: Options) -> dict[str, Any]:
     n, m = opts.workers, opts.m
     step = (f"DDP gradient_as_bucket_view=True, bucket_cap_mb {opts.bucket_cap_mb:g}" if opts.framework == "torch"
             else LABELS[opts.framework]["gloo"] + " vs " + LABELS[opts.framework]["hook"])
-    _say(opts, f"redsrv bench train --framework {opts.framework}: n={n} workers on h0..h{n - 1}, m={m} reducers on "
+    _say(opts, f"redsrv bench train --framework {opts.framework}: n={n} worker hosts h0..h{n - 1}"
+               + (f" with {opts.workers_per_host} workers each" if opts.workers_per_host > 1 else "") + f", m={m} reducers on "
                f"h{n}..h{n + m - 1}, {format_rate(opts.rate_bps)} per link (both directions); model {layers} x "
                f"{width}x{width} dense, batch {opts.batch}; {step}"
                + (f"; {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
@@ -543,7 +553,7 @@ def run_train(opts: Options) -> dict[str, Any]:
     model = {"layers": layers, "width": width, "params": built["params"], "grad_bytes": built["grad_bytes"],
              "buckets": next((b["buckets"] for b in blocks if b["mode"] == "raw"), None)}
     summary = summarise(blocks, n=n, m=m, grad_bytes=model["grad_bytes"], goodput=goodput,
-                        compression=_compression(opts.wire_dtype), framework=opts.framework)
+                        compression=_compression(opts.wire_dtype), framework=opts.framework, per_host=opts.workers_per_host)
     doc: dict[str, Any] = {
         "benchmark": "redsrv bench train",
         "started": started.isoformat(timespec="seconds"),
@@ -597,7 +607,8 @@ def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodp
                  tmp: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Reducers, workers, and every block merged over the ranks; also what rank 0 built (the
     parameter count and gradient bytes)."""
-    n, m = opts.workers, opts.m
+    n, m, per_host = opts.workers, opts.m, opts.workers_per_host
+    world = n * per_host  # rank r on host r // per_host: the block placement of torchrun and mpirun
     env = harness.child_env(harness.write_secret(tmp))
     if opts.result_piece_bytes is not None:
         env["REDSRV_RESULT_PIECE_BYTES"] = str(opts.result_piece_bytes)
@@ -614,18 +625,21 @@ def _run_cluster(cluster: Cluster, opts: Options, layers: int, width: int, goodp
     try:
         reducers, addresses = harness.start_reducers(cluster, range(n, n + m), env=env, logdir=tmp, tag="", procs=procs)
         spec_base = {
-            "framework": opts.framework, "world": n, "modes": list(opts.modes), "layers": layers, "width": width,
+            "framework": opts.framework, "world": world, "per_host": per_host, "modes": list(opts.modes), "layers": layers,
+            "width": width,
             "batch": opts.batch, "steps": opts.steps, "warmup": opts.warmup, "rounds": opts.rounds,
             "wire_dtype": opts.wire_dtype, "bucket_cap_mb": opts.bucket_cap_mb, "reducers": addresses,
             "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-train-{uuid.uuid4().hex[:8]}",
             "op_timeout": OP_TIMEOUT_S, "tolerance": MATCH_TOLERANCE[opts.wire_dtype], "interface": IFNAME,
             "tf_workers": [f"{cluster.hosts[r].ip}:{harness.GLOO_PORT}" for r in range(n)],
         }
-        specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else []) for rank in range(n)]
+        specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else [])
+                 for rank in range(world)]
         events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
         workers, logs = harness.spawn_workers(cluster, "redsrv.bench.train", specs, env=env, logdir=tmp, tag="",
-                                              procs=procs, pumps=pumps, events=events)
-        gather = harness.RankGather(n)
+                                              procs=procs, pumps=pumps, events=events,
+                                              hosts=[rank // per_host for rank in range(world)])
+        gather = harness.RankGather(world)
         blocks: list[dict[str, Any]] = []
         built: dict[str, Any] = {}
         total = opts.rounds * len(opts.modes)
@@ -915,8 +929,10 @@ class _TorchWorker:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://{spec['master']}", rank=self.rank, world_size=self.n,
                                 timeout=dt.timedelta(seconds=self.timeout))
+        per_host = spec.get("per_host", 1)
+        where = {"host_reduce": "host", "local_rank": self.rank % per_host, "local_size": per_host} if per_host > 1 else {}
         self.client = redsrv.Client(spec["reducers"], rank=self.rank, world_size=self.n, job=spec["job"],
-                                    op_timeout=self.timeout)
+                                    op_timeout=self.timeout, **where)
         self.recorder = _BucketRecorder()
         self.models: dict[str, Any] = {}
         self.optimizers: dict[str, Any] = {}

@@ -41,7 +41,7 @@ def test_table_names_the_frameworks_own_blocks():
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"workers": 1}, "at least 2 workers"),
+    ({"workers": 1}, "at least 2 worker hosts"),
     ({"reducers": 0}, "--reducers must be >= 1"),
     ({"params": 100}, "--params: at least"),
     ({"steps": 0}, "--steps must be >= 1"),
@@ -203,7 +203,7 @@ def _cli(*args, timeout=60):
 @pytest.mark.parametrize("args,message", [
     (["--framework", "mxnet"], "--framework mxnet: implemented are torch, jax, tf"),
     (["--rate", "fast"], "bad rate 'fast'"),
-    (["--workers", "1"], "at least 2 workers"),
+    (["--workers", "1"], "at least 2 worker hosts"),
 ])
 def test_cli_refusals_exit_2_and_create_nothing(tmp_path, args, message):
     proc = _cli(*args, "--prefix", "rsbad", "--out", str(tmp_path))

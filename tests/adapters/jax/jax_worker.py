@@ -145,6 +145,7 @@ def main() -> int:
         if spec["mode"] == "redsrv":
             comm = rjax.init(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"],
                              **spec.get("config", {}))
+            report["client"] = type(comm.client).__name__  # HostClient where several processes share a host
         if spec["scenario"] == "collectives":
             results = collectives(spec, comm)
         else:

@@ -54,13 +54,20 @@ def finish(proc: subprocess.Popen, prefix: str, timeout: float = 150) -> tuple[d
     return results, report
 
 
-def test_collectives_across_processes_equal_jax_collectives_over_all_devices(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("per_host", [1, 2], ids=["one-process-per-host", "two-processes-per-host"])
+def test_collectives_across_processes_equal_jax_collectives_over_all_devices(fleet, procs, tmp_path,  # type: ignore[no-untyped-def]
+                                                                             per_host: int) -> None:
+    """2 processes, or 2 emulated hosts of 2 processes each (host-level reduction inside each host
+    first, core/host_client.py), every process with 2 devices, against one process with them all."""
     reducers = [r.address for r in fleet(2)]
-    world = 2
+    world = 2 * per_host
     runs = []
     for rank in range(world):
         spec = {"mode": "redsrv", "scenario": "collectives", "reducers": reducers, "rank": rank, "world_size": world,
-                "job": "jax-collectives"}
+                "job": f"jax-collectives-{per_host}"}
+        if per_host > 1:
+            spec["config"] = {"host_reduce": "host", "local_rank": rank % per_host, "local_size": per_host,
+                              "host_id": f"host{rank // per_host}"}
         runs.append((start_worker(procs, spec, str(tmp_path / f"r{rank}"), LOCAL_DEVICES), str(tmp_path / f"r{rank}")))
     ref_prefix = str(tmp_path / "ref")
     reference = start_worker(procs, {"mode": "lax", "scenario": "collectives"}, ref_prefix, world * LOCAL_DEVICES)
@@ -69,6 +76,7 @@ def test_collectives_across_processes_equal_jax_collectives_over_all_devices(fle
         results, report = finish(proc, prefix)
         assert report["error"] is None, report["error"]
         assert report["devices"] == LOCAL_DEVICES
+        assert report["client"] == ("HostClient" if per_host > 1 else "Client")
         outputs.append(results)
     want, report = finish(reference, ref_prefix)
     assert report["error"] is None and report["devices"] == world * LOCAL_DEVICES
@@ -84,10 +92,12 @@ def test_collectives_across_processes_equal_jax_collectives_over_all_devices(fle
         compared += 1
     # pmap and shard_map (check_vma on and off): psum and pmean of a 4-leaf tree, and gradients
     assert compared == 3 * (4 + 2 + 2) and {n.split(".")[0] for n in want} == {"pmap", "smap0", "smap1"}
-    # every device of every process holds byte-identical sums (the reducers add in rank order)
+    # every device of every process holds byte-identical sums (the reducers add in rank order, or
+    # in host order with several processes per host)
     for name in (n for n in want if ".grad_" not in n):
-        np.testing.assert_array_equal(outputs[0][name][0], outputs[0][name][1], err_msg=name)
-        np.testing.assert_array_equal(outputs[0][name][0], outputs[1][name][0], err_msg=name)
+        for out in outputs:
+            np.testing.assert_array_equal(outputs[0][name][0], out[name][0], err_msg=name)
+            np.testing.assert_array_equal(out[name][0], out[name][1], err_msg=name)
     for out in outputs:  # broadcast_tree from the last rank
         np.testing.assert_array_equal(out["broadcast.w"], np.full((2, 3), world, np.float32))
         np.testing.assert_array_equal(out["broadcast.k"], np.full(2, world - 1))

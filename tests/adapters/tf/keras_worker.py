@@ -67,7 +67,8 @@ def main() -> int:
                                                           **spec.get("strategy", {}))
             index = strategy.worker_index
             report.update(worker_index=index, num_workers=strategy.num_workers,
-                          should_checkpoint=strategy.extended.should_checkpoint)
+                          should_checkpoint=strategy.extended.should_checkpoint,
+                          client=type(strategy.cross_device_ops.client).__name__)
         report["num_replicas_in_sync"] = strategy.num_replicas_in_sync
         keras.utils.set_random_seed(spec.get("seed", 0) + index)  # workers differ on purpose
         report["seed_probe"] = float(np.random.random())  # shows they do

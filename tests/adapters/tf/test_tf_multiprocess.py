@@ -67,16 +67,19 @@ def tf_config(reducers: list[str], workers: int, index: int) -> dict[str, str]:
 
 
 def train_and_compare(fleet, procs, tmp_path, *, devices: int, samples: int, worker_extra: dict | None = None,  # type: ignore[no-untyped-def,type-arg]
+                      workers: int = 2, worker_env: dict[int, dict[str, str]] | None = None,
                       **extra) -> list[dict]:  # type: ignore[type-arg]
-    """Two workers of ``devices`` devices and the 2 x ``devices`` reference; checks the common
-    expectations and returns the workers' reports. ``worker_extra`` is spec for the workers only."""
+    """``workers`` workers of ``devices`` devices and the workers x ``devices`` reference; checks
+    the common expectations and returns the workers' reports. ``worker_extra`` is spec for the
+    workers only, ``worker_env`` variables for each worker (a launcher's)."""
     reducers = [r.address for r in fleet(2)]
     base = {"samples": samples, "batch_size": 32, "epochs": 3, "seed": 5, **extra}
-    reference = start(procs, {**base, "mode": "reference", "devices": 2 * devices}, str(tmp_path / "ref"))
-    workers = [start(procs, {**base, **(worker_extra or {}), "mode": "worker", "devices": devices,
-                             "job": f"keras-{devices}-{samples}"},
-                     str(tmp_path / f"w{i}"), tf_config(reducers, 2, i)) for i in range(2)]
-    results = [finish(w, str(tmp_path / f"w{i}")) for i, w in enumerate(workers)]
+    reference = start(procs, {**base, "mode": "reference", "devices": workers * devices}, str(tmp_path / "ref"))
+    started = [start(procs, {**base, **(worker_extra or {}), "mode": "worker", "devices": devices,
+                             "job": f"keras-{devices}-{samples}-{workers}"},
+                     str(tmp_path / f"w{i}"), {**tf_config(reducers, workers, i), **(worker_env or {}).get(i, {})})
+               for i in range(workers)]
+    results = [finish(w, str(tmp_path / f"w{i}")) for i, w in enumerate(started)]
     want, ref = finish(reference, str(tmp_path / "ref"))
     assert ref["error"] is None, ref["error"]
     # Variables each replica updates on its own (BatchNormalization's moving statistics) stay per
@@ -85,7 +88,8 @@ def train_and_compare(fleet, procs, tmp_path, *, devices: int, samples: int, wor
     reports = []
     for i, (weights, report) in enumerate(results):
         assert report["error"] is None, report["error"]
-        assert (report["worker_index"], report["num_workers"], report["num_replicas_in_sync"]) == (i, 2, 2 * devices)
+        assert (report["worker_index"], report["num_workers"], report["num_replicas_in_sync"]) == (i, workers,
+                                                                                                   workers * devices)
         assert report["initial"] == ref["initial"], "initial weights are not worker 0's"
         for k, (got, expected) in enumerate(zip(weights, want)):
             if i == 0 or k not in per_replica:
@@ -101,10 +105,11 @@ def train_and_compare(fleet, procs, tmp_path, *, devices: int, samples: int, wor
     assert len(ref["predict"]) == samples
     for report in reports:
         np.testing.assert_allclose(report["predict"], ref["predict"], rtol=0, atol=1e-5)
-    assert reports[0]["batch_losses"] == reports[1]["batch_losses"]
-    for k, (a, b) in enumerate(zip(results[0][0], results[1][0])):
-        if k not in per_replica:
-            np.testing.assert_array_equal(a, b, err_msg=ref["weights"][k])  # the workers agree exactly
+    for i in range(1, workers):
+        assert reports[0]["batch_losses"] == reports[i]["batch_losses"]
+        for k, (a, b) in enumerate(zip(results[0][0], results[i][0])):
+            if k not in per_replica:
+                np.testing.assert_array_equal(a, b, err_msg=ref["weights"][k])  # the workers agree exactly
     return reports
 
 
@@ -127,6 +132,15 @@ def test_one_device_per_worker(fleet, procs, tmp_path) -> None:  # type: ignore[
     # 99 = 3 x 32 + 3 adds a partial batch (2 samples on one worker, 1 on the other); the model adds
     # BatchNormalization and Dropout.
     train_and_compare(fleet, procs, tmp_path, devices=1, samples=99, model="bn")
+
+
+def test_four_workers_as_two_hosts_of_two_reduce_inside_each_host_first(fleet, procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # As a launcher would start two processes on each of two hosts: the strategy's client reduces
+    # inside each host first (core/host_client.py), and fit still equals MirroredStrategy over all
+    # four devices.
+    hosts = {i: {"LOCAL_RANK": str(i % 2), "LOCAL_WORLD_SIZE": "2", "REDSRV_HOST_ID": f"host{i // 2}"} for i in range(4)}
+    reports = train_and_compare(fleet, procs, tmp_path, devices=1, samples=130, workers=4, worker_env=hosts)
+    assert [r["client"] for r in reports] == ["HostClient"] * 4
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tf_keras") is None, reason="tf-keras is not installed (tox -e tf-keras2)")
