@@ -139,10 +139,10 @@ def poll(predicate, timeout: float, what: str, every: float = 0.05):  # type: ig
         time.sleep(every)  # noqa: TID251 - the interval of a poll with a deadline: the one sleep tests may use
 
 
-def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # type: ignore[type-arg]
-    """What the JAX and TF smoke runs of ``redsrv bench train`` (one fused float32 vector per
-    step, 3 timed steps, one round) must show: nothing left behind, every block correct, identical
-    ranks, the redsrv-trained model equal to the baseline's, and the rate limit in force."""
+def check_train_blocks(doc: dict, prefix: str, rounds: int) -> None:  # type: ignore[type-arg]
+    """What every ``redsrv bench train`` smoke run must show: nothing left behind, every block of
+    every round in order and correct (3 timed steps), identical ranks, the redsrv-trained model
+    equal to the baseline's and to rank 0's NumPy replay."""
     import psutil
 
     from redsrv.bench.netns import our_namespaces
@@ -152,9 +152,9 @@ def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # ty
     children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
     assert not children, f"processes left behind: {[c.cmdline() for c in children]}"
     blocks = doc["blocks"]
-    assert [(b["round"], b["mode"]) for b in blocks] == [(0, m) for m in MODES]
+    assert [(b["round"], b["mode"]) for b in blocks] == [(r, m) for r in range(rounds) for m in MODES]
     for b in blocks:
-        assert b["correct"], f"{b['mode']}: {b['checks']}"
+        assert b["correct"], f"round {b['round']} {b['mode']}: {b['checks']}"
         assert len(b["times"]) == 3 and all(t > 0 for t in b["times"])
     gloo_checks = [c for b in blocks if b["mode"] == "gloo" for c in b["checks"]]
     assert all(c["ranks_identical"] for c in gloo_checks), gloo_checks
@@ -166,6 +166,15 @@ def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # ty
     assert all(c["vs_reference"]["match"] and c["vs_reference"]["moved"] > 0 for c in trained), trained
     compute = [c for b in blocks if b["mode"] == "compute" for c in b["checks"]]
     assert all(c["match"] for c in compute), compute
+
+
+def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # type: ignore[type-arg]
+    """What the JAX and TF smoke runs of ``redsrv bench train`` (one fused float32 vector per
+    step, 3 timed steps, one round) must show: :func:`check_train_blocks`, and the rate limit in
+    force."""
+    from redsrv.bench.train import MODES
+
+    check_train_blocks(doc, prefix, rounds=1)
     model = doc["model"]
     assert model["buckets"] == [[model["params"], "float32"]]  # one fused float32 vector per step
     assert model["grad_bytes"] == 4 * model["params"]

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 
-import psutil
 import pytest
 
 from redsrv.bench.netns import our_namespaces
 from redsrv.bench.train import MODES, Options, run_train
 
-from tests_support import why_no_namespaces
+from tests_support import check_train_blocks, why_no_namespaces
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.netns, pytest.mark.torch, pytest.mark.timeout(120)]
@@ -31,23 +30,8 @@ def test_two_workers_two_reducers_small_model(tmp_path):
     prefix = f"rstr{os.getpid() % 100000}"
     doc = run_train(Options(workers=2, reducers=2, rate_bps=10**9, params=2_000_000, steps=3, warmup=1, rounds=2,
                             out=str(tmp_path), prefix=prefix, quiet=True))
-    assert our_namespaces(prefix) == [], "namespaces left behind"
-    children = [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
-    assert not children, f"processes left behind: {[c.cmdline() for c in children]}"
     assert os.path.exists(doc["json"])
-    blocks = doc["blocks"]
-    assert [(b["round"], b["mode"]) for b in blocks] == [(r, m) for r in range(2) for m in MODES]
-    for b in blocks:
-        assert b["correct"], f"round {b['round']} {b['mode']}: {b['checks']}"
-        assert len(b["times"]) == 3 and all(t > 0 for t in b["times"])
-    hook_checks = [c for b in blocks if b["mode"] == "hook" for c in b["checks"]]
-    assert all(c["ranks_identical"] and c["hook_vs_gloo"]["match"] and c["hook_vs_gloo"]["moved"] > 0 for c in hook_checks), \
-        hook_checks
-    # Rank 0 replays the training in NumPy: every training block, the baseline's too, matches it.
-    trained = [b["checks"][0] for b in blocks if b["mode"] in ("gloo", "hook")]
-    assert all(c["vs_reference"]["match"] and c["vs_reference"]["moved"] > 0 for c in trained), trained
-    compute = [c for b in blocks if b["mode"] == "compute" for c in b["checks"]]
-    assert all(c["match"] for c in compute), compute
+    check_train_blocks(doc, prefix, rounds=2)
     model = doc["model"]
     assert sum(numel for numel, _ in model["buckets"]) == model["params"]
     assert model["grad_bytes"] == 4 * model["params"]
