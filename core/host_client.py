@@ -43,7 +43,7 @@ import numpy as np
 
 from . import constants as C
 from . import host, wire
-from .client import Client, resolve_config
+from .client import Client, _open_clients, resolve_config
 from .client_ops import Completions, ReduceFuture, label, set_exception
 from .config import Config
 from .errors import (
@@ -283,7 +283,6 @@ class HostClient(Client):
         self._live: set[int] = set()  # keys whose futures are not settled yet
         self._live_lock = threading.Lock()
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._closing = threading.Event()
         self._shut = False
         self._completed = 0
         self._failed: dict[str, int] = {}
@@ -314,8 +313,6 @@ class HostClient(Client):
             raise
         self._thread = threading.Thread(target=self._run, name="redsrv-host", daemon=True)
         self._thread.start()
-        from .client import _open_clients
-
         _open_clients.add(self)
 
     # --- the public API that differs from the flat client ---
@@ -369,8 +366,6 @@ class HostClient(Client):
         """Idempotent and bounded by ``close_timeout``: pending operations fail with
         :class:`ClientClosedError`, the other workers of the host are told (and fail theirs), the
         cross-host client closes."""
-        from .client import _open_clients
-
         _open_clients.discard(self)
         if self._shut:
             return
