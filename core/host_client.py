@@ -288,6 +288,7 @@ class HostClient(Client):
         self._failed: dict[str, int] = {}
         self._inner: Client | None = None
         self._thread: threading.Thread | None = None
+        self._engine_error: PeerLostError | None = None
         self._group = LocalGroup.meet(config)
         self._waker = Waker()
         try:
@@ -358,6 +359,8 @@ class HostClient(Client):
     def check(self) -> None:
         if self._shut:
             raise ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} is closed")
+        if self._engine_error is not None:
+            raise self._engine_error
         broken = self._core.broken if self._core is not None else None
         if broken is not None and not isinstance(broken, ClientClosedError):
             raise broken
@@ -445,6 +448,7 @@ class HostClient(Client):
             log.exception("the host-level engine failed")
             error = PeerLostError(f"the host-level engine of this worker failed: {exc!r}", job=self.config.job,
                                   rank=self.config.rank, phase="host-level reduction")
+            self._engine_error = error  # check() raises it: nothing will run a later operation
             for action in self._core.close(ClientClosedError(str(error))):
                 if isinstance(action, host.Settle):
                     self._settle(action.key, action.future, error=error)

@@ -328,3 +328,25 @@ def test_the_timeline_names_each_worker_not_its_host(fleet, tmp_path) -> None:
 
     run_ranks(4, body)
     assert sorted(os.listdir(tmp_path)) == [f"trace-{r}.json" for r in range(4)]
+
+
+def test_a_bug_in_the_engine_fails_the_operation_at_once_and_every_later_call(fleet, monkeypatch) -> None:
+    from redsrv.core import host
+
+    reducers = [r.address for r in fleet(1)]
+
+    def broken(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(host.HostCore, "share_finished", broken)
+
+    def body(rank: int) -> tuple[str, str]:
+        with redsrv.Client(reducers, rank=rank, world_size=2, job="hl-bug", **host_config(rank, 1, 2), **FAST) as client:
+            with pytest.raises(redsrv.PeerLostError, match="engine of this worker failed") as first:
+                client.allreduce(np.ones(1000, np.float32), key="a", timeout=20)
+            with pytest.raises(redsrv.PeerLostError) as later:
+                client.allreduce(np.ones(10, np.float32), key="b")
+            return str(first.value), str(later.value)
+
+    for first, later in run_ranks(2, body, timeout=40):
+        assert "injected" in first and "engine" in later
