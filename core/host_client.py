@@ -289,6 +289,7 @@ class HostClient(Client):
         self._inner: Client | None = None
         self._thread: threading.Thread | None = None
         self._engine_error: PeerLostError | None = None
+        self._leaving: threading.Thread | None = None
         self._group = LocalGroup.meet(config)
         self._waker = Waker()
         try:
@@ -594,7 +595,9 @@ class HostClient(Client):
         of at their deadline."""
         self._leave_when_idle = False
         if self._inner is not None:
-            threading.Thread(target=self._inner.close, name="redsrv-host-leave", daemon=True).start()
+            # Not on the engine: closing says goodbye to every reducer, within the close timeout.
+            self._leaving = threading.Thread(target=self._inner.close, name="redsrv-host-leave", daemon=True)
+            self._leaving.start()
 
     def _shutdown(self) -> None:
         error = ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} was closed with the operation pending")
@@ -611,6 +614,9 @@ class HostClient(Client):
     def _release_resources(self) -> None:
         """After the engine stopped (or never started): the cross-host client, then the memory it
         may still have been reading, then the links."""
+        leaving = self.__dict__.get("_leaving")
+        if leaving is not None:
+            leaving.join(self.config.close_timeout)  # the cross-host client's goodbye is bounded by it too
         if self._inner is not None:
             self._inner.close()
         selector = self.__dict__.get("_selector")
