@@ -12,10 +12,11 @@ the redsrv logic in :mod:`redsrv.adapters.tf` and calling back into it.
 and names what moved; it is the first test to read when a new TensorFlow release breaks the
 adapter. Tested against :data:`TESTED_TF`.
 
-One Keras 3 function is wrapped here too (:func:`install_keras_multi_worker_paths`): Keras takes its
-multi-worker paths (``predict`` concatenating every worker's outputs, per-step logs reduced over every
-worker) only for ``isinstance(strategy, MultiWorkerMirroredStrategy)``; :data:`KERAS_PRIVATE_API`
-lists what the wrapper relies on, checked by the same canary test.
+One Keras 3 function is wrapped here too (:func:`install_keras_multi_worker_paths`), and one of
+Keras 2's (tf-keras): both take their multi-worker paths (``predict`` concatenating every worker's
+outputs, per-step logs reduced over every worker) only for ``isinstance(strategy,
+MultiWorkerMirroredStrategy)``; :data:`KERAS_PRIVATE_API` and :data:`TF_KERAS_PRIVATE_API` list
+what the wrappers rely on, checked by the same canary test.
 """
 
 from __future__ import annotations
@@ -269,9 +270,19 @@ KERAS_PRIVATE_API: tuple[tuple[str, str], ...] = (
 )
 
 
+#: Keras 2's (tf-keras) training module, and what its multi-worker paths are keyed on.
+TF_KERAS_TRAINING = "tf_keras.src.engine.training"
+TF_KERAS_PRIVATE_API: tuple[tuple[str, str], ...] = (
+    ("_collective_all_reduce_multi_worker", "wrapped: reduce_per_replica's multi-worker branch (predict's "
+                                            "concatenation, summed logs) is taken for MultiWorkerMirroredStrategy only"),
+    ("_multi_worker_concat", "what that branch runs for predict: strategy.gather of every worker's outputs"),
+)
+
+
 def install_keras_multi_worker_paths() -> None:
     """Make Keras 3's ``reduce_per_replica`` treat a multi-worker redsrv strategy as it treats
-    ``MultiWorkerMirroredStrategy``. Idempotent; without Keras 3 (or with another backend) a no-op.
+    ``MultiWorkerMirroredStrategy``, and Keras 2's (tf-keras, where installed) likewise. Idempotent;
+    without Keras 3 (or with another backend) only Keras 2's.
 
     Keras decides with ``isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and
     strategy.extended._in_multi_worker_mode()`` (``_collective_all_reduce_multi_worker``), a class
@@ -285,6 +296,7 @@ def install_keras_multi_worker_paths() -> None:
       ``strategy.reduce(..., axis=0)``, which TensorFlow refuses for scalar logs);
     * ``"first"`` and any other strategy: Keras's code unchanged.
     """
+    _install_tf_keras_multi_worker_paths()
     try:
         trainer = importlib.import_module(KERAS_TRAINER)
         import keras
@@ -306,6 +318,27 @@ def install_keras_multi_worker_paths() -> None:
 
     reduce_per_replica._redsrv_original = original  # type: ignore[attr-defined]
     trainer.reduce_per_replica = reduce_per_replica  # type: ignore[attr-defined]
+
+
+def _install_tf_keras_multi_worker_paths() -> None:
+    """Keras 2 asks ``_collective_all_reduce_multi_worker(strategy)`` before concatenating
+    ``predict``'s outputs over every worker and summing logs with ``strategy.reduce``: answer yes
+    for a multi-worker redsrv strategy (one with ``_redsrv_keras_reduce``), as for MWMS."""
+    try:
+        training = importlib.import_module(TF_KERAS_TRAINING)
+    except ImportError:
+        return
+    original = training._collective_all_reduce_multi_worker
+    if getattr(original, "_redsrv_original", None) is not None:
+        return
+
+    def collective_all_reduce_multi_worker(strategy: Any) -> bool:
+        if getattr(strategy, "_redsrv_keras_reduce", None) is not None:
+            return bool(strategy.extended._in_multi_worker_mode())
+        return bool(original(strategy))
+
+    collective_all_reduce_multi_worker._redsrv_original = original  # type: ignore[attr-defined]
+    training._collective_all_reduce_multi_worker = collective_all_reduce_multi_worker
 
 
 def init_strategy(strategy: tf.distribute.Strategy, extended: Any) -> None:

@@ -91,3 +91,15 @@ def test_keras_shim_is_installed_once_and_leaves_other_strategies_alone() -> Non
     stock = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     value = stock.experimental_distribute_values_from_function(lambda c: tf.constant([float(c.replica_id_in_sync_group)]))
     assert installed(value, stock, "concat").numpy().tolist() == [0.0, 1.0]
+
+
+def test_tf_keras_2_multi_worker_paths_are_where_the_shim_expects_them() -> None:
+    training = pytest.importorskip(_tf_internals.TF_KERAS_TRAINING)
+    moved = [f"{name} ({why})" for name, why in _tf_internals.TF_KERAS_PRIVATE_API if not hasattr(training, name)]
+    assert not moved, f"tf-keras moved what the ReductionServerStrategy relies on: {moved}"
+    _tf_internals.install_keras_multi_worker_paths()
+    installed = training._collective_all_reduce_multi_worker
+    _tf_internals.install_keras_multi_worker_paths()
+    assert training._collective_all_reduce_multi_worker is installed and installed._redsrv_original is not None
+    # other strategies keep Keras 2's answer
+    assert installed(tf.distribute.MirroredStrategy(["/cpu:0"])) is False
