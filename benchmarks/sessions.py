@@ -264,7 +264,7 @@ class AttackSpec:
 @dataclass
 class _Attacker:
     sock: socket.socket
-    pending: memoryview  # bytes of the header and first part not yet written
+    pending: list[memoryview]  # the header and the first part, as far as not yet written
     sent: int = 0  # payload bytes written
     trickle_at: float = 0.0
 
@@ -327,7 +327,7 @@ class SlowPushAttack:
         header = wire.push_header(wire.Push(1, handshake.accepted.incarnation, count, 0, count, 0, wire.DType.FLOAT32),
                                   self.spec.announce)
         sock.setblocking(False)
-        attacker = _Attacker(sock, memoryview(header + bytes(self._payload)))
+        attacker = _Attacker(sock, [memoryview(header), self._payload])  # one payload shared by every connection
         self._selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, (attacker, wire.FrameDecoder()))
 
     def _drop(self, attacker: _Attacker) -> None:
@@ -368,15 +368,22 @@ class SlowPushAttack:
 
     def _write(self, attacker: _Attacker, now: float) -> None:
         try:
-            sent = attacker.sock.send(attacker.pending)
+            sent = attacker.sock.sendmsg(attacker.pending)
         except BlockingIOError:
             return
         except OSError:
             return  # the read side sees the end
-        attacker.sent += sent
-        attacker.pending = attacker.pending[sent:]
+        while sent:
+            head = attacker.pending[0]
+            taken = min(sent, len(head))
+            if len(attacker.pending) == 1:  # the payload (the header went first)
+                attacker.sent += taken
+            sent -= taken
+            if taken == len(head):
+                attacker.pending.pop(0)
+            else:
+                attacker.pending[0] = head[taken:]
         if not attacker.pending:
-            attacker.sent -= len(wire.push_header(wire.Push(1, 0, 0, 0, 0, 0, wire.DType.FLOAT32), 0))
             attacker.trickle_at = now + self.spec.trickle
             self._selector.modify(attacker.sock, selectors.EVENT_READ, self._selector.get_key(attacker.sock).data)
 
@@ -479,6 +486,11 @@ class FairShareFigure:
                 f"(first step {first:.1f} ms); {attacked.steps} steps, {attacked.failed} failed, {attacked.wrong} wrong sums")
 
 
+#: How long the attack runs before the legitimate job starts: two default grace windows
+#: (constants.DEFAULT_SLOW_PUSH_GRACE_S), so the job meets slow pushes the reducer has judged.
+ATTACK_SETTLE_S = 10.0
+
+
 def fair_share(spec: AttackSpec, budget: int, steps: int, step_bytes: int) -> FairShareFigure:
     """A new legitimate job's step times while ``spec`` slow pushes press on a reducer without a
     secret (its own defaults for heartbeats, the grace and the minimum rate), against the same
@@ -491,9 +503,7 @@ def fair_share(spec: AttackSpec, budget: int, steps: int, step_bytes: int) -> Fa
         alone = timed_steps([address], "legit-alone", steps=steps, count=step_bytes // 4)
         with SlowPushAttack(address, spec) as attack:
             attack.ready.wait(60)
-            # Pacing: the attack holds the budget for two grace windows before the job starts, so
-            # the job meets slow pushes the reducer has already judged.
-            time.sleep(2 * redsrv.DaemonSettings().slow_push_grace)
+            time.sleep(ATTACK_SETTLE_S)
             rss_attack = _status(proc.pid, "VmRSS")
             attacked = timed_steps([address], "legit", steps=steps, count=step_bytes // 4)
         return FairShareFigure(spec, budget, step_bytes, alone, attacked, attack.report, baseline / 1024, rss_attack / 1024)
