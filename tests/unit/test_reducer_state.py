@@ -850,6 +850,20 @@ def test_under_pressure_a_push_slower_than_the_minimum_rate_is_dropped_and_its_j
     assert isinstance(open_push(core, "b", 0, MIB, key=1, now=1.1), PushTicket)
 
 
+def test_under_pressure_a_slow_but_honest_push_above_the_minimum_rate_is_kept() -> None:
+    """A link far slower than the cluster's but above the minimum rate (128 KiB/s against 64) keeps
+    its push under pressure, window after window, and its sum is exact."""
+    core = shared_core(2.5, {"a": 2, "b": 1}, slow_push_grace=1.0)
+    t0, data = slow_setup(core)
+    assert open_push(core, "b", 0, MIB, key=1, now=0.5) is None  # pressure from now on
+    for second in range(1, 8):
+        land(core, t0, data, 1000 + second * 128 * 1024, float(second))
+        assert errors(core.tick(second + 0.01)) == [], f"dropped after {second}s"
+    actions = land(core, t0, data, MIB, 8.0) + core.finish_push(t0, 8.0)
+    out, _, _ = result_of([a for a in actions if isinstance(a, SendResult)][-1:], np.dtype(np.float32))
+    assert out.tolist()[-3:] == [3.0, 3.0, 3.0] and core.stats("a").pushes_dropped == 0
+
+
 def test_under_pressure_a_stalled_chunk_of_a_job_over_its_share_is_failed_not_one_within_it() -> None:
     """A rank that hangs leaves its job's chunks holding memory; a job over its fair share gives
     it back while a job within its share waits, oldest chunk first, until it is within its share."""
