@@ -306,8 +306,8 @@ class ReducerDaemon:
             self._execute(actions)
         except Exception:  # deadlines are retried next tick; the connections carry on
             log.exception("reducer tick failed")
-        if self._blocked:
-            self._retry_blocked()
+        if self._blocked and self.core.memory_epoch != self._retried_epoch:
+            self._retry_blocked()  # the tick may have freed memory (reclaimed it, dropped idle shares)
         if now >= self._next_trim:
             self._next_trim = now + C.POOL_IDLE_RELEASE_S
             if _MALLOC_TRIM is not None:

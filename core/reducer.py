@@ -700,8 +700,9 @@ class ReducerCore:
         refuses it once it waited its operation timeout).
 
         Memory (docs/reliability.md, "Fair shares"): a push that opens a chunk needs room in its
-        job's budget and in the reducer-wide one, where each active job may always reach its fair
-        share and memory another active job has not used of its share is kept for it. A push
+        job's budget and in the reducer-wide one (:meth:`_room`: within its fair share a job needs
+        only the memory to be there; beyond it, only what leaves every other active job room to
+        reach its own share). Pushes to an open chunk join it whatever the budgets. A push
         announcing more than ``constants.ARRIVAL_STEP_BYTES`` is funded one step at a time as
         its bytes arrive (:meth:`extend`) where its bytes join the chunk as they come (every
         rank contributes, a sum-like op: cut-through); elsewhere the payload is handed over
