@@ -49,8 +49,19 @@ class ReducerCollector:
         late_max = GaugeMetricFamily("redsrv_reducer_rank_lateness_max_seconds", "Per rank: worst lateness seen",
                                      labels=["job", "rank"])
         conns = GaugeMetricFamily("redsrv_reducer_connections", "Open worker connections", labels=["job"])
-        inflight = GaugeMetricFamily("redsrv_reducer_inflight_bytes", "Bytes held for open chunks and unsent results",
-                                     labels=["job"])
+        inflight = GaugeMetricFamily("redsrv_reducer_inflight_bytes", "Bytes of the reducer's memory budget this job "
+                                     "holds: open chunks, unsent results, results kept", labels=["job"])
+        waits = CounterMetricFamily("redsrv_reducer_memory_waits", "Pushes that had to wait for memory (each wait once)",
+                                    labels=["job"])
+        refusals = CounterMetricFamily("redsrv_reducer_memory_refusals", "Pushes refused (OVERLOADED) after waiting "
+                                       "their operation timeout for memory", labels=["job"])
+        dropped = CounterMetricFamily("redsrv_reducer_slow_pushes_dropped", "Pushes dropped under memory pressure: "
+                                      "slower than the minimum rate, or paused over the job's fair share",
+                                      labels=["job"])
+        reclaimed = CounterMetricFamily("redsrv_reducer_chunks_reclaimed", "Stalled chunks failed under memory pressure "
+                                        "while their job held more than its fair share", labels=["job"])
+        freed = CounterMetricFamily("redsrv_reducer_reclaimed_bytes", "Bytes those drops and failures freed",
+                                    labels=["job"])
         for job, entry in snap.items():
             stats: Any = entry["stats"]
             c_in.add_metric([job], stats.bytes_in)
@@ -71,7 +82,23 @@ class ReducerCollector:
                 late_max.add_metric([job, str(rank)], stats.lateness_max[rank])
             conns.add_metric([job], entry["connections"])  # type: ignore[arg-type]
             inflight.add_metric([job], entry["inflight_bytes"])  # type: ignore[arg-type]
-        yield from (c_in, c_out, closed, failed, rejected, latency, late_sum, late_count, late_max, conns, inflight)
+            waits.add_metric([job], stats.memory_waits)
+            refusals.add_metric([job], stats.memory_refusals)
+            dropped.add_metric([job], stats.pushes_dropped)
+            reclaimed.add_metric([job], stats.chunks_reclaimed)
+            freed.add_metric([job], stats.bytes_reclaimed)
+        yield from (c_in, c_out, closed, failed, rejected, latency, late_sum, late_count, late_max, conns, inflight,
+                    waits, refusals, dropped, reclaimed, freed)
+        memory = self.daemon.memory()
+        for name, value, what in (
+                ("memory_budget_bytes", memory.budget, "The reducer-wide memory budget (--memory-budget)"),
+                ("memory_held_bytes", memory.held, "Bytes of it held over every job"),
+                ("active_jobs", memory.active_jobs, "Jobs that hold memory or pushed lately: they share the budget"),
+                ("fair_share_bytes", memory.fair_share, "What each active job may always hold while the budget is "
+                                                        "contended"),
+                ("pushes_waiting", memory.waiting, "Pushes waiting for memory now"),
+                ("memory_pressure", int(memory.pressure), "1 while a job within its fair share waits for memory")):
+            yield GaugeMetricFamily(f"redsrv_reducer_{name}", what, value=value)
 
 
 def serve_reducer_metrics(daemon: ReducerDaemon, port: int, host: str = "0.0.0.0") -> None:

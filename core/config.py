@@ -468,7 +468,10 @@ class DaemonSettings:
     heartbeat_interval: float = C.DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_misses: int = C.DEFAULT_HEARTBEAT_MISSES
     send_stall_timeout: float = C.DEFAULT_SEND_STALL_S  # a peer that takes none of our bytes this long is dropped
-    budget_wait_timeout: float = C.DEFAULT_OP_TIMEOUT_S  # a push waits this long at most for budget to free up
+    budget_wait_timeout: float = C.DEFAULT_OP_TIMEOUT_S  # a push waits this long at most for memory (and its op timeout)
+    # Under memory pressure a push slower than this (bytes/s) over the grace is dropped; 0: never.
+    min_push_rate: int = C.DEFAULT_MIN_PUSH_RATE
+    slow_push_grace: float = C.DEFAULT_SLOW_PUSH_GRACE_S
     max_op_timeout: float = C.DEFAULT_MAX_OP_TIMEOUT_S  # cap on the operation timeout a worker asks for
     rejoin_grace: float = C.DEFAULT_REJOIN_GRACE_S  # how long a reconnecting rank's place is kept
     close_timeout: float = C.DEFAULT_CLOSE_TIMEOUT_S
@@ -489,7 +492,7 @@ class DaemonSettings:
         if self.tcp_congestion is not None:
             object.__setattr__(self, "tcp_congestion", congestion_setting(self.tcp_congestion))
         require_positive(self, ("handshake_timeout", "heartbeat_interval", "send_stall_timeout", "budget_wait_timeout",
-                                "max_op_timeout", "close_timeout", "stall_warning", "rejoin_grace"))
+                                "max_op_timeout", "close_timeout", "stall_warning", "rejoin_grace", "slow_push_grace"))
         for name in ("heartbeat_misses", "max_frame_payload", "job_budget_bytes", "memory_budget_bytes", "max_connections",
                      "max_pending_handshakes"):
             if not getattr(self, name) >= 1:
@@ -501,6 +504,9 @@ class DaemonSettings:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if self.result_piece_bytes < 0:
             raise ConfigError(f"result_piece_bytes must be >= 0 (0 turns it off), got {self.result_piece_bytes}")
+        if self.min_push_rate < 0:
+            raise ConfigError(f"min_push_rate (REDSRV_MIN_PUSH_RATE, bytes per second) must be >= 0 (0: slow pushes are "
+                              f"never dropped), got {self.min_push_rate}")
         check_recv_buffer(self.recv_buffer_bytes)
 
     def replace(self, **changes: Any) -> DaemonSettings:

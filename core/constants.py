@@ -223,8 +223,45 @@ DEFAULT_SEND_STALL_S = 10.0
 DEFAULT_MAX_OP_TIMEOUT_S = 2 * DEFAULT_OP_TIMEOUT_S
 
 #: Bytes of contributions and results a reducer holds over every job together (R21), beside the
-#: per-job budget: eight jobs at their full budget. Past it, new chunks wait as over a job budget.
+#: per-job budget: eight jobs at their full budget. Past it, new chunks wait as over a job budget;
+#: while it is contended each active job keeps a fair share of it (MIN_FAIR_SHARE_BYTES below).
 DEFAULT_MEMORY_BUDGET_BYTES = 8 * DEFAULT_JOB_BUDGET_BYTES
+
+#: Fair shares of the reducer-wide budget (docs/reliability.md, "Fair shares"): while the budget
+#: is contended, each active job may always hold budget / active jobs, and never less than this:
+#: one default chunk, so that a job can always open a chunk even when thousands share a reducer
+#: (the other ranks' pushes to an open chunk join it whatever the budgets, ReducerCore.begin_push).
+MIN_FAIR_SHARE_BYTES = DEFAULT_CHUNK_BYTES
+
+#: A job counts as active for its fair share while it holds memory and for this long after its
+#: last push: a training job holds nothing between steps, and its share must still be kept for
+#: its next one rather than handed to whoever asks in the gap. Longer than most steps' compute;
+#: an idle job's share returns to the others within this bound.
+FAIR_SHARE_IDLE_S = 5.0
+
+#: A push that announces more than this is funded as its bytes arrive, one step at a time, rather
+#: than for its whole announced size up front (memory backs bytes that arrived or are about to):
+#: a header announcing 64 MiB then trickling held 64 MiB of the budget (issue 43). One default
+#: chunk, so a default client's pushes are still funded whole at their header and never paused
+#: mid-payload; the event loop asks the state machine once per step.
+ARRIVAL_STEP_BYTES = DEFAULT_CHUNK_BYTES
+
+#: Under memory pressure (a job within its fair share waits for memory), a push delivering less
+#: than this many bytes per second over a whole grace period is dropped and its memory freed
+#: (REDSRV_MIN_PUSH_RATE; 0 turns the rule off). A sixteenth of a default chunk per second: the
+#: slowest honest link measured here, 100 Mbit/s shared by eight flows (docs/performance.md), gives
+#: each push about 1.5 MB/s, 24 times more; a trickle of a byte every few seconds, the attack of
+#: issue 43, gives almost nothing. Without pressure no push is ever dropped for being slow.
+DEFAULT_MIN_PUSH_RATE = 64 * 1024
+
+#: How long a push may stay under the minimum rate (or paused over its job's fair share) while
+#: others wait for memory before it is dropped (REDSRV_SLOW_PUSH_GRACE): the heartbeat bound, the
+#: silence after which a peer counts as frozen anyway, so it outlasts a TCP retransmission stall
+#: of an honest link.
+DEFAULT_SLOW_PUSH_GRACE_S = DEFAULT_HEARTBEAT_INTERVAL_S * DEFAULT_HEARTBEAT_MISSES
+
+#: While the budget is contended the reducer logs who holds its memory at most this often.
+CONTENTION_LOG_INTERVAL_S = 10.0
 
 #: Connections that have not finished their handshake. At the cap the oldest is dropped for the
 #: newest, so a flood of slow connections can never lock a worker out (R20). Each holds a few KiB.

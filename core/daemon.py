@@ -40,7 +40,19 @@ from . import wire
 from .config import DaemonSettings
 from .errors import ConfigError
 from .handshake import HandshakeState, ServerHandshake
-from .reducer import Action, CloseConnection, Log, PushTicket, ReducerCore, SendError, SendResult, SendSafe
+from .reducer import (
+    DISCARD,
+    WAIT_FOR_MEMORY,
+    Action,
+    CloseConnection,
+    Log,
+    MemoryState,
+    PushTicket,
+    ReducerCore,
+    SendError,
+    SendResult,
+    SendSafe,
+)
 from .transport import (
     SKIP,
     WAIT,
@@ -66,8 +78,6 @@ _RESENT_SCRATCH = memoryview(bytearray(256 * 1024))
 
 #: Frames handled per connection per wake-up before the loop serves the others.
 _FRAMES_PER_TURN = 16
-#: Budget backpressure: how often a worker over its job's budget is retried.
-_BLOCKED_RETRY_S = 0.002
 
 
 class _Pending:
@@ -99,9 +109,10 @@ class _Conn:
                                   on_count=functools.partial(daemon._on_count, self))
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
-        self.skip_left = 0  # bytes of the current (resent) push still to read and drop
+        self.skip_left = 0  # bytes of the current push still to read and drop (resent, or nobody's any more)
         self.in_data = False  # the current push's bytes now land in its buffer
-        self.blocked_until: float | None = None  # over the job's budget: not reading until then at most
+        self.view_start = self.view_end = 0  # the part of its buffer they land in now
+        self.blocked = False  # its push waits for memory: not read meanwhile (TCP backpressure)
         self.events = 0
         self.closing_until: float | None = None  # sending a final frame, then closed
         self.closed = False
@@ -118,6 +129,8 @@ class ReducerDaemon:
             self.incarnation, job_budget_bytes=self.settings.job_budget_bytes,
             memory_budget_bytes=self.settings.memory_budget_bytes, stall_warning=self.settings.stall_warning,
             piece_bytes=self.settings.result_piece_bytes, rejoin_grace=self.settings.rejoin_grace,
+            budget_wait_timeout=self.settings.budget_wait_timeout, min_push_rate=self.settings.min_push_rate,
+            slow_push_grace=self.settings.slow_push_grace,
         )
         # Guards the state machine against snapshot() from the metrics thread; the loop is its
         # only other user, so it is never contended on the data path.
@@ -133,6 +146,7 @@ class ReducerDaemon:
         self._listener: socket.socket | None = None
         self._accept_paused_until = 0.0
         self._blocked: set[_Conn] = set()
+        self._retried_epoch = -1  # the core's memory epoch when the blocked pushes were last asked again
         self._closing: set[_Conn] = set()
         self._congestion_warned = False
         self._now = time.monotonic()
@@ -197,6 +211,11 @@ class ReducerDaemon:
                 for job, stats in self.core.job_stats.items()
             }
 
+    def memory(self) -> MemoryState:
+        """The reducer-wide budget, its fair share and who waits (for metrics), under the lock."""
+        with self._lock:
+            return self.core.memory()
+
     @property
     def stopping(self) -> bool:
         return self._stopping.is_set()
@@ -211,8 +230,6 @@ class ReducerDaemon:
             while not self._stopping.is_set():
                 now = time.monotonic()
                 timeout = max(0.0, next_tick - now)
-                if self._blocked:
-                    timeout = min(timeout, _BLOCKED_RETRY_S)
                 events = selector.select(timeout)
                 self._now = time.monotonic()
                 for key, mask in events:
@@ -223,8 +240,8 @@ class ReducerDaemon:
                         self._serve_pending(handler, mask)
                     else:
                         handler()
-                if self._blocked:
-                    self._retry_blocked()
+                if self._blocked and self.core.memory_epoch != self._retried_epoch:
+                    self._retry_blocked()  # memory was freed, or the shares changed
                 if self._now >= next_tick:
                     next_tick = self._now + C.TICK_INTERVAL_S
                     self._tick()
@@ -277,12 +294,20 @@ class ReducerDaemon:
         if self._listener is not None and self._accept_paused_until and now >= self._accept_paused_until:
             self._accept_paused_until = 0.0
             self._set_listening(True)
+        for conn in [c for c in self._conns.values() if c.ticket is not None and c.in_data and not c.blocked]:
+            if now - conn.reader.last_recv >= C.TICK_INTERVAL_S:
+                try:  # a low-water mark may hide a slow push's bytes; the state machine measures its rate
+                    self._read(conn)
+                except Exception as exc:
+                    self._contain(conn, exc)
         try:
             with self._lock:
                 actions = self.core.tick(now)
             self._execute(actions)
         except Exception:  # deadlines are retried next tick; the connections carry on
             log.exception("reducer tick failed")
+        if self._blocked and self.core.memory_epoch != self._retried_epoch:
+            self._retry_blocked()  # the tick may have freed memory (reclaimed it, dropped idle shares)
         if now >= self._next_trim:
             self._next_trim = now + C.POOL_IDLE_RELEASE_S
             if _MALLOC_TRIM is not None:
@@ -298,7 +323,7 @@ class ReducerDaemon:
                 if writer.out and now - writer.last_progress > s.send_stall_timeout:
                     raise ConnectionBroken("timeout", f"{conn.peer} stopped reading: nothing it was sent was taken for "
                                                       f"{s.send_stall_timeout:.1f}s (send stall timeout)")
-                if conn.blocked_until is None and conn.closing_until is None and now - reader.last_recv > silent_for:
+                if not conn.blocked and conn.closing_until is None and now - reader.last_recv > silent_for:
                     self._read(conn)  # a low-water mark may hide bytes that did arrive
                     if self._now - reader.last_recv > silent_for:
                         raise ConnectionBroken("timeout", f"no data from {conn.peer} while reading {reader.what}")
@@ -456,21 +481,20 @@ class ReducerDaemon:
 
     def _read(self, conn: _Conn) -> None:
         """Receive what the socket holds, a bounded number of frames at a time."""
-        if conn.blocked_until is None and conn.closing_until is None and not conn.closed:
+        if not conn.blocked and conn.closing_until is None and not conn.closed:
             self._receive(conn)
 
     def _receive(self, conn: _Conn) -> None:
         conn.reader.read(self._now, _FRAMES_PER_TURN)
         ticket = conn.ticket
-        if ticket is not None and ticket.part is not None and conn.in_data:  # cut-through: part of a payload is in
-            received = conn.reader.payload_received
-            if received:
-                received += ticket.skip
+        if ticket is not None and ticket.buffer is not None and conn.in_data and not conn.skip_left:
+            landed = conn.reader.payload_received  # part of a payload is in: its rate, and cut-through sums
+            if landed:
                 with self._lock:
-                    actions = self.core.progress(ticket, received, self._now)
+                    actions = self.core.progress(ticket, conn.view_start + landed, self._now)
                 self._execute(actions)
 
-    def _on_payload(self, conn: _Conn) -> tuple[memoryview, str] | None:
+    def _on_payload(self, conn: _Conn) -> tuple[memoryview, str] | str | None:
         more = self._push_target(conn)
         if more is not None:
             return more
@@ -495,8 +519,9 @@ class ReducerDaemon:
         raise _Rejected(f"worker reported: {frame.message}")
 
     def _begin_push(self, conn: _Conn, header: wire.FrameHeader) -> HeaderStep:
-        """A push header is in: where its payload goes. ``WAIT`` when the job is over its budget:
-        the connection stops being read (TCP backpressure) and the push is retried."""
+        """A push header is in: where its payload goes. ``WAIT`` when it must wait for memory:
+        the connection stops being read (TCP backpressure) and the push is asked again once
+        memory was freed or a tick passed; the state machine refuses it after its wait."""
         push = wire.parse_payload(header, b"")
         assert isinstance(push, wire.Push)
         with self._lock:
@@ -506,18 +531,9 @@ class ReducerDaemon:
         with self._lock:
             outcome = self.core.begin_push(conn.id, push, header.payload_len, self._now)
         if outcome is None:
-            if conn.blocked_until is None:
-                # Waiting for the job's own chunks to close is backpressure; waiting for other
-                # jobs to free the reducer's memory is bounded like a stalled send (R21).
-                wait = self.settings.send_stall_timeout if self.core.waiting_for_reducer else self.settings.budget_wait_timeout
-                conn.blocked_until = self._now + wait
-                self._blocked.add(conn)
-                self._set_events(conn, conn.events & ~selectors.EVENT_READ)
+            self._block(conn)
             return WAIT
-        if conn.blocked_until is not None:
-            conn.blocked_until = None
-            self._blocked.discard(conn)
-            self._set_events(conn, conn.events | selectors.EVENT_READ)
+        self._unblock(conn)
         if isinstance(outcome, list):
             self._execute(outcome)
             return SKIP
@@ -527,9 +543,12 @@ class ReducerDaemon:
             self._execute(outcome.replay)
         return self._push_target(conn) or (memoryview(b""), f"push payload (key {push.key:#x} chunk {push.chunk})")
 
-    def _push_target(self, conn: _Conn) -> tuple[memoryview, str] | None:
+    def _push_target(self, conn: _Conn) -> tuple[memoryview, str] | str | None:
         """Where the next bytes of the current push go: a scratch area for the bytes a resent
-        push repeats (already in its buffer, R22), then the buffer; ``None`` when it is all in."""
+        push repeats (already in its buffer, R22) or that nobody needs any more, then its buffer
+        as far as the state machine funded it (``ReducerCore.extend`` funds a push that
+        announced more than a step as its bytes arrive); ``WAIT`` while the next step waits for
+        memory; ``None`` when it is all in."""
         ticket = conn.ticket
         assert ticket is not None
         what = f"push payload (key {ticket.push.key:#x} chunk {ticket.push.chunk})"
@@ -537,21 +556,53 @@ class ReducerDaemon:
             n = min(conn.skip_left, len(_RESENT_SCRATCH))
             conn.skip_left -= n
             return _RESENT_SCRATCH[:n], what
+        buffer = ticket.buffer
+        if buffer is None:
+            return None
         if not conn.in_data:
             conn.in_data = True
-            if ticket.buffer is not None and ticket.skip < ticket.buffer.nbytes:
-                return ticket.buffer.data.cast("B")[ticket.skip :], what
-        return None
+            conn.view_end = ticket.skip
+        conn.view_start = end = conn.view_end  # the last part is full
+        if end >= buffer.nbytes:
+            return None
+        if end >= ticket.limit:
+            with self._lock:
+                actions = self.core.progress(ticket, end, self._now)
+                limit = self.core.extend(ticket, self._now)
+            self._execute(actions)
+            if limit == WAIT_FOR_MEMORY:
+                self._block(conn)
+                return WAIT
+            self._unblock(conn)
+            if limit == DISCARD:
+                conn.skip_left = buffer.nbytes - end
+                return self._push_target(conn)
+        conn.view_end = ticket.limit
+        return buffer.data.cast("B")[end : ticket.limit], what
+
+    def _block(self, conn: _Conn) -> None:
+        """Its push waits for memory: stop reading it until asked again (``_retry_blocked``)."""
+        if not conn.blocked:
+            conn.blocked = True
+            self._blocked.add(conn)
+            self._set_events(conn, conn.events & ~selectors.EVENT_READ)
+
+    def _unblock(self, conn: _Conn) -> None:
+        if conn.blocked:
+            conn.blocked = False
+            self._blocked.discard(conn)
+            self._set_events(conn, conn.events | selectors.EVENT_READ)
 
     def _retry_blocked(self) -> None:
+        """Ask the state machine again for every push waiting for memory (reading resumes where
+        it stopped, a header or the end of a funded part); it refuses one that waited too long."""
+        self._retried_epoch = self.core.memory_epoch
         for conn in list(self._blocked):
             if conn.closed:
                 self._blocked.discard(conn)
                 continue
             try:
-                self._receive(conn)  # asks the state machine again first
-                if conn.blocked_until is not None and (self._now > conn.blocked_until or self._stopping.is_set()):
-                    raise _Rejected(f"no memory for a new chunk: {self.core.waiting_for}", wire.ErrorCode.OVERLOADED)
+                self._receive(conn)
             except Exception as exc:
                 self._contain(conn, exc)
 
@@ -607,7 +658,7 @@ class ReducerDaemon:
             return
         self._conns.pop(conn.id, None)
         self._blocked.discard(conn)
-        conn.blocked_until = None
+        conn.blocked = False
         with self._lock:
             if conn.ticket is not None:
                 self.core.abort_push(conn.ticket)

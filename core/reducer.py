@@ -19,6 +19,7 @@ in (earlier arrivals wait in their buffers) and the result leaves whole.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -55,10 +56,23 @@ __all__ = [
     "BufferPool",
     "ACCUMULATION_DTYPES",
     "JobStats",
+    "MemoryState",
     "LATENCY_BUCKETS",
+    "DISCARD",
+    "WAIT_FOR_MEMORY",
 ]
 
 NO_CHUNK = 0xFFFFFFFF
+
+#: What :meth:`ReducerCore.extend` returns when the rest of a payload is to be read and dropped
+#: (its chunk failed meanwhile: nothing will use those bytes).
+DISCARD = -1
+#: ... or when the push must wait for memory (the daemon stops reading it and asks again later).
+WAIT_FOR_MEMORY = -2
+
+#: Anonymous private mappings: pages exist once written, so a buffer funded as its bytes arrive
+#: is resident as far as they arrived, not for its announced size.
+_LAZY_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
 
 
 # --- actions --------------------------------------------------------------------------------
@@ -124,7 +138,12 @@ class BufferPool:
         self._clock = 0.0
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> np.ndarray:
+    def take(self, nbytes: int, *, lazy: bool = False) -> np.ndarray:
+        """A buffer of ``nbytes``. ``lazy``: fresh memory whose pages exist only once written,
+        never a pooled one (whose pages were all written before), for a buffer funded as its
+        bytes arrive."""
+        if lazy:
+            return np.frombuffer(mmap.mmap(-1, nbytes, flags=_LAZY_FLAGS), dtype=np.uint8)
         with self._lock:
             self._last_taken[nbytes] = self._clock
             free = self._free.get(nbytes)
@@ -143,6 +162,17 @@ class BufferPool:
                 free.append(buffer)
                 self.free_bytes += buffer.nbytes
 
+    def trim(self, max_free_bytes: int) -> None:
+        """Drop free buffers until at most ``max_free_bytes`` are kept."""
+        with self._lock:
+            for nbytes in sorted(self._free, reverse=True):
+                free = self._free[nbytes]
+                while free and self.free_bytes > max_free_bytes:
+                    free.pop()
+                    self.free_bytes -= nbytes
+                if self.free_bytes <= max_free_bytes:
+                    return
+
     def release_idle(self, now: float, idle: float = C.POOL_IDLE_RELEASE_S) -> int:
         """Drop the free buffers of every size not taken within ``idle`` seconds of ``now``;
         returns the bytes dropped."""
@@ -158,12 +188,17 @@ class BufferPool:
 
 
 class _SharedBuffer:
-    """A pool buffer with a reference count; returns to the pool when the count reaches 0."""
+    """A pool buffer with a reference count; returns to the pool when the count reaches 0.
+    ``charged``: the bytes of it counted against the budgets (less than its size while a push
+    funded as it arrives is still coming in); a buffer never wholly funded goes back to the
+    system, not to the pool, whose buffers are handed out as wholly written memory."""
 
-    __slots__ = ("buffer", "refs", "pool", "lock", "on_free")
+    __slots__ = ("buffer", "refs", "pool", "lock", "on_free", "charged")
 
-    def __init__(self, buffer: np.ndarray, pool: BufferPool, refs: int, on_free: Callable[[int], None]) -> None:
+    def __init__(self, buffer: np.ndarray, pool: BufferPool, refs: int, on_free: Callable[[int], None],
+                 charged: int | None = None) -> None:
         self.buffer, self.pool, self.refs, self.on_free = buffer, pool, refs, on_free
+        self.charged = buffer.nbytes if charged is None else charged
         self.lock = threading.Lock()
 
     def retain(self, count: int) -> None:
@@ -175,8 +210,9 @@ class _SharedBuffer:
             self.refs -= 1
             done = self.refs == 0
         if done:
-            self.on_free(self.buffer.nbytes)
-            self.pool.give(self.buffer)
+            self.on_free(self.charged)
+            if self.charged == self.buffer.nbytes:
+                self.pool.give(self.buffer)
 
 
 @dataclass
@@ -281,6 +317,7 @@ class _OpenChunk:
     contributors: int = 0  # bitmap
     conns: dict[int, int] = field(default_factory=dict)  # rank -> connection to answer on
     stall_warned: bool = False
+    active_at: float = 0.0  # when a byte of a contribution last arrived (a chunk that stalls holds memory)
     broadcast_data: np.ndarray | None = None
     parts: dict[int, _Part] | None = None  # rank -> contribution, when summed piece by piece
     forwarded: int = 0  # payload bytes whose sum was sent (piece by piece)
@@ -313,6 +350,7 @@ class _Job:
     # visits only those rather than every remembered key; expiry times are monotone within a job.
     retained: deque[_Closed] = field(default_factory=deque)
     bytes_held: int = 0
+    active_at: float = 0.0  # its last push: the job keeps its fair share for FAIR_SHARE_IDLE_S after it
 
 
 #: Upper bounds (seconds) of the chunk-latency and straggler-lateness histograms.
@@ -334,6 +372,14 @@ class JobStats:
     lateness_sum: dict[int, float] = field(default_factory=dict)  # rank -> seconds after the first contribution
     lateness_count: dict[int, int] = field(default_factory=dict)
     lateness_max: dict[int, float] = field(default_factory=dict)
+    # Memory (docs/reliability.md, "Fair shares"): pushes that had to wait for memory (each wait
+    # counted once), refused after waiting their operation timeout, dropped as too slow under
+    # pressure; chunks failed to free memory; the bytes those freed.
+    memory_waits: int = 0
+    memory_refusals: int = 0
+    pushes_dropped: int = 0
+    chunks_reclaimed: int = 0
+    bytes_reclaimed: int = 0
 
     def observe_latency(self, seconds: float) -> None:
         self.latency_sum += seconds
@@ -366,6 +412,39 @@ class PushTicket:
     resent: bool = False  # a whole contribution the chunk already has: read and dropped
     settled: bool = False  # the payload is the chunk's known result (ReduceOp.SETTLED)
     replay: list[Action] = field(default_factory=list)  # to run when the ticket is handed out
+    # Bytes of ``buffer`` funded so far: the daemon lands no further before :meth:`ReducerCore.extend`
+    # funds more (a push announcing more than constants.ARRIVAL_STEP_BYTES is funded as it arrives).
+    limit: int = 0
+    # The state machine's own bookkeeping of the push's rate (the slow-push rule, tick):
+    received: int = 0  # payload bytes in, as last reported
+    window_at: float = 0.0  # the current measuring window began then, with ``window_bytes`` in
+    window_bytes: int = 0
+    slow_rate: float | None = None  # bytes/s over the last whole window, when under the minimum
+    paused_at: float | None = None  # since when it waits for memory mid-payload
+
+
+@dataclass
+class _Wait:
+    """A push waiting for memory (the daemon stopped reading its connection)."""
+
+    job: str
+    rank: int
+    since: float
+    limit: float  # seconds it may wait before it is refused with OVERLOADED
+    why: str
+    within_share: bool  # its job would stay within its fair share: a claim the budget owes it
+
+
+@dataclass(frozen=True)
+class MemoryState:
+    """The reducer-wide budget at a glance (metrics and logs)."""
+
+    budget: int
+    held: int
+    active_jobs: int
+    fair_share: int
+    waiting: int  # pushes waiting for memory
+    pressure: bool  # a job within its fair share is waiting for memory
 
 
 @dataclass
@@ -394,15 +473,25 @@ class ReducerCore:
         stall_warning: float = C.DEFAULT_STALL_WARNING_S,
         piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES,
         rejoin_grace: float = C.DEFAULT_REJOIN_GRACE_S,
+        budget_wait_timeout: float = C.DEFAULT_OP_TIMEOUT_S,
+        min_push_rate: int = C.DEFAULT_MIN_PUSH_RATE,
+        slow_push_grace: float = C.DEFAULT_SLOW_PUSH_GRACE_S,
         pool: BufferPool | None = None,
     ) -> None:
         self.incarnation = incarnation
         self.job_budget_bytes = job_budget_bytes
         self.memory_budget_bytes = memory_budget_bytes
         self.bytes_held_total = 0  # over every job: contributions, sums and results being sent
-        #: Why the last ``begin_push`` that returned ``None`` must wait (names the budget).
-        self.waiting_for = ""
-        self.waiting_for_reducer = False  # ...and whether it is the reducer-wide budget
+        self.budget_wait_timeout = budget_wait_timeout  # the longest a push waits for memory
+        self.min_push_rate = min_push_rate  # bytes/s; 0: slow pushes are never dropped
+        self.slow_push_grace = slow_push_grace
+        #: Bumped whenever memory is freed or shares change: pushes waiting for memory are worth
+        #: asking again only then (the daemon retries them on a change, else once a tick).
+        self.memory_epoch = 0
+        self._active: dict[str, _Job] = {}  # jobs that hold memory or pushed lately: they divide the budget
+        self._waiting: dict[int, _Wait] = {}  # connection -> its push waiting for memory
+        self._receiving: dict[int, PushTicket] = {}  # connection -> the push whose payload is arriving
+        self._next_contention_log = 0.0
         self.stall_warning = stall_warning
         self.piece_bytes = piece_bytes  # 0: forward whole chunks only
         self.rejoin_grace = rejoin_grace  # the longest a rank's place is kept for its reconnect
@@ -500,6 +589,8 @@ class ReducerCore:
         job's open chunks that still need it fail, naming the rank (modes that tolerate
         stragglers carry on as long as a quorum can still form)."""
         info = self._conns.pop(conn, None)
+        self._waiting.pop(conn, None)
+        self._receiving.pop(conn, None)
         if info is None:
             return []
         job = self._jobs.get(info.job)
@@ -595,20 +686,36 @@ class ReducerCore:
             if closed.result is not None:
                 closed.result.release()
         del self._jobs[job.name]
+        if self._active.get(job.name) is job:
+            del self._active[job.name]
+            self.memory_epoch += 1
 
     # --- data path ---
 
     def begin_push(self, conn: int, push: Push, payload_len: int, now: float) -> PushTicket | list[Action] | None:
         """A push header arrived. Returns a ticket saying where to receive its payload, a list of
         actions when it is rejected (its payload must then be read and discarded), or ``None``
-        when the job is over its budget and the caller should wait (TCP backpressure) and retry."""
+        when it must wait for memory (the caller stops reading the connection, TCP
+        backpressure, and asks again once memory was freed or a tick passed; :meth:`tick`
+        refuses it once it waited its operation timeout).
+
+        Memory (docs/reliability.md, "Fair shares"): a push that opens a chunk needs room in its
+        job's budget and in the reducer-wide one (:meth:`_room`: within its fair share a job needs
+        only the memory to be there; beyond it, only what leaves every other active job room to
+        reach its own share). Pushes to an open chunk join it whatever the budgets. A push
+        announcing more than ``constants.ARRIVAL_STEP_BYTES`` is funded one step at a time as
+        its bytes arrive (:meth:`extend`) where its bytes join the chunk as they come (every
+        rank contributes, a sum-like op: cut-through); elsewhere the payload is handed over
+        whole, and funded whole."""
         info = self._conns.get(conn)
         if info is None:
             return [SendError(conn, Error(ErrorCode.PROTOCOL, True, "push before a completed handshake"), close_after=True)]
         job = self._jobs[info.job]
+        self._mark_active(job, now)
         chunk_key = (push.key, push.chunk)
         reject = self._check_push(job, info.rank, push, now)
         if reject is not None:
+            self._waiting.pop(conn, None)
             stats = self.stats(job.name)
             stats.rejected[reject.code.name] = stats.rejected.get(reject.code.name, 0) + 1
             return [SendError(conn, reject)]
@@ -616,38 +723,136 @@ class ReducerCore:
             if job.params.mode is not StragglerMode.ALL:
                 return [SendError(conn, Error(ErrorCode.PROTOCOL, False, "a settled result is only for jobs where every "
                                                                           "rank contributes", push.key, push.chunk))]
-            return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), settled=True)
+            return self._receive(PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), settled=True),
+                                 now)
         closed = job.closed.get(chunk_key)
-        if closed is not None:
-            return PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len), late=True)
+        if closed is not None:  # its payload is read and dropped: it needs no memory
+            self._waiting.pop(conn, None)
+            return PushTicket(conn, info.job, info.rank, push, None, late=True, skip=payload_len)
         chunk = job.open.get(chunk_key)
         if chunk is not None:
             resumed = self._resume(job, chunk, conn, info.rank, push, payload_len)
             if resumed is not None:
-                return resumed
+                self._waiting.pop(conn, None)
+                return self._receive(resumed, now)
+        cut_through = job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST and push.count > 0
+        stepwise = cut_through and payload_len > C.ARRIVAL_STEP_BYTES
+        grant = C.ARRIVAL_STEP_BYTES if stepwise else payload_len
         # Over a budget: no new chunks until held memory (open chunks, results still being sent,
         # results kept for stragglers) drains. Pushes to open chunks always proceed: they are
         # what closes chunks and frees memory.
-        if chunk is None and job.bytes_held > 0 and job.bytes_held + payload_len > self.job_budget_bytes:
-            self._evict_deliveries([job], lambda: job.bytes_held + payload_len <= self.job_budget_bytes)
-        if chunk is None and self.bytes_held_total + payload_len > self.memory_budget_bytes:
-            self._evict_deliveries(list(self._jobs.values()),
-                                   lambda: self.bytes_held_total + payload_len <= self.memory_budget_bytes)
-        if chunk is None and job.bytes_held > 0 and job.bytes_held + payload_len > self.job_budget_bytes:
-            self.waiting_for = f"job {job.name!r} holds {job.bytes_held} bytes of its budget of {self.job_budget_bytes}"
-            self.waiting_for_reducer = False
-            return None
-        if chunk is None and self.bytes_held_total + payload_len > self.memory_budget_bytes:
-            self.waiting_for = (f"the reducer holds {self.bytes_held_total} bytes of its memory budget of "
-                                f"{self.memory_budget_bytes} (--memory-budget) over every job")
-            self.waiting_for_reducer = True
-            return None
-        ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len))
-        if job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST and push.count:  # combined as it arrives
+        if chunk is None:
+            if job.bytes_held > 0 and job.bytes_held + grant > self.job_budget_bytes:
+                self._evict_deliveries([job], lambda: job.bytes_held + grant <= self.job_budget_bytes)
+            if self.bytes_held_total + grant > self.memory_budget_bytes:
+                self._evict_deliveries(list(self._jobs.values()),
+                                       lambda: self.bytes_held_total + grant <= self.memory_budget_bytes)
+            if job.bytes_held > 0 and job.bytes_held + grant > self.job_budget_bytes:
+                self._wait(conn, job, info.rank, now, self.budget_wait_timeout, False,
+                           f"job {job.name!r} holds {job.bytes_held} bytes of its budget of {self.job_budget_bytes}")
+                return None
+            short = self._room(job, grant)
+            if short is not None:
+                self._wait(conn, job, info.rank, now, min(self.budget_wait_timeout, job.params.op_timeout_ms / 1000), *short)
+                return None
+        self._waiting.pop(conn, None)
+        ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len, charge=grant, lazy=stepwise),
+                            limit=grant)
+        if cut_through:  # combined as it arrives
             refused = self._attach(job, ticket, now)
             if refused:
                 return refused
+        return self._receive(ticket, now)
+
+    def _receive(self, ticket: PushTicket, now: float) -> PushTicket:
+        """Hand ``ticket`` out; while its payload arrives its rate is watched (:meth:`tick`)."""
+        if ticket.buffer is not None:
+            if ticket.part is None:
+                ticket.limit = ticket.buffer.nbytes  # funded whole
+            ticket.received = ticket.window_bytes = ticket.skip
+            ticket.window_at = now
+            self._receiving[ticket.conn] = ticket
         return ticket
+
+    def extend(self, ticket: PushTicket, now: float) -> int:
+        """The daemon landed ``ticket.limit`` bytes of a payload funded as it arrives: fund the
+        next step. Returns the new limit, :data:`WAIT_FOR_MEMORY` (the push waits for memory as
+        :meth:`begin_push`'s ``None`` does) or :data:`DISCARD` (the chunk failed meanwhile:
+        read the rest and drop it; the buffer is already given back)."""
+        buffer, part = ticket.buffer, ticket.part
+        if buffer is None or ticket.limit >= buffer.nbytes:
+            return ticket.limit
+        job = self._jobs.get(ticket.job)
+        if part is None or part.chunk is None or job is None:
+            self._detach(ticket)
+            return DISCARD
+        self._mark_active(job, now)
+        step = min(C.ARRIVAL_STEP_BYTES, buffer.nbytes - ticket.limit)
+        short = self._room(job, step)
+        if short is not None:
+            if ticket.paused_at is None:
+                ticket.paused_at = now
+            self._wait(ticket.conn, job, ticket.rank, now, min(self.budget_wait_timeout, job.params.op_timeout_ms / 1000),
+                       *short)
+            return WAIT_FOR_MEMORY
+        self._waiting.pop(ticket.conn, None)
+        self._charge(job, step)
+        part.shared.charged += step
+        ticket.limit += step
+        if ticket.paused_at is not None:  # a pause is measured apart from the push's rate (tick)
+            ticket.paused_at, ticket.slow_rate = None, None
+            ticket.window_at, ticket.window_bytes = now, ticket.received
+        return ticket.limit
+
+    def _detach(self, ticket: PushTicket) -> None:
+        """The rest of a push's payload is read and dropped: its buffer goes now."""
+        part = ticket.part
+        self._receiving.pop(ticket.conn, None)
+        self._waiting.pop(ticket.conn, None)
+        ticket.buffer, ticket.part, ticket.resent = None, None, True  # finish_push then has nothing to do
+        if part is not None:
+            part.writing = False
+            part.shared.release()  # the push's reference
+
+    def _wait(self, conn: int, job: _Job, rank: int, now: float, limit: float, within_share: bool, why: str) -> None:
+        wait = self._waiting.get(conn)
+        if wait is None:
+            self._waiting[conn] = _Wait(job.name, rank, now, limit, why, within_share)
+            self.stats(job.name).memory_waits += 1
+        else:
+            wait.why, wait.within_share = why, within_share
+
+    def _mark_active(self, job: _Job, now: float) -> None:
+        job.active_at = now
+        if self._active.get(job.name) is not job:
+            self._active[job.name] = job
+            self.memory_epoch += 1
+
+    def fair_share(self) -> int:
+        """What each active job may always hold of the reducer-wide budget: an equal part, and
+        at least ``constants.MIN_FAIR_SHARE_BYTES``."""
+        return max(self.memory_budget_bytes // max(1, len(self._active)), C.MIN_FAIR_SHARE_BYTES)
+
+    def _room(self, job: _Job, nbytes: int) -> tuple[bool, str] | None:
+        """``None`` when ``job`` may take ``nbytes`` more of the reducer's memory now; else
+        (whether it would stay within its fair share, why it must wait). Within its share a job
+        needs only the memory to be there; beyond it, it may use only what leaves every other
+        active job room to reach its own share."""
+        held, total, budget = job.bytes_held, self.bytes_held_total, self.memory_budget_bytes
+        share = self.fair_share()
+        within = held + nbytes <= share
+        if total + nbytes > budget:
+            return within, (f"the reducer holds {total} bytes of its memory budget of {budget} (--memory-budget) over "
+                            f"every job; job {job.name!r} holds {held} of its fair share of {share} "
+                            f"({len(self._active)} active jobs)")
+        if within:
+            return None
+        kept = sum(max(0, share - other.bytes_held) for other in self._active.values() if other is not job)
+        if total + nbytes + kept <= budget:
+            return None
+        return False, (f"job {job.name!r} holds {held} bytes, over its fair share of {share} of the memory budget of "
+                       f"{budget} (--memory-budget, {len(self._active)} active jobs); {kept} bytes are kept for the "
+                       "other jobs' shares")
 
     def superseded(self, conn: int, push: Push) -> int | None:
         """The connection that ``push`` makes obsolete, if any: another connection of the same
@@ -690,7 +895,8 @@ class ReducerCore:
             part.writing = True
             part.shared.retain(1)  # the new push's reference, released when it ends
             chunk.conns[rank] = conn
-            ticket = PushTicket(conn, job.name, rank, push, part.shared.buffer, part=part, skip=part.received)
+            ticket = PushTicket(conn, job.name, rank, push, part.shared.buffer, part=part, skip=part.received,
+                                limit=part.shared.charged)
             if chunk.forwarded:
                 assert chunk.parts is not None
                 out = chunk.parts[0].shared  # rank 0's buffer holds the sums sent so far
@@ -812,11 +1018,12 @@ class ReducerCore:
             chunk = job.open[chunk_key] = _OpenChunk(push.key, push.chunk, shape, rank, now, parts={})
         refusal = self._refusal(chunk, rank, shape, 0 if buffer is None else buffer.nbytes)
         if refusal is not None:
-            self._give(job, buffer)
+            self._give(job, buffer, ticket.limit)
             ticket.buffer = None
             return self._refuse(job, chunk, rank, ticket.conn, *refusal, now)
         assert chunk.parts is not None and buffer is not None  # same shape: a sum, with a payload
-        part = _Part(rank, _SharedBuffer(buffer, self.pool, 2, self._freer(job)), chunk)
+        part = _Part(rank, _SharedBuffer(buffer, self.pool, 2, self._freer(job), ticket.limit), chunk)
+        chunk.active_at = now
         chunk.parts[rank] = part
         chunk.conns[rank] = ticket.conn
         ticket.part = part
@@ -847,23 +1054,39 @@ class ReducerCore:
         def freed(nbytes: int) -> None:
             job.bytes_held -= nbytes
             self.bytes_held_total -= nbytes
+            self.memory_epoch += 1
 
         return freed
 
-    def _take(self, job: _Job, nbytes: int) -> np.ndarray | None:
+    def _take(self, job: _Job, nbytes: int, *, charge: int | None = None, lazy: bool = False) -> np.ndarray | None:
+        """A buffer of ``nbytes``, of which ``charge`` (all by default) count against the budgets
+        now; ``lazy`` for one funded as its bytes arrive (BufferPool.take)."""
         if nbytes == 0:
             return None
+        self._charge(job, nbytes if charge is None else charge)
+        return self.pool.take(nbytes, lazy=lazy)
+
+    def _charge(self, job: _Job, nbytes: int) -> None:
+        """Count ``nbytes`` more against the budgets. The pool's free buffers are memory too: what
+        it keeps shrinks so that held and free memory together stay within the reducer-wide
+        budget (a churn of pushes dropped and replaced would otherwise park a budget's worth of
+        written buffers in the pool beside the budget held)."""
         job.bytes_held += nbytes
         self.bytes_held_total += nbytes
-        return self.pool.take(nbytes)
+        room = self.memory_budget_bytes - self.bytes_held_total
+        if self.pool.free_bytes > room:
+            self.pool.trim(max(0, room))
 
-    def _give(self, job: _Job | None, buffer: np.ndarray | None) -> None:
+    def _give(self, job: _Job | None, buffer: np.ndarray | None, charged: int | None = None) -> None:
         if buffer is None:
             return
+        charged = buffer.nbytes if charged is None else charged
         if job is not None:  # None: the job was dropped meanwhile, its own count with it
-            job.bytes_held -= buffer.nbytes
-        self.bytes_held_total -= buffer.nbytes
-        self.pool.give(buffer)
+            job.bytes_held -= charged
+        self.bytes_held_total -= charged
+        self.memory_epoch += 1
+        if charged == buffer.nbytes:  # only wholly written memory goes back to the pool
+            self.pool.give(buffer)
 
     def _check_push(self, job: _Job, rank: int, push: Push, now: float) -> Error | None:
         if push.incarnation != self.incarnation:
@@ -881,6 +1104,8 @@ class ReducerCore:
 
     def abort_push(self, ticket: PushTicket) -> None:
         """The connection failed while the payload was being received."""
+        if self._receiving.get(ticket.conn) is ticket:
+            del self._receiving[ticket.conn]
         part = ticket.part
         if part is None:
             self._give(self._jobs.get(ticket.job), ticket.buffer)
@@ -902,13 +1127,16 @@ class ReducerCore:
         part.shared.release()
 
     def progress(self, ticket: PushTicket, received: int, now: float) -> list[Action]:
-        """``received`` bytes of a cut-through push's payload are in its buffer: send the sums
-        of what every rank has sent, once there is a piece's worth."""
+        """``received`` bytes of a push's payload are in its buffer (the push's rate is watched,
+        :meth:`tick`); for a cut-through push, send the sums of what every rank has sent, once
+        there is a piece's worth."""
+        ticket.received = received
         part = ticket.part
         if part is None or part.chunk is None:
             return []
         part.received = received
         chunk = part.chunk
+        chunk.active_at = now
         if not self.piece_bytes or received - chunk.forwarded < self.piece_bytes:
             return []  # this rank is not a piece ahead, so nobody's frontier moved a piece
         job = self._jobs.get(ticket.job)
@@ -917,6 +1145,8 @@ class ReducerCore:
     def finish_push(self, ticket: PushTicket, now: float) -> list[Action]:
         """The payload is in ``ticket.buffer``: sum it (in rank order) and close the chunk if it
         is complete."""
+        if self._receiving.get(ticket.conn) is ticket:
+            del self._receiving[ticket.conn]
         job = self._jobs.get(ticket.job)
         if ticket.part is not None:
             return self._finish_part(job, ticket, now)
@@ -929,7 +1159,8 @@ class ReducerCore:
             return []
         push, rank = ticket.push, ticket.rank
         chunk_key = (push.key, push.chunk)
-        self.stats(job.name).bytes_in += 0 if ticket.buffer is None else ticket.buffer.nbytes
+        # A late push was read and dropped without a buffer: its bytes still came in.
+        self.stats(job.name).bytes_in += ticket.skip if ticket.late else 0 if ticket.buffer is None else ticket.buffer.nbytes
         if ticket.late or chunk_key in job.closed:
             self._give(job, ticket.buffer)
             return self._answer_late(job, chunk_key, rank, ticket.conn, now)
@@ -943,6 +1174,7 @@ class ReducerCore:
             return self._refuse(job, chunk, rank, ticket.conn, *refusal, now)
         chunk.contributors |= 1 << rank
         chunk.conns[rank] = ticket.conn
+        chunk.active_at = now
         self.stats(job.name).observe_lateness(rank, now - chunk.opened_at)
         if ticket.buffer is not None:
             if push.op is ReduceOp.BROADCAST:
@@ -963,6 +1195,7 @@ class ReducerCore:
             return []  # the chunk failed meanwhile, and this rank was told when it did
         part.received = part.shared.buffer.nbytes
         self.stats(job.name).bytes_in += part.received
+        chunk.active_at = now
         chunk.contributors |= 1 << part.rank
         self.stats(job.name).observe_lateness(part.rank, now - chunk.opened_at)
         return self._forward(job, chunk, now)
@@ -1177,7 +1410,19 @@ class ReducerCore:
 
     def tick(self, now: float) -> list[Action]:
         """Deadlines: straggler deadlines, operation timeouts, stall warnings, retention; pool
-        buffers nobody used for a while go back to the system."""
+        buffers nobody used for a while go back to the system; memory: pushes that waited too
+        long for it are refused, and under pressure slow pushes and stalled chunks of jobs over
+        their fair share give theirs back (:meth:`_reclaim`)."""
+        actions = self._deadlines(now)
+        actions += self._reclaim(now)
+        actions += self._refuse_waits(now)
+        for name, job in list(self._active.items()):
+            if self._jobs.get(name) is not job or (not job.bytes_held and now - job.active_at > C.FAIR_SHARE_IDLE_S):
+                del self._active[name]
+                self.memory_epoch += 1
+        return actions
+
+    def _deadlines(self, now: float) -> list[Action]:
         actions: list[Action] = []
         self.pool.release_idle(now)
         for job in list(self._jobs.values()):
@@ -1207,6 +1452,120 @@ class ReducerCore:
             if not job.members and not self._keeps_results(job):
                 self._drop_job(job)  # everyone left and nothing is kept for a late rank
         return actions
+
+    def _reclaim(self, now: float) -> list[Action]:
+        """Memory pressure (a job within its fair share waits for memory): a push that delivered
+        less than ``min_push_rate`` over a whole ``slow_push_grace`` window, or that waited that
+        long for memory mid-payload while its job held more than its share, is dropped: its rank
+        is told the rate and disconnected, its chunk fails with OVERLOADED for the job's other
+        ranks. A chunk of a job over its share that received nothing for the grace and has no push
+        arriving (waiting for a rank that hangs) fails too, oldest first, until the job is back
+        within its share. Without
+        pressure nothing is dropped, however slow."""
+        if not self.min_push_rate:
+            return []
+        grace = self.slow_push_grace
+        share = self.fair_share()
+        for ticket in self._receiving.values():  # the rate is measured always, acted on only under pressure
+            if ticket.paused_at is not None:
+                job = self._jobs.get(ticket.job)
+                if job is not None and job.bytes_held > share and now - ticket.paused_at >= grace:
+                    ticket.slow_rate = 0.0
+            elif now - ticket.window_at >= grace:
+                rate = (ticket.received - ticket.window_bytes) / (now - ticket.window_at)
+                ticket.slow_rate = rate if rate < self.min_push_rate else None
+                ticket.window_at, ticket.window_bytes = now, ticket.received
+        if not any(wait.within_share for wait in self._waiting.values()):
+            return []
+        actions: list[Action] = []
+        for ticket in [t for t in self._receiving.values() if t.slow_rate is not None]:
+            actions += self._drop_push(ticket, share, now)
+        for job in [j for j in self._active.values() if j.bytes_held > share]:
+            for chunk_key, chunk in sorted(job.open.items(), key=lambda item: item[1].opened_at):
+                if job.bytes_held <= share or self._jobs.get(job.name) is not job:
+                    break
+                if now - max(chunk.active_at, chunk.opened_at) < grace or (
+                        chunk.parts and any(part.writing for part in chunk.parts.values())):
+                    continue  # a push still arriving is judged by its own rate, above
+                held = job.bytes_held
+                self.stats(job.name).chunks_reclaimed += 1
+                actions += self._fail(job, chunk_key, ErrorCode.OVERLOADED,
+                                      f"job {job.name!r} holds {held} bytes, over its fair share of {share} of the "
+                                      f"reducer's memory budget, while jobs within their share wait for memory; this "
+                                      f"chunk received nothing for {now - max(chunk.active_at, chunk.opened_at):.1f}s "
+                                      f"(waiting for rank(s) {self._missing(job, chunk)}) and was failed to free its "
+                                      "memory", now)
+                self.stats(job.name).bytes_reclaimed += max(0, held - job.bytes_held)
+        return actions
+
+    def _drop_push(self, ticket: PushTicket, share: int, now: float) -> list[Action]:
+        job = self._jobs.get(ticket.job)
+        info = self._conns.get(ticket.conn)
+        self._receiving.pop(ticket.conn, None)
+        if job is None or info is None:
+            return []
+        push, rank = ticket.push, ticket.rank
+        size = 0 if ticket.buffer is None else ticket.buffer.nbytes
+        what = f"its push of key {push.key:#x} chunk {push.chunk} ({ticket.received} of {size} bytes in)"
+        if ticket.paused_at is not None:
+            why = (f"rank {rank} of job {job.name!r}: {what} waited {now - ticket.paused_at:.1f}s for memory while its "
+                   f"job held {job.bytes_held} bytes, over its fair share of {share}, and jobs within their share waited")
+        else:
+            why = (f"rank {rank} of job {job.name!r}: {what} arrived at {ticket.slow_rate or 0.0:.0f} B/s over the last "
+                   f"{self.slow_push_grace:.1f}s, under the minimum of {self.min_push_rate} B/s (REDSRV_MIN_PUSH_RATE) "
+                   "while jobs within their share waited for the reducer's memory")
+        why += "; the push was dropped and its memory freed"
+        member = job.members.get(rank)
+        if member is not None and member.session == info.session:
+            member.grace = 0.0  # dropped on purpose: its place is not kept for a reconnect
+        stats = self.stats(job.name)
+        stats.pushes_dropped += 1
+        part = ticket.part
+        stats.bytes_reclaimed += part.shared.charged if part is not None else size
+        actions: list[Action] = []
+        if part is not None and part.chunk is not None:
+            part.chunk.conns.pop(rank, None)  # told below, once, as it is disconnected
+            actions += self._fail(job, (part.chunk.key, part.chunk.chunk), ErrorCode.OVERLOADED, why, now)
+        else:
+            actions.append(Log("warning", why))
+        # The daemon closes the connection, and its abort_push frees what the push held.
+        actions.append(SendError(ticket.conn, Error(ErrorCode.OVERLOADED, True, why, push.key, push.chunk), close_after=True))
+        return actions
+
+    def _refuse_waits(self, now: float) -> list[Action]:
+        actions: list[Action] = []
+        for conn, wait in list(self._waiting.items()):
+            if now - wait.since < wait.limit:
+                continue
+            del self._waiting[conn]
+            self.stats(wait.job).memory_refusals += 1
+            message = (f"no memory for rank {wait.rank} of job {wait.job!r} after waiting {now - wait.since:.1f}s (its "
+                       f"operation timeout, {wait.limit:.1f}s at most): {wait.why}")
+            actions += [Log("warning", message), SendError(conn, Error(ErrorCode.OVERLOADED, True, message), close_after=True)]
+        if self._waiting and any(w.within_share for w in self._waiting.values()) and now >= self._next_contention_log:
+            self._next_contention_log = now + C.CONTENTION_LOG_INTERVAL_S
+            actions.append(Log("warning", self._contention_report()))
+        return actions
+
+    def _contention_report(self) -> str:
+        """Who holds the reducer's memory, for the log while it is contended."""
+        mib = 1 << 20
+        holders = sorted(self._active.values(), key=lambda j: j.bytes_held, reverse=True)
+        waiting: dict[str, int] = {}
+        for wait in self._waiting.values():
+            waiting[wait.job] = waiting.get(wait.job, 0) + 1
+        top = "; ".join(
+            f"job {job.name!r} holds {job.bytes_held / mib:.1f} MiB, {waiting.get(job.name, 0)} push(es) waiting, "
+            f"{self.stats(job.name).memory_refusals} refused, {self.stats(job.name).pushes_dropped} dropped as slow"
+            for job in holders[:5])
+        return (f"memory contended: {self.bytes_held_total / mib:.1f} MiB of the {self.memory_budget_bytes / mib:.1f} MiB "
+                f"budget held, {len(self._active)} active jobs, fair share {self.fair_share() / mib:.1f} MiB, "
+                f"{len(self._waiting)} push(es) waiting for memory; largest holders: {top}")
+
+    def memory(self) -> MemoryState:
+        """The reducer-wide budget now."""
+        return MemoryState(self.memory_budget_bytes, self.bytes_held_total, len(self._active), self.fair_share(),
+                           len(self._waiting), any(w.within_share for w in self._waiting.values()))
 
     @staticmethod
     def _missing(job: _Job, chunk: _OpenChunk) -> str:

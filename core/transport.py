@@ -137,7 +137,7 @@ _DONTWAIT = int(socket.MSG_DONTWAIT)
 
 #: What ``on_header`` returns instead of a ``(view, what)`` to receive the payload into.
 SKIP = "skip"  # read the payload and drop it
-WAIT = "wait"  # stop reading this connection now; the next ``read`` asks again for this header
+WAIT = "wait"  # stop reading this connection now; the next ``read`` asks again (this header, or the next part of its payload)
 
 HeaderStep = tuple[memoryview, str] | str
 
@@ -154,8 +154,8 @@ class FrameReader:
     error from ``sender``. For each data frame the owner's callbacks decide where the payload
     goes: ``on_header(header)`` returns ``(view, what)`` to receive it into ``view`` (``what``
     names it in timeout messages), or :data:`SKIP` or :data:`WAIT`; ``on_payload()``, once the
-    view is full, returns the next ``(view, what)`` of the same payload or ``None`` when the
-    frame is done.
+    view is full, returns the next ``(view, what)`` of the same payload, :data:`WAIT` (the next
+    ``read`` asks again), or ``None`` when the frame is done.
 
     A large payload is received with a low-water mark (``SO_RCVLOWAT``): the loop wakes when the
     rest of it (up to ``max_lowat``, 4 MiB by default) is in, not for every few segments; it is
@@ -173,7 +173,7 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
-                 on_payload: Callable[[], tuple[memoryview, str] | None],
+                 on_payload: Callable[[], tuple[memoryview, str] | str | None],
                  on_error: Callable[[wire.Error], None],
                  on_count: Callable[[wire.FrameType, int], None] | None = None) -> None:
         self.sock = sock
@@ -257,7 +257,11 @@ class FrameReader:
             more = self.on_payload()
             if self.stopped:
                 return True
+            if more is WAIT:  # the owner cannot take more of this payload yet
+                self._waiting = True
+                return False
             if more is not None:
+                assert isinstance(more, tuple)
                 decoder.land_payload(*more)
                 return False
             decoder.end_payload()

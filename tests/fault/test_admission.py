@@ -1,7 +1,7 @@
 """Admission under hostile clients (RELIABILITY R20, R21, R23, R24, R25): before authentication a
 connection holds only the handshake's bytes, handshakes have one deadline and no thread, a
-flood of slow connections never locks a worker out, memory stays under the reducer-wide budget
-and goes back after the attack."""
+flood of slow connections never locks a worker out, memory stays under the reducer-wide budget,
+a new job is served rather than refused because of it, and memory goes back after the attack."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from redsrv.core import auth, wire
 from redsrv.core.constants import MAGIC
 from redsrv.core.handshake import ClientHandshake, HandshakeState
 
-from tests_support import poll, rss_bytes
+from tests_support import poll, read_frames, rss_bytes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,11 +142,17 @@ def test_a_handshake_has_one_deadline_from_accept_however_its_bytes_trickle() ->
         daemon.stop()
 
 
-def test_memory_stays_under_the_reducer_wide_budget_and_returns_after_the_attack(procs) -> None:  # type: ignore[no-untyped-def]
+def test_memory_stays_under_the_reducer_wide_budget_a_new_job_is_served_and_memory_returns_after_the_attack(procs) -> None:  # type: ignore[no-untyped-def]
+    """Pushes that announce 16 MiB, send 15 of it and fall silent hold what arrived, never more
+    than the budget; a new job is not refused because of them: within its fair share it waits
+    while their stalled pushes are dropped (slower than the minimum rate for the grace, under
+    pressure), each attacker told the rate (docs/reliability.md, "Fair shares")."""
     budget = 96 * MIB
-    # Silent attackers are normally dropped after the heartbeat bound; this one must hold on.
+    grace = 1.0
+    # Silent attackers are normally dropped after the heartbeat bound; these must hold on.
     reducer = procs.start_reducer("--memory-budget", f"{budget}", env={"REDSRV_JOB_BUDGET_BYTES": str(64 * MIB),
-                                                                       "REDSRV_HEARTBEAT_MISSES": "100"})
+                                                                       "REDSRV_HEARTBEAT_MISSES": "100",
+                                                                       "REDSRV_SLOW_PUSH_GRACE": str(grace)})
     baseline = rss_bytes(reducer.proc.pid)
     attackers = []
     claimed = 16 * MIB
@@ -159,18 +165,23 @@ def test_memory_stays_under_the_reducer_wide_budget_and_returns_after_the_attack
             try:
                 sock.sendall(header + bytes(claimed - MIB))  # all but the last MiB, then silence
             except TimeoutError:
-                pass  # the reducer stopped reading this one: over the budget
+                pass  # the reducer stopped reading this one: no memory for it
             attackers.append(sock)
         poll(lambda: (rss_bytes(reducer.proc.pid) - baseline) // MIB > 64, 20, "the attack to take hold")
         peak = sample_max(lambda: rss_bytes(reducer.proc.pid), seconds=1.0)
         grown = (peak - baseline) / MIB
         assert peak - baseline < budget + 32 * MIB, f"RSS grew {grown:.0f} MiB under a {budget / MIB:.0f} MiB budget"
-        # A new job is refused within the send-stall bound, with an error naming the budget.
+        # A new job waits for the stalled pushes to be dropped, within two grace windows and a tick.
         with redsrv.Client([reducer.address], rank=0, world_size=1, job="victim", op_timeout=60) as client:
             started = time.monotonic()
-            with pytest.raises(redsrv.PeerError, match=r"memory budget of 100663296 \(--memory-budget\)"):
-                client.allreduce(np.ones(1000, np.float32))
-            assert time.monotonic() - started < 10 + 3
+            assert client.allreduce(np.ones(1000, np.float32)).sum() == 1000
+            waited = time.monotonic() - started
+        assert waited < 2 * grace + 2.0, f"the new job waited {waited:.1f}s for memory"
+        peak = max(peak, sample_max(lambda: rss_bytes(reducer.proc.pid), seconds=0.5))
+        assert peak - baseline < budget + 32 * MIB, f"RSS grew {(peak - baseline) / MIB:.0f} MiB"
+        told = [frame for sock in attackers for frame in read_frames(sock, timeout=0.2) if isinstance(frame, wire.Error)]
+        assert any(f.code is wire.ErrorCode.OVERLOADED and "B/s" in f.message and "REDSRV_MIN_PUSH_RATE" in f.message
+                   for f in told), [f.message for f in told]
     finally:
         for sock in attackers:
             sock.close()

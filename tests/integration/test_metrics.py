@@ -99,3 +99,40 @@ def test_the_metrics_endpoint_binds_the_reducers_host_unless_told_otherwise(proc
     bound = [c.laddr for c in __import__("psutil").Process(reducer.proc.pid).net_connections("tcp")
              if c.status == "LISTEN" and c.laddr.port == port]
     assert [address.ip for address in bound] == ["127.0.0.1"], bound
+
+
+def test_reducer_metrics_say_who_holds_the_memory_and_who_waited_or_lost_it(procs) -> None:  # type: ignore[no-untyped-def]
+    """Job a's rank 0 fills a 4 MiB budget with chunks its rank 1 never sends; job b waits for
+    memory, and a's stalled chunks are failed (a over its fair share): the counters name both."""
+    port, budget = free_port(), 4 << 20
+    reducer = procs.start_reducer("--metrics-port", str(port), "--memory-budget", str(budget), env={
+        "REDSRV_JOB_BUDGET_BYTES": str(budget), "REDSRV_SLOW_PUSH_GRACE": "0.5", "REDSRV_STALL_WARNING": "0.2"})
+    failures: list[BaseException] = []
+
+    def hold() -> None:
+        with redsrv.Client([reducer.address], rank=0, world_size=2, job="a", op_timeout=30) as c:
+            with pytest.raises(redsrv.PeerError, match="fair share"):
+                c.allreduce(np.ones(1 << 20, np.float32))
+
+    t = threading.Thread(target=lambda: failures.extend(_raised(hold)))
+    t.start()
+    wait_for_open_operations(reducer.log, 1)
+    with redsrv.Client([reducer.address], rank=0, world_size=1, job="b", op_timeout=30) as c:
+        assert c.allreduce(np.ones(1 << 18, np.float32)).sum() == 1 << 18
+    t.join(30)
+    assert not t.is_alive() and not failures, failures
+    m = scrape(port)
+    a, b = (("job", "a"),), (("job", "b"),)
+    assert m[("redsrv_reducer_memory_waits_total", b)] >= 1 and m[("redsrv_reducer_memory_refusals_total", b)] == 0
+    assert m[("redsrv_reducer_chunks_reclaimed_total", a)] >= 1 and m[("redsrv_reducer_reclaimed_bytes_total", a)] > 0
+    assert m[("redsrv_reducer_slow_pushes_dropped_total", a)] == 0
+    assert m[("redsrv_reducer_memory_budget_bytes", ())] == budget
+    assert m[("redsrv_reducer_fair_share_bytes", ())] >= 1 << 20 and m[("redsrv_reducer_memory_pressure", ())] == 0
+
+
+def _raised(run) -> list[BaseException]:  # type: ignore[no-untyped-def]
+    try:
+        run()
+    except BaseException as exc:  # reported by the test's thread
+        return [exc]
+    return []

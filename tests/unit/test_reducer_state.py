@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import mmap
 
 import ml_dtypes
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from redsrv.core import wire
 from redsrv.core.errors import RemoteProtocolError
-from redsrv.core.reducer import Log, PushTicket, ReducerCore, SendError, SendResult
+from redsrv.core.reducer import WAIT_FOR_MEMORY, Log, PushTicket, ReducerCore, SendError, SendResult
 
 INC = 0xABC
 NONCE = bytes(32)
@@ -709,3 +710,213 @@ def test_results_kept_for_a_reconnect_give_way_when_a_new_chunk_needs_the_budget
             for _ in result.conns:
                 result.release()  # the daemon sent it
     assert core.bytes_held("j") <= 1000
+
+
+# --- fair shares of the reducer-wide budget, pushes funded as they arrive, slow pushes reclaimed ---
+
+MIB = 1 << 20
+ONE_MIB_F32 = MIB // 4
+
+
+def shared_core(budget_mib: float, jobs: dict[str, int], **kw) -> ReducerCore:  # type: ignore[no-untyped-def]
+    """A reducer with a reducer-wide budget of ``budget_mib`` MiB and the jobs ``{name: world}``."""
+    core = ReducerCore(INC, memory_budget_bytes=int(budget_mib * MIB), job_budget_bytes=int(budget_mib * MIB), **kw)
+    for job, world in jobs.items():
+        for r in range(world):
+            assert core.join(conn_id(job, r), hello(r, world, job)) == []
+    return core
+
+
+def open_push(core: ReducerCore, job: str, rank: int, nbytes: int, *, key: int, now: float = 0.0):  # type: ignore[no-untyped-def]
+    """A push header of ``nbytes`` (float32) for ``key``: the ticket, refusal, or None (it waits)."""
+    count = nbytes // 4
+    return core.begin_push(conn_id(job, rank), wire.Push(key, INC, count, 0, count, 0, wire.DType.FLOAT32), nbytes, now)
+
+
+def land(core: ReducerCore, ticket: PushTicket, data: np.ndarray, upto: int, now: float) -> list:  # type: ignore[type-arg]
+    """What the daemon does as the payload arrives up to ``upto`` bytes: copy within what is
+    funded, report progress, ask for the next step when the funded part is full."""
+    assert ticket.buffer is not None
+    raw = data.view(np.uint8).reshape(-1)
+    actions: list = []  # type: ignore[type-arg]
+    done = ticket.received
+    while done < upto:
+        if done == ticket.limit:
+            actions += core.progress(ticket, done, now)
+            assert core.extend(ticket, now) > done, "the next step was not funded"
+        stop = min(upto, ticket.limit)
+        ticket.buffer[done:stop] = raw[done:stop]
+        done = stop
+        actions += core.progress(ticket, done, now)
+    return actions
+
+
+def test_a_push_announcing_more_than_a_step_is_funded_as_its_bytes_arrive() -> None:
+    """Memory backs the bytes that arrived and the step being received, not the announced size:
+    two 4 MiB headers hold 2 MiB of an 8 MiB budget, so another job's chunk still fits, and the
+    sums of the pieces are exact."""
+    core = shared_core(8, {"big": 2, "small": 1})
+    data = [np.full(4 * ONE_MIB_F32, r + 1.5, np.float32) for r in range(2)]
+    tickets = [open_push(core, "big", r, 4 * MIB, key=1) for r in range(2)]
+    assert all(isinstance(t, PushTicket) and t.limit == MIB for t in tickets) and core.bytes_held("big") == 2 * MIB
+    assert isinstance(tickets[0].buffer.base.obj, mmap.mmap), "fresh memory, whose pages exist once written"
+    other = open_push(core, "small", 0, MIB // 2, key=7)
+    assert isinstance(other, PushTicket), "two whole 4 MiB charges for the headers would have left no room"
+    other.buffer[:] = np.ones(MIB // 8, np.float32).view(np.uint8)
+    result_of(core.finish_push(other, 0.0), np.dtype(np.float32))
+    core.tick(6.0)  # job small is idle: job big may have the whole budget again
+    land(core, tickets[0], data[0], 2 * MIB + 100, 6.0)
+    assert core.bytes_held("big") == 4 * MIB  # rank 0: 2 MiB and 100 bytes in, with the step being received
+    actions = land(core, tickets[0], data[0], 4 * MIB, 6.0) + core.finish_push(tickets[0], 6.0)
+    actions += land(core, tickets[1], data[1], 4 * MIB, 6.0) + core.finish_push(tickets[1], 6.0)
+    got = np.concatenate([np.frombuffer(bytes(piece.payload), np.float32) for piece in pieces_of(actions)])
+    assert got.tobytes() == (data[0] + data[1]).tobytes()
+    assert core.bytes_held("big") == 0 and core.bytes_held_total == 0
+
+
+def test_a_job_within_its_fair_share_gets_memory_a_job_over_it_waits_for() -> None:
+    core = shared_core(8, {"a": 2, "b": 1})
+    for key in range(6):  # alone, job a may use the whole budget: 6 MiB of chunks waiting for rank 1
+        assert isinstance(open_push(core, "a", 0, MIB, key=key), PushTicket)
+    assert core.fair_share() == 8 * MIB
+    first_b = open_push(core, "b", 0, MIB, key=1)  # b is active now: shares are 4 MiB each
+    assert isinstance(first_b, PushTicket) and core.fair_share() == 4 * MIB
+    assert open_push(core, "a", 0, MIB, key=99) is None, "a holds 6 MiB, over its share, with b's share kept for b"
+    (wait,) = core._waiting.values()
+    assert "over its fair share of 4194304" in wait.why and not wait.within_share
+    assert isinstance(open_push(core, "b", 0, MIB, key=2), PushTicket), "b is within its share: it is served first"
+    assert core.stats("a").memory_waits == 1 and core.stats("b").memory_waits == 0
+
+
+def test_the_fair_share_is_never_below_one_chunk() -> None:
+    core = shared_core(8, {f"job-{i}": 1 for i in range(20)})
+    for i in range(20):
+        assert isinstance(open_push(core, f"job-{i}", 0, 4096, key=1), PushTicket)
+    assert core.memory().active_jobs == 20 and core.fair_share() == MIB  # not 8 MiB / 20
+
+
+def test_a_new_job_waits_within_its_operation_timeout_before_it_is_refused_naming_the_budget() -> None:
+    core = shared_core(2, {"a": 2}, min_push_rate=0)  # nothing reclaimed: only the wait's bound is left
+    core.join(conn_id("late", 0), hello(0, 1, "late", op_timeout_ms=30_000))
+    for key in range(2):
+        assert isinstance(open_push(core, "a", 0, MIB, key=key), PushTicket)
+    assert open_push(core, "late", 0, MIB, key=1, now=1.0) is None
+    assert errors(core.tick(20.0)) == [], "the send-stall bound (10 s) no longer refuses a job that may wait"
+    assert open_push(core, "late", 0, MIB, key=1, now=20.0) is None
+    (refusal,) = errors(core.tick(31.5))
+    assert refusal.conn == conn_id("late", 0) and refusal.close_after and refusal.frame.code is wire.ErrorCode.OVERLOADED
+    assert "waiting 30.5s" in refusal.frame.message and "memory budget of 2097152 (--memory-budget)" in refusal.frame.message
+    assert core.stats("late").memory_refusals == 1
+
+
+def slow_setup(core: ReducerCore) -> tuple[PushTicket, np.ndarray]:
+    """Job a: rank 1's 1 MiB contribution is in, rank 0's push of it delivered 1000 bytes at t=0."""
+    data = [np.full(ONE_MIB_F32, r + 1, np.float32) for r in range(2)]
+    t1 = open_push(core, "a", 1, MIB, key=1)
+    assert isinstance(t1, PushTicket)
+    land(core, t1, data[1], MIB, 0.0)
+    assert core.finish_push(t1, 0.0) == []
+    t0 = open_push(core, "a", 0, MIB, key=1)
+    assert isinstance(t0, PushTicket)
+    land(core, t0, data[0], 1000, 0.0)
+    return t0, data[0]
+
+
+def test_without_memory_pressure_a_slow_push_is_never_dropped() -> None:
+    core = shared_core(2.5, {"a": 2}, slow_push_grace=1.0)
+    t0, data = slow_setup(core)
+    for now in (1.0, 5.0, 60.0):
+        assert errors(core.tick(now)) == []
+    actions = land(core, t0, data, MIB, 60.0) + core.finish_push(t0, 60.0)
+    out, _, _ = result_of([a for a in actions if isinstance(a, SendResult)][-1:], np.dtype(np.float32))
+    assert out.tolist()[-3:] == [3.0, 3.0, 3.0]  # the tail piece of the exact sum
+
+
+def test_under_pressure_a_push_slower_than_the_minimum_rate_is_dropped_and_its_job_told() -> None:
+    core = shared_core(2.5, {"a": 2, "b": 1}, slow_push_grace=1.0)
+    t0, _ = slow_setup(core)
+    assert open_push(core, "b", 0, MIB, key=1, now=0.5) is None  # within its share; the budget is held by a
+    assert errors(core.tick(0.6)) == [], "no push has been slow for a whole grace yet"
+    actions = core.tick(1.05)
+    errs = errors(actions)
+    dropped = next(e for e in errs if e.conn == conn_id("a", 0) and e.close_after)
+    assert dropped.frame.code is wire.ErrorCode.OVERLOADED and dropped.frame.fatal
+    assert "arrived at 952 B/s over the last 1.0s, under the minimum of 65536 B/s (REDSRV_MIN_PUSH_RATE)" in dropped.frame.message
+    told = [e for e in errs if e.conn == conn_id("a", 1)]
+    assert told and told[0].frame.code is wire.ErrorCode.OVERLOADED and "rank 0 of job 'a'" in told[0].frame.message
+    core.abort_push(t0)  # the daemon closes the connection ...
+    core.leave(conn_id("a", 0), dropped.frame.message, 1.05)  # ... and its rank keeps no place
+    assert core.bytes_held("a") == 0 and core.stats("a").pushes_dropped == 1
+    assert isinstance(open_push(core, "b", 0, MIB, key=1, now=1.1), PushTicket)
+
+
+def test_under_pressure_a_slow_but_honest_push_above_the_minimum_rate_is_kept() -> None:
+    """A link far slower than the cluster's but above the minimum rate (128 KiB/s against 64) keeps
+    its push under pressure, window after window, and its sum is exact."""
+    core = shared_core(2.5, {"a": 2, "b": 1}, slow_push_grace=1.0)
+    t0, data = slow_setup(core)
+    assert open_push(core, "b", 0, MIB, key=1, now=0.5) is None  # pressure from now on
+    for second in range(1, 8):
+        land(core, t0, data, 1000 + second * 128 * 1024, float(second))
+        assert errors(core.tick(second + 0.01)) == [], f"dropped after {second}s"
+    actions = land(core, t0, data, MIB, 8.0) + core.finish_push(t0, 8.0)
+    out, _, _ = result_of([a for a in actions if isinstance(a, SendResult)][-1:], np.dtype(np.float32))
+    assert out.tolist()[-3:] == [3.0, 3.0, 3.0] and core.stats("a").pushes_dropped == 0
+
+
+def test_under_pressure_a_stalled_chunk_of_a_job_over_its_share_is_failed_not_one_within_it() -> None:
+    """A rank that hangs leaves its job's chunks holding memory; a job over its fair share gives
+    it back while a job within its share waits, oldest chunk first, until it is within its share."""
+    core = shared_core(4, {"a": 2, "c": 2}, slow_push_grace=1.0)
+    for key in range(3):  # a's rank 0 contributes, its rank 1 hangs: 3 MiB held
+        t = open_push(core, "a", 0, MIB, key=key)
+        land(core, t, np.ones(ONE_MIB_F32, np.float32), MIB, 0.0)
+        core.finish_push(t, 0.0)
+    t = open_push(core, "c", 0, MIB // 2, key=1, now=0.2)  # c's rank 1 is late too, but c is within its share
+    land(core, t, np.ones(ONE_MIB_F32 // 2, np.float32), MIB // 2, 0.2)
+    core.finish_push(t, 0.2)
+    assert open_push(core, "c", 0, MIB, key=2, now=0.5) is None  # 2 MiB shares: c within its, the budget full
+    errs = errors(core.tick(1.5))
+    assert {e.conn for e in errs} == {conn_id("a", 0)}, errs
+    (err,) = errs
+    assert err.frame.code is wire.ErrorCode.OVERLOADED and not err.frame.fatal and err.frame.key == 0
+    assert "over its fair share of 2097152" in err.frame.message and "waiting for rank(s) 1" in err.frame.message
+    assert core.bytes_held("a") == 2 * MIB and core.open_chunks("c") == 1
+    assert core.stats("a").chunks_reclaimed == 1 and core.stats("a").bytes_reclaimed == MIB
+    assert isinstance(open_push(core, "c", 0, MIB, key=2, now=1.6), PushTicket)
+
+
+def test_a_push_paused_over_its_share_under_pressure_is_dropped_after_the_grace() -> None:
+    core = shared_core(4, {"a": 1, "b": 1}, slow_push_grace=1.0)
+    t = open_push(core, "a", 0, 8 * MIB, key=1)  # alone, a's push may fill the budget as it arrives
+    pieces_of(land(core, t, np.ones(8 * ONE_MIB_F32, np.float32), 4 * MIB, 0.0))  # sent (a has one rank)
+    assert open_push(core, "b", 0, MIB // 2, key=1, now=0.1) is None  # b within its share: the budget is full
+    assert core.fair_share() == 2 * MIB
+    assert core.extend(t, 0.2) == WAIT_FOR_MEMORY, "a holds 4 MiB, over its share of 2 MiB"
+    assert errors(core.tick(1.0)) == [], "paused for less than the grace"
+    (dropped,) = errors(core.tick(1.3))
+    assert dropped.conn == conn_id("a", 0) and dropped.close_after and dropped.frame.code is wire.ErrorCode.OVERLOADED
+    assert "waited 1.1s for memory while its job held 4194304 bytes, over its fair share of 2097152" in dropped.frame.message
+    core.abort_push(t)
+    core.leave(conn_id("a", 0), dropped.frame.message, 1.3)
+    assert core.bytes_held("a") == 0
+    assert isinstance(open_push(core, "b", 0, MIB // 2, key=1, now=1.4), PushTicket)
+
+
+def test_memory_contention_is_logged_naming_who_holds_the_memory() -> None:
+    core = shared_core(2, {"a": 2, "b": 1}, min_push_rate=0)
+    for key in range(2):
+        open_push(core, "a", 0, MIB, key=key)
+    assert open_push(core, "b", 0, MIB, key=1) is None
+    logs = [a.message for a in core.tick(0.1) if isinstance(a, Log)]
+    assert any("memory contended" in m and "job 'a' holds 2.0 MiB" in m and "1 push(es) waiting" in m for m in logs), logs
+    state = core.memory()
+    assert state.pressure and state.waiting == 1 and state.held == 2 * MIB and state.fair_share == MIB
+
+
+def test_a_late_push_to_a_closed_chunk_takes_no_memory() -> None:
+    core = make_core(1)
+    result_of(push(core, 0, np.ones(4, np.float32)), np.dtype(np.float32))
+    late = core.begin_push(conn_id("j", 0), wire.Push(1, INC, 4, 0, 4, 0, wire.DType.FLOAT32), 16, 0.0)
+    assert isinstance(late, PushTicket) and late.buffer is None and late.skip == 16 and core.bytes_held("j") == 0
+    assert errors(core.finish_push(late, 0.0))[0].frame.code is wire.ErrorCode.STALE
