@@ -1456,7 +1456,7 @@ class ReducerCore:
     def _reclaim(self, now: float) -> list[Action]:
         """Memory pressure (a job within its fair share waits for memory): a push that delivered
         less than ``min_push_rate`` over a whole ``slow_push_grace`` window, or that waited that
-        long for memory mid-payload while its job held more than its share, is dropped: its rank
+        long for memory mid-payload while its job held its share or more, is dropped: its rank
         is told the rate and disconnected, its chunk fails with OVERLOADED for the job's other
         ranks. A chunk of a job over its share that received nothing for the grace and has no push
         arriving (waiting for a rank that hangs) fails too, oldest first, until the job is back
@@ -1468,8 +1468,12 @@ class ReducerCore:
         share = self.fair_share()
         for ticket in self._receiving.values():  # the rate is measured always, acted on only under pressure
             if ticket.paused_at is not None:
+                # Paused, a push wants more than its job holds; at its share already, it waits for
+                # memory that a job below its share needs first. Where the floor of a share makes
+                # the shares add up to more than the budget (more active jobs than budget / floor),
+                # every stalled job sits exactly at its share: only ">=" frees room for a new one.
                 job = self._jobs.get(ticket.job)
-                if job is not None and job.bytes_held > share and now - ticket.paused_at >= grace:
+                if job is not None and job.bytes_held >= share and now - ticket.paused_at >= grace:
                     ticket.slow_rate = 0.0
             elif now - ticket.window_at >= grace:
                 rate = (ticket.received - ticket.window_bytes) / (now - ticket.window_at)
@@ -1509,7 +1513,7 @@ class ReducerCore:
         what = f"its push of key {push.key:#x} chunk {push.chunk} ({ticket.received} of {size} bytes in)"
         if ticket.paused_at is not None:
             why = (f"rank {rank} of job {job.name!r}: {what} waited {now - ticket.paused_at:.1f}s for memory while its "
-                   f"job held {job.bytes_held} bytes, over its fair share of {share}, and jobs within their share waited")
+                   f"job held {job.bytes_held} bytes, at or over its fair share of {share}, and jobs within their share waited")
         else:
             why = (f"rank {rank} of job {job.name!r}: {what} arrived at {ticket.slow_rate or 0.0:.0f} B/s over the last "
                    f"{self.slow_push_grace:.1f}s, under the minimum of {self.min_push_rate} B/s (REDSRV_MIN_PUSH_RATE) "

@@ -896,11 +896,38 @@ def test_a_push_paused_over_its_share_under_pressure_is_dropped_after_the_grace(
     assert errors(core.tick(1.0)) == [], "paused for less than the grace"
     (dropped,) = errors(core.tick(1.3))
     assert dropped.conn == conn_id("a", 0) and dropped.close_after and dropped.frame.code is wire.ErrorCode.OVERLOADED
-    assert "waited 1.1s for memory while its job held 4194304 bytes, over its fair share of 2097152" in dropped.frame.message
+    assert "waited 1.1s for memory while its job held 4194304 bytes, at or over its fair share of 2097152" \
+        in dropped.frame.message
     core.abort_push(t)
     core.leave(conn_id("a", 0), dropped.frame.message, 1.3)
     assert core.bytes_held("a") == 0
     assert isinstance(open_push(core, "b", 0, MIB // 2, key=1, now=1.4), PushTicket)
+
+
+def test_pushes_paused_at_exactly_their_share_give_way_to_a_new_job_where_the_floor_overcommits() -> None:
+    """Three active jobs on a 2 MiB budget: a share is the 1 MiB floor, so the shares add up to
+    more than the budget. a and b each hold exactly their share, paused for their next MiB (a
+    slow pusher looks just so: it is not read, so it shows no rate); c, holding nothing, waits.
+    After the grace one of the paused pushes is dropped and c is served. With the paused rule
+    at "over its share" only, nobody was ever dropped and c waited for its operation timeout."""
+    core = shared_core(2, {"a": 1, "b": 1, "c": 1}, slow_push_grace=1.0)
+    tickets = {}
+    for job in ("a", "b"):
+        t = tickets[job] = open_push(core, job, 0, 4 * MIB, key=1)
+        pieces_of(land(core, t, np.ones(4 * ONE_MIB_F32, np.float32), MIB, 0.0))
+    assert open_push(core, "c", 0, MIB // 2, key=1, now=0.1) is None  # c within its share; the budget is full
+    assert core.fair_share() == MIB and core.bytes_held("a") == core.bytes_held("b") == MIB
+    for job in ("a", "b"):
+        assert core.extend(tickets[job], 0.2) == WAIT_FOR_MEMORY, f"{job} is at its share"
+    assert errors(core.tick(1.0)) == [], "paused for less than the grace"
+    dropped = errors(core.tick(1.3))
+    assert dropped and {e.conn for e in dropped} <= {conn_id("a", 0), conn_id("b", 0)}, dropped
+    assert all(e.frame.code is wire.ErrorCode.OVERLOADED and "at or over its fair share" in e.frame.message for e in dropped)
+    for e in dropped:
+        job = "a" if e.conn == conn_id("a", 0) else "b"
+        core.abort_push(tickets[job])
+        core.leave(e.conn, e.frame.message, 1.3)
+    assert isinstance(open_push(core, "c", 0, MIB // 2, key=1, now=1.4), PushTicket)
 
 
 def test_memory_contention_is_logged_naming_who_holds_the_memory() -> None:
