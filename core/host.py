@@ -55,7 +55,7 @@ from .errors import (
 )
 
 __all__ = ["HostCore", "HostOp", "Placement", "share_reducers", "Hello", "Input", "Done", "Released", "Fail", "Bye", "Message",
-           "SubmitShare", "SendToPeers", "Action", "encode", "decode", "MAX_MESSAGE_BYTES"]
+           "SubmitShare", "SendToPeers", "Settle", "Action", "encode", "decode", "MAX_MESSAGE_BYTES"]
 
 
 # --- messages between the workers of one host ------------------------------------------------------
