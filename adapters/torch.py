@@ -856,7 +856,7 @@ def _opts(opts: Any, kind: Callable[[], Any]) -> Any:
 
 
 def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | None = None, peer_links: bool = True,
-                     verify_collectives: bool = True, **config: Any) -> None:
+                     verify_collectives: bool | None = None, **config: Any) -> None:
     """Register the ``"redsrv"`` c10d backend (CPU tensors).
 
     Settings not given here come from the environment when a group is created (see
@@ -877,10 +877,18 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     pass (op, root, dtype, sizes, reduce op) through the reducers, so a mismatch is a
     :class:`redsrv.ContributionMismatchError` on every rank instead of gloo's error on some ranks
     and a hang on others. It costs one small round trip through the reducers per collective
-    (docs/torch_backend.md); turn it off only for latency-bound code known to be consistent, and
-    on every rank alike.
+    (docs/torch_backend.md). ``None`` (the default, or ``REDSRV_VERIFY_COLLECTIVES=auto``) follows
+    PyTorch's convention: checked only under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, as PyTorch checks
+    its own backends' collectives only then. The reductions' own checks (sizes, dtypes and ops
+    that disagree, through the reducers' protocol) cost nothing and are always on.
+
+    Operations that c10d sends from C++ rather than through the Python group (the functional
+    collectives behind DTensor, tensor parallelism and ``torch.compile``: all-gather,
+    reduce-scatter, all-to-all) go over the peer links unchecked; a group without peer links
+    cannot serve them.
     """
     _torch_c10d.check()
+    config = {**config, "verify_collectives": verify_collectives}
     Config.from_env(reducers=reducers, job=job, rank=0, world_size=1, **config)  # fail now, not at init
 
     def create(spec: _torch_c10d.GroupSpec) -> RedsrvProcessGroup:
@@ -900,7 +908,13 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         except BaseException:
             client.close()
             raise
-        return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
-                                  owns_client=True, verify_collectives=verify_collectives)
+        verify = settings.verify_collectives
+        if verify is None:
+            verify = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        group = RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
+                                   owns_client=True, verify_collectives=verify)
+        if peers is not None:
+            _torch_c10d.serve_dispatched_ops(group, peers)
+        return group
 
     _torch_c10d.register(BACKEND_NAME, create)

@@ -316,6 +316,9 @@ class Config:
     host_id: str | None = None  # who shares a host (REDSRV_HOST_ID); None: host name, boot id and network namespace
     host_slot_bytes: int = C.DEFAULT_HOST_SLOT_BYTES  # each local worker's shared-memory staging area
     host_piece_bytes: int | None = None  # the host-level pipeline's piece; None: constants.HOST_PIECES_IN_SLOT
+    # The torch backend's cross-rank check before each peer-link collective; None: PyTorch's own
+    # convention, on only under TORCH_DISTRIBUTED_DEBUG=DETAIL (docs/torch_backend.md).
+    verify_collectives: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reducers", expand_reducers(self.reducers))
@@ -595,6 +598,21 @@ def read_secret_file(path: str) -> bytes:
     return secret
 
 
+_TRUE, _FALSE, _UNSET = ("1", "true", "yes", "on"), ("0", "false", "no", "off"), ("", "auto")
+
+
+def _boolean(raw: str) -> bool | None:
+    """1/true/yes/on, 0/false/no/off, or "auto"/empty for the documented default (None)."""
+    text = raw.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    if text in _UNSET:
+        return None
+    raise ValueError(raw)
+
+
 def _convert(name: str, raw: str, type_name: Any, variable: str | None = None) -> Any:
     variable = variable or _env_name(name)
     type_text = str(type_name)
@@ -605,6 +623,8 @@ def _convert(name: str, raw: str, type_name: Any, variable: str | None = None) -
             return raw or None
         if name == "wire_dtype":
             return None if raw.lower() in ("", "none", "fp32", "float32") else raw.lower()
+        if type_text.startswith("bool"):
+            return _boolean(raw)
         if type_text.startswith("int"):
             return int(raw)
         if type_text.startswith("float"):

@@ -50,6 +50,37 @@ if distributed_test.BACKEND == "redsrv":
     redsrv.torch.register_backend()
 
 
+#: Where each rank notes the path every collective it issued took (``--report``): one line
+#: "<test> reducers|peer_links <operation>" per call, appended by the ranks of every test.
+ROUTES_FILE = "DIST_SUITE_ROUTES"
+
+
+def _record_routes(path: str) -> None:
+    """Wrap the two doors of RedsrvProcessGroup: ``_join`` (every operation through the
+    reducers) and ``_delegate`` (every one over the peer links). The operations c10d sends from
+    C++ straight to the peer links' gloo backend (adapters/_torch_c10d.serve_dispatched_ops) pass
+    neither and count as neither; they never touch the reducers."""
+    from redsrv.adapters.torch import RedsrvProcessGroup
+
+    join, delegate = RedsrvProcessGroup._join, RedsrvProcessGroup._delegate
+
+    def note(route: str, what: str) -> None:
+        test = os.environ.get("DIST_SUITE_TEST", "?")  # set by setUp before the ranks are forked
+        with open(path, "a") as f:
+            f.write(f"{test} {route} {what.replace(' ', '_')}\n")
+
+    def joined(self, what, parts, value):  # type: ignore[no-untyped-def]
+        note("reducers", what)
+        return join(self, what, parts, value)
+
+    def delegated(self, what, call, instead=""):  # type: ignore[no-untyped-def]
+        note("peer_links", what)
+        return delegate(self, what, call, instead)
+
+    RedsrvProcessGroup._join = joined  # type: ignore[method-assign]
+    RedsrvProcessGroup._delegate = delegated  # type: ignore[method-assign]
+
+
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     """Every test of the suite, each in ``WORLD_SIZE`` freshly spawned processes."""
 
@@ -57,6 +88,7 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         super().setUp()
         # A job of its own per test: ranks of an earlier test never share keys with these.
         os.environ["REDSRV_JOB"] = f"suite-{self._testMethodName}-{uuid.uuid4().hex[:8]}"
+        os.environ["DIST_SUITE_TEST"] = self._testMethodName
         # Forked, not spawned as upstream does: a CPU-only rank needs nothing fresh, and forking
         # skips importing torch and the suite twice per test (seconds each on a small machine).
         self._start_processes(torch.multiprocessing.get_context("fork").Process)
@@ -122,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reducers", type=int, default=2, help="in-process reducers (redsrv only)")
     parser.add_argument("-k", action="append", default=[], help="run tests whose name contains this (repeatable)")
     parser.add_argument("--list", action="store_true", help="print the outcome of every test")
+    parser.add_argument("--report", help="write every test's outcome, and which path its collectives took, to this JSON file")
     args = parser.parse_args(argv)
     gates = args.backend if args.gates == "own" else args.gates
     wanted = {"DIST_SUITE_BACKEND": args.backend, "BACKEND": gates, "WORLD_SIZE": str(args.world_size)}
@@ -131,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
         os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *(argv or sys.argv[1:])], env)
     daemons, addresses = _start_reducers(args.reducers) if args.backend == "redsrv" else ([], [])
     os.environ["REDSRV_REDUCERS"] = ",".join(addresses)
+    routes = ""
+    if args.report and args.backend == "redsrv":
+        routes = os.path.abspath(args.report) + ".routes"
+        if os.path.exists(routes):
+            os.unlink(routes)
+        _record_routes(routes)  # before the ranks are forked from this process
     try:
         runner = unittest.TextTestRunner(resultclass=_Tally, verbosity=2 if args.list else 1)
         result = runner.run(_selected(args.k))
@@ -141,10 +180,56 @@ def main(argv: list[str] | None = None) -> int:
     assert isinstance(result, _Tally)
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
     print(f"SUITE backend={args.backend} gates={gates} world_size={args.world_size} passed={len(result.passed)} "
-          f"failed={failed} skipped={len(result.skipped)} torch={torch.__version__}")
+          f"failed={failed} skipped={len(result.skipped)} torch={torch.__version__} revision={_revision()}")
     for test, _ in result.failures + result.errors:
         print(f"FAILED {test.id()}")
+    if args.report:
+        _write_report(args.report, routes, result, backend=args.backend, gates=gates, world_size=args.world_size)
     return 1 if failed else 0
+
+
+def _name(test_id: str) -> str:
+    return test_id.rsplit(".", 1)[-1]
+
+
+def _write_report(path: str, routes: str, result: _Tally, **run: object) -> None:
+    import json
+
+    paths: dict[str, set[str]] = {}
+    operations: dict[str, set[str]] = {}
+    if routes and os.path.exists(routes):
+        with open(routes) as f:
+            for line in f:
+                test, route, what = line.split()
+                paths.setdefault(test, set()).add(route)
+                operations.setdefault(test, set()).add(what)
+        os.unlink(routes)
+    failed = [_name(t.id()) for t, _ in result.failures + result.errors] + [_name(t.id()) for t in result.unexpectedSuccesses]
+    report = {
+        **run, "torch": torch.__version__, "revision": _revision(),
+        "passed": sorted(_name(t) for t in result.passed), "failed": sorted(failed),
+        "skipped": sorted(_name(t.id()) for t, _ in result.skipped),
+        # per passing test: "reducers", "peer_links", "both" or "neither" (only C++-dispatched
+        # operations, or none), and the operations it issued through each door
+        "routes": {name: ("both" if len(paths.get(name, ())) == 2 else next(iter(paths.get(name, {"neither"}))))
+                   for name in sorted(_name(t) for t in result.passed)},
+        "operations": {name: sorted(ops) for name, ops in sorted(operations.items())},
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def _revision() -> str:
+    """The source revision the counts belong to: the commit, and "+changes" for a dirty tree."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    return commit + ("+changes" if dirty else "")
 
 
 if __name__ == "__main__":

@@ -47,14 +47,20 @@ DDP_CONFIGS = ["backend_ddp_no_sync", "backend_ddp_no_sync_grad_view", "backend_
 CONFIGS = ["ops", *FSDP, *DDP_CONFIGS]
 
 
+def _detail(_rank: int) -> dict[str, str]:
+    """The peer-link collectives are checked across ranks as PyTorch checks its own backends':
+    under TORCH_DISTRIBUTED_DEBUG=DETAIL (docs/torch_backend.md, "Mismatched collectives")."""
+    return {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+
+
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory) -> Run:  # type: ignore[no-untyped-def]
-    return run_workers(2, CONFIGS, str(tmp_path_factory.mktemp("ops2")))
+    return run_workers(2, CONFIGS, str(tmp_path_factory.mktemp("ops2")), env_of=_detail)
 
 
 @pytest.fixture(scope="module")
 def world3(tmp_path_factory) -> Run:  # type: ignore[no-untyped-def]
-    return run_workers(3, CONFIGS, str(tmp_path_factory.mktemp("ops3")))
+    return run_workers(3, CONFIGS, str(tmp_path_factory.mktemp("ops3")), env_of=_detail)
 
 
 @pytest.fixture(params=["world2", "world3"])

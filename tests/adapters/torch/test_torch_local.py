@@ -271,6 +271,50 @@ def test_backend_without_peer_links_names_what_to_use(redsrv_group) -> None:  # 
     assert t.tolist() == [3, 1, 2]
 
 
+@pytest.mark.parametrize(("debug", "setting", "checked"), [
+    ("OFF", None, False), ("INFO", None, False), ("DETAIL", None, True),  # PyTorch's convention
+    ("OFF", True, True), ("DETAIL", False, False)])  # REDSRV_VERIFY_COLLECTIVES / verify_collectives= wins
+def test_peer_collectives_are_checked_as_pytorch_checks_its_own(redsrv_group, monkeypatch, debug: str, setting,  # type: ignore[no-untyped-def]
+                                                               checked: bool) -> None:
+    """The cross-rank check before a peer-link collective is one small all-reduce through the
+    reducers: counted here by the group's client."""
+    monkeypatch.setattr(dist, "get_debug_level", lambda: getattr(dist.DebugLevel, debug))
+    redsrv_group(**({} if setting is None else {"verify_collectives": setting}))
+    client = dist.group.WORLD.client
+    before = client.ops_completed
+    dist.all_gather([torch.empty(2)], torch.ones(2))
+    assert client.ops_completed - before == (1 if checked else 0)
+
+
+@pytest.mark.parametrize(("value", "checked"), [("1", True), ("on", True), ("0", False), ("auto", False)])
+def test_verify_collectives_from_the_environment(redsrv_group, monkeypatch, value: str, checked: bool) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(dist, "get_debug_level", lambda: dist.DebugLevel.OFF)
+    monkeypatch.setenv("REDSRV_VERIFY_COLLECTIVES", value)
+    redsrv_group()
+    client = dist.group.WORLD.client
+    before = client.ops_completed
+    dist.all_gather([torch.empty(2)], torch.ones(2))
+    assert client.ops_completed - before == (1 if checked else 0)
+
+
+def test_verify_collectives_refuses_a_word_it_does_not_know(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("REDSRV_VERIFY_COLLECTIVES", "sometimes")
+    with pytest.raises(redsrv.ConfigError, match="REDSRV_VERIFY_COLLECTIVES='sometimes' is not a valid bool"):
+        redsrv.torch.register_backend(["127.0.0.1:1"])
+
+
+def test_functional_collectives_reach_the_peer_links(redsrv_group) -> None:  # type: ignore[no-untyped-def]
+    """c10d sends these from C++ to the group's CPU backend, which a Python group lacks unless
+    it is given one (adapters/_torch_c10d.serve_dispatched_ops)."""
+    import torch.distributed._functional_collectives as funcol
+
+    redsrv_group()
+    x = torch.arange(4, dtype=torch.float32)
+    assert funcol.all_gather_single(x, 0, dist.group.WORLD).tolist() == x.tolist()
+    assert funcol.reduce_scatter_single(x, "sum", 0, dist.group.WORLD).tolist() == x.tolist()
+    assert funcol.all_reduce(x, "sum", dist.group.WORLD).tolist() == x.tolist()
+
+
 def test_backend_group_name_and_destroying_a_subgroup(redsrv_group) -> None:  # type: ignore[no-untyped-def]
     redsrv_group()
     assert dist.group.WORLD.group_name == "0"

@@ -6,6 +6,7 @@ source, gather, scatter and all-gather (peer links), subgroup destruction and DD
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,17 +27,22 @@ SUBSET = ["test_all_reduce_max", "test_all_reduce_product", "test_all_reduce_sum
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_torch_suite_subset_passes(world_size: int) -> None:
+def test_torch_suite_subset_passes(world_size: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from conftest import child_env
 
-    args = [sys.executable, LAUNCHER, "--backend", "redsrv", "--world-size", str(world_size)]
+    report_file = tmp_path / "suite.json"
+    args = [sys.executable, LAUNCHER, "--backend", "redsrv", "--world-size", str(world_size), "--report", str(report_file)]
     for name in SUBSET:
         args += ["-k", name]
     env = child_env({"REDSRV_HEARTBEAT_INTERVAL": "0.5", "REDSRV_HEARTBEAT_MISSES": "20"})
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=400)
     summary = re.search(r"SUITE .* passed=(\d+) failed=(\d+) skipped=(\d+)", done.stdout)
     assert summary, f"no summary line:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    passed, failed, _skipped = (int(g) for g in summary.groups())
-    assert failed == 0 and done.returncode == 0, f"{summary.group(0)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
-    # Every name selects at least one test that runs here (none is skipped at world size 2 or 3).
-    assert passed >= len(SUBSET), summary.group(0)
+    assert done.returncode == 0, f"{summary.group(0)}\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    report = json.loads(report_file.read_text())
+    missing = [name for name in SUBSET if name not in report["passed"]]
+    assert not missing, f"named tests that did not pass: {missing} ({summary.group(0)})"
+    assert not report["failed"], report["failed"]
+    # The reductions reached the reducers, and the point-to-point tests the peer links.
+    assert report["routes"]["test_all_reduce_max"] == "reducers", report["routes"]
+    assert report["routes"]["test_send_recv_with_tag"] == "peer_links", report["routes"]
