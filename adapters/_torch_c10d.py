@@ -13,13 +13,6 @@ PyTorch has no stable API for out-of-tree c10d backends written in Python. The p
   peer links are a gloo backend object built from the store c10d hands the creator, used
   directly (not registered as a group), and its ``Work`` objects, whose ``_source_rank()``
   answers ``recv`` from any source.
-* ``ProcessGroup._register_backend(device, BackendType.CUSTOM, backend)``: the peer links'
-  gloo backend registered as the group's CPU backend. The trampoline forwards only some of
-  ``ProcessGroup``'s virtual methods to Python; the rest (``all_gather_single``,
-  ``reduce_scatter_single``, ``gather``, ``scatter``... which the functional collectives,
-  DTensor and ``torch.compile`` call from C++) go through c10d's dispatcher to the group's
-  backend for the tensors' device, and a group with no CPU backend fails with "No backend type
-  associated with device type cpu" (:func:`serve_dispatched_ops`).
 * A Python subclass of ``torch.distributed.Work`` (trampoline ``PyWork``, which forwards
   ``wait`` and ``get_future`` only). We use it instead of the private
   ``_create_work_from_future`` because that ``Work``'s ``wait()`` never raises: a failed
@@ -40,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ProcessGroupBase", "FutureWork", "DelegatedWork", "GroupSpec", "register", "check", "settle", "peer_group",
-           "serve_dispatched_ops", "translate", "TESTED_TORCH"]
+           "WorkList", "translate", "TESTED_TORCH"]
 
 #: The torch release these private names were checked against.
 TESTED_TORCH = "2.13"
@@ -137,13 +130,6 @@ def peer_group(spec: GroupSpec, timeout: float, what: str) -> Any:
         raise translated from exc
 
 
-def serve_dispatched_ops(group: ProcessGroupBase, peers: Any) -> None:
-    """Make the peer links ``group``'s CPU backend, for the operations c10d sends through its
-    dispatcher rather than to the Python group (see the module docstring): those are all
-    gathers, scatters and all-to-alls, which the group sends over the peer links anyway."""
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, peers)
-
-
 class DelegatedWork(dist.Work):
     """A gloo ``Work`` whose failures surface as redsrv's typed errors."""
 
@@ -190,6 +176,26 @@ class DelegatedWork(dist.Work):
         return int(self._inner._source_rank())
 
 
+class WorkList(dist.Work):
+    """Several operations' works as one, for the coalesced forms c10d asks a group for."""
+
+    def __init__(self, works: list[Any]) -> None:
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        every = torch.futures.collect_all([work.get_future() for work in self._works])
+        return settle(every.then(lambda done: [future.value() for future in done.value()]))
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 def register(name: str, create: Callable[[GroupSpec], ProcessGroupBase]) -> None:
     """Register ``create`` as the c10d backend ``name`` for CPU tensors."""
 
@@ -226,8 +232,6 @@ def check() -> None:
     for attr in ("register_backend",):
         if not hasattr(dist.Backend, attr):
             problems.append(f"torch.distributed.Backend.{attr}")
-    if not hasattr(dist.ProcessGroup, "_register_backend") or not hasattr(dist.ProcessGroup, "BackendType"):
-        problems.append("torch.distributed.ProcessGroup._register_backend")
     for cls in ("ProcessGroup", "Work", "ProcessGroupGloo", "PrefixStore"):
         if not isinstance(getattr(dist, cls, None), type):
             problems.append(f"torch.distributed.{cls} (a class to subclass)")

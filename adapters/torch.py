@@ -625,6 +625,22 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
 
+    # The coalesced forms are what the functional collectives (DTensor, FSDP2's full_tensor(),
+    # torch.compile) call from C++. They must be defined here: torch's trampoline for them holds
+    # the GIL while it falls back to the group's C++ backend, whose gloo worker threads need the
+    # GIL to free a finished operation under the lock that fallback waits for, a deadlock (seen
+    # in tests/adapters/torch/test_dtensor.py). From here, gloo is entered with the GIL released.
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return _torch_c10d.WorkList([self.all_gather_single(out, tensor, opts)
+                                     for out, tensor in zip(outputs, inputs, strict=True)])
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return _torch_c10d.WorkList([self.reduce_scatter_single(out, tensor, opts)
+                                     for out, tensor in zip(outputs, inputs, strict=True)])
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the names torch 2.13 still looks up second
+
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
         if self._peers is None:
             whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
@@ -684,6 +700,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
         """gloo's barrier that names the ranks that did not arrive. ``dist.monitored_barrier``
@@ -882,10 +899,9 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     its own backends' collectives only then. The reductions' own checks (sizes, dtypes and ops
     that disagree, through the reducers' protocol) cost nothing and are always on.
 
-    Operations that c10d sends from C++ rather than through the Python group (the functional
-    collectives behind DTensor, tensor parallelism and ``torch.compile``: all-gather,
-    reduce-scatter, all-to-all) go over the peer links unchecked; a group without peer links
-    cannot serve them.
+    The functional collectives (``torch.distributed._functional_collectives``, which DTensor,
+    FSDP2's ``full_tensor()``, tensor parallelism and ``torch.compile`` call) take the same paths
+    as the ``torch.distributed`` calls of the same names.
     """
     _torch_c10d.check()
     config = {**config, "verify_collectives": verify_collectives}
@@ -911,10 +927,7 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         verify = settings.verify_collectives
         if verify is None:
             verify = dist.get_debug_level() == dist.DebugLevel.DETAIL
-        group = RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
-                                   owns_client=True, verify_collectives=verify)
-        if peers is not None:
-            _torch_c10d.serve_dispatched_ops(group, peers)
-        return group
+        return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
+                                  owns_client=True, verify_collectives=verify)
 
     _torch_c10d.register(BACKEND_NAME, create)

@@ -57,9 +57,7 @@ ROUTES_FILE = "DIST_SUITE_ROUTES"
 
 def _record_routes(path: str) -> None:
     """Wrap the two doors of RedsrvProcessGroup: ``_join`` (every operation through the
-    reducers) and ``_delegate`` (every one over the peer links). The operations c10d sends from
-    C++ straight to the peer links' gloo backend (adapters/_torch_c10d.serve_dispatched_ops) pass
-    neither and count as neither; they never touch the reducers."""
+    reducers) and ``_delegate`` (every one over the peer links)."""
     from redsrv.adapters.torch import RedsrvProcessGroup
 
     join, delegate = RedsrvProcessGroup._join, RedsrvProcessGroup._delegate

@@ -5,7 +5,7 @@
 
 The default group is the backend under test and every mesh is the default one
 (``init_device_mesh("cpu", ...)``), as a user's script has it: that is the path where the
-functional collectives reach the backend from C++ (adapters/_torch_c10d.serve_dispatched_ops).
+functional collectives reach the backend from C++ (RedsrvProcessGroup's coalesced methods).
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ default one. Both must finish every case and agree bitwise: at world size 2 ever
 order, and the gathers, scatters and all-to-alls travel the same gloo code either way (the
 redsrv group's peer links), so there is nothing for rounding to differ on.
 
-Before adapters/_torch_c10d.serve_dispatched_ops, everything but the functional all-reduce and
-broadcast failed on the redsrv backend with "No backend type associated with device type cpu"
-(``full_tensor()`` after FSDP2 training among them).
+Before RedsrvProcessGroup defined the coalesced all-gather and reduce-scatter that the
+functional collectives call from C++, every case but the functional all-reduce and broadcast
+failed on the redsrv backend with "No backend type associated with device type cpu"
+(``full_tensor()`` after FSDP2 training among them); defining them by handing the peer links to
+c10d as the group's backend instead deadlocked now and then (see the comment there).
 """
 
 from __future__ import annotations

@@ -303,16 +303,18 @@ def test_verify_collectives_refuses_a_word_it_does_not_know(monkeypatch) -> None
         redsrv.torch.register_backend(["127.0.0.1:1"])
 
 
-def test_functional_collectives_reach_the_peer_links(redsrv_group) -> None:  # type: ignore[no-untyped-def]
-    """c10d sends these from C++ to the group's CPU backend, which a Python group lacks unless
-    it is given one (adapters/_torch_c10d.serve_dispatched_ops)."""
+@pytest.mark.parametrize("peer_links", [True, False])
+def test_functional_collectives(redsrv_group, peer_links: bool) -> None:  # type: ignore[no-untyped-def]
+    """c10d calls the coalesced forms of all-gather and reduce-scatter from C++; before the group
+    defined them, they failed with "No backend type associated with device type cpu"."""
     import torch.distributed._functional_collectives as funcol
 
-    redsrv_group()
+    redsrv_group(peer_links=peer_links)
     x = torch.arange(4, dtype=torch.float32)
     assert funcol.all_gather_single(x, 0, dist.group.WORLD).tolist() == x.tolist()
     assert funcol.reduce_scatter_single(x, "sum", 0, dist.group.WORLD).tolist() == x.tolist()
     assert funcol.all_reduce(x, "sum", dist.group.WORLD).tolist() == x.tolist()
+    assert funcol.broadcast(x, 0, dist.group.WORLD).tolist() == x.tolist()
 
 
 def test_backend_group_name_and_destroying_a_subgroup(redsrv_group) -> None:  # type: ignore[no-untyped-def]
