@@ -16,23 +16,29 @@ about one piece instead of one whole chunk. In the straggler modes the set of co
 only known when a chunk closes, so there rank ``r``'s data is added once ranks ``0..r-1`` are
 in (earlier arrivals wait in their buffers) and the result leaves whole.
 
-This module holds :class:`ReducerCore` itself: its events (:data:`EVENTS`), its queries
-(:data:`QUERIES`) and the rules of membership, recovery and the data path. The rest of the core
-lives beside it, each part in a module of its own, and every public name is re-exported here:
+This module holds :class:`ReducerCore` itself: its events (:data:`EVENTS`) and queries
+(:data:`QUERIES`), the data path (a push's header, its payload arriving, its end) and time. Its
+other rules are in base classes, one module each, so that every part reads in one go; a method
+found through the base classes costs what one on the class does (Python caches the lookup):
 
-- ``reducer_actions``: the :data:`Action` types the events return (what the daemon executes);
+- ``reducer_members``: joining and leaving (``_MembershipRules``);
+- ``reducer_results``: how a chunk ends, results kept and acknowledged (``_ResultRules``);
+- ``reducer_memory``: budgets, fair shares, waits for memory, reclaiming (``_MemoryRules``).
+
+And the records they share, plain data:
+
 - ``reducer_chunks``: a chunk's states and their transition table, and its three accumulation
   modes (cut-through, rank order, broadcast);
 - ``reducer_jobs``: jobs, connections, push tickets, counters;
-- ``reducer_memory``: budgets, fair shares, waits for memory, reclaiming (a base class);
-- ``reducer_buffers``: the buffer pool and shared, reference-counted buffers.
+- ``reducer_buffers``: the buffer pool and shared, reference-counted buffers;
+- ``reducer_actions``: the :data:`Action` types the events return (what the daemon executes).
+
+Every name other modules import from the core is re-exported here (``__all__``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-
-import numpy as np
 
 from . import constants as C
 from .combine import ACCUMULATION_DTYPES, Combiner
@@ -52,7 +58,6 @@ from .reducer_chunks import (
     ChunkState,
     ChunkStateError,
     _BroadcastChunk,
-    _Closed,
     _CutThroughChunk,
     _OpenChunk,
     _Part,
@@ -65,17 +70,12 @@ from .reducer_jobs import (
     JobStats,
     MemoryState,
     PushTicket,
-    _AckGroup,
-    _Conn,
-    _Delivery,
     _Job,
-    _Member,
 )
-from .reducer_memory import _MemoryRules
+from .reducer_members import _MembershipRules
 from .wire import (
     Error,
     ErrorCode,
-    Hello,
     Push,
     ReduceOp,
     Result,
@@ -122,9 +122,11 @@ QUERIES = ("report_piece_bytes", "fair_share", "memory", "stats", "connections",
            "bytes_held")
 
 
-class ReducerCore(_MemoryRules):
+class ReducerCore(_MembershipRules):
     """Aggregation state for every job on one reducer. Not thread-safe: the daemon serialises
-    calls. ``now`` arguments are seconds from a monotonic clock the caller owns."""
+    calls. ``now`` arguments are seconds from a monotonic clock the caller owns. The events and
+    rules of its base classes are listed in this module's docstring; every attribute they
+    declare is set here."""
 
     def __init__(
         self,
@@ -160,197 +162,6 @@ class ReducerCore(_MemoryRules):
         self._jobs = {}
         self._conns = {}
         self.job_stats = OrderedDict()  # survives the job's state, bounded
-
-    # --- membership ---
-
-    def join(self, conn: int, hello: Hello, *, peer: str = "?", now: float = 0.0) -> list[Action]:
-        """A worker connection completed its handshake. Returns errors if it cannot join.
-
-        One live client per (job, rank) (R23): a connection of another session for a rank
-        whose client is still connected is refused, naming both peers. The same session
-        joining again is that client reconnecting (R22): the rank keeps its place, and what it
-        resends is matched with what the reducer already has."""
-        params = JobParams.from_hello(hello)
-        job = self._jobs.get(hello.job)
-        if job is None:
-            job = self._jobs[hello.job] = _Job(hello.job, params)
-        elif job.params != params:
-            diffs = [
-                f"{name}: job has {getattr(job.params, name)}, rank {hello.rank} sent {getattr(params, name)}"
-                for name in ("world_size", "mode", "min_contributors", "deadline_ms", "op_timeout_ms")
-                if getattr(job.params, name) != getattr(params, name)
-            ]
-            message = f"job {hello.job!r} parameters differ: " + "; ".join(diffs)
-            if not job.members:
-                job.params = params  # nobody left to disagree with: the newcomer defines the job
-            else:
-                return [SendError(conn, Error(ErrorCode.JOB_MISMATCH, True, message), close_after=True)]
-        actions: list[Action] = []
-        member = job.members.get(hello.rank)
-        if member is not None and member.session != hello.session:
-            if member.conns:
-                message = (f"rank {hello.rank} of job {hello.job!r} is held by a live client at {member.peer} (session "
-                           f"{member.session:#x}); a second client at {peer} (session {hello.session:#x}) claimed it: "
-                           "each rank needs a client of its own")
-                return [SendError(conn, Error(ErrorCode.JOB_MISMATCH, True, message), close_after=True)]
-            # The rank's place was kept for a reconnect, and a new client came instead: the
-            # worker restarted, and what its old session had sent is void.
-            actions += self._lose(job, hello.rank, f"rank {hello.rank} of job {hello.job!r} restarted with a new session", now)
-            member = None
-            if self._jobs.get(hello.job) is not job:  # that was its last member: the job starts afresh
-                job = self._jobs[hello.job] = _Job(hello.job, params)
-        if member is None:
-            grace = min(hello.reconnect_window_ms / 1000, self.rejoin_grace)
-            member = job.members[hello.rank] = _Member(hello.session, grace=grace, peer=peer)
-        elif member.left_at is not None:
-            actions.append(Log("info", f"rank {hello.rank} of job {hello.job!r} reconnected from {peer} after "
-                                       f"{now - member.left_at:.3f}s"))
-            member.left_at = None
-        member.conns.add(conn)
-        member.peer = peer
-        job.lost.pop(hello.rank, None)
-        self._conns[conn] = _Conn(hello.job, hello.rank, hello.session)
-        return actions
-
-    def ack(self, conn: int, frames: int) -> list[Action]:
-        """The worker on ``conn`` has the first ``frames`` RESULT frames sent on it: the whole
-        results among them need not be kept any longer. Returns a SAFE for every connection of
-        the job whose results every rank now has."""
-        info = self._conns.get(conn)
-        if info is None:
-            return []
-        unacked = info.unacked
-        while unacked and unacked[0].last_frame <= frames:
-            unacked.popleft().done()
-        job = self._jobs.get(info.job)
-        if job is None:
-            return []
-        actions: list[Action] = []
-        for member in job.members.values():
-            for other in member.conns:
-                other_info = self._conns.get(other)
-                if other_info is None:
-                    continue
-                pending = other_info.safe_pending
-                safe = other_info.safe_frames
-                while pending and pending[0].group.outstanding <= 0:
-                    safe = pending.popleft().last_frame
-                if safe > other_info.safe_frames:
-                    other_info.safe_frames = safe
-                    actions.append(SendSafe(other, safe))
-        return actions
-
-    def leave(self, conn: int, reason: str, now: float, *, for_good: bool = False) -> list[Action]:
-        """A connection closed or failed. A rank whose client reconnects (its HELLO gave a
-        reconnect window) keeps its place for the rejoin grace: its open contributions stay, and
-        the results it did not acknowledge are kept for it; unless the worker said its client
-        closed (``for_good``): nothing will reconnect, and a new client for the rank must not
-        look like a restarted worker. Otherwise, when a rank loses its last connection, the
-        job's open chunks that still need it fail, naming the rank (modes that tolerate
-        stragglers carry on as long as a quorum can still form)."""
-        info = self._conns.pop(conn, None)
-        self._waiting.pop(conn, None)
-        self._receiving.pop(conn, None)
-        if info is None:
-            return []
-        job = self._jobs.get(info.job)
-        member = None if job is None else job.members.get(info.rank)
-        if job is None or member is None or member.session != info.session:
-            self._release_unacked(info)
-            return []
-        member.conns.discard(conn)
-        why = f"rank {info.rank} of job {info.job!r} disconnected ({reason})"
-        if member.grace > 0 and not for_good:
-            undelivered = job.undelivered.setdefault(info.rank, {})
-            for delivery in info.unacked:
-                kept = undelivered.pop(delivery.chunk_key, None)
-                if kept is not None:
-                    kept.done()
-                undelivered[delivery.chunk_key] = delivery
-            info.unacked.clear()
-            if member.conns or member.left_at is not None:
-                return []
-            member.left_at = now
-            return [Log("info", f"{why}; its place is kept for {member.grace:.1f}s while it reconnects")]
-        self._release_unacked(info)
-        # One broken stream means the client is broken: drop its siblings too.
-        actions: list[Action] = []
-        for sibling in sorted(member.conns):
-            sibling_info = self._conns.pop(sibling, None)
-            if sibling_info is not None:
-                self._release_unacked(sibling_info)
-            actions.append(CloseConnection(sibling))
-        member.conns.clear()
-        return actions + self._lose(job, info.rank, why, now)
-
-    @staticmethod
-    def _release_unacked(info: _Conn) -> None:
-        while info.unacked:
-            info.unacked.popleft().done()
-
-    def _lose(self, job: _Job, rank: int, why: str, now: float) -> list[Action]:
-        """Rank ``rank`` is gone for good: fail what needed it, drop what was kept for it."""
-        member = job.members.pop(rank, None)
-        if member is not None:
-            for conn in member.conns:
-                info = self._conns.pop(conn, None)
-                if info is not None:
-                    self._release_unacked(info)
-        for delivery in job.undelivered.pop(rank, {}).values():
-            delivery.done()
-        for chunk in job.open.values():  # contributions of the old session that never finished
-            if not isinstance(chunk, _CutThroughChunk):
-                continue
-            part = chunk.parts.get(rank)
-            if part is not None and not part.writing and part.received < part.shared.buffer.nbytes:
-                del chunk.parts[rank]
-                part.chunk = None
-                part.shared.release()
-        job.lost[rank] = why
-        for closed in job.retained:  # results kept for this rank will not be collected
-            if closed.result is not None:
-                closed.answered |= 1 << rank
-                if bin(closed.answered).count("1") >= job.params.world_size:
-                    self._drop_retained(closed)
-        failed: list[Action] = []
-        for chunk_key, chunk in list(job.open.items()):
-            if self._can_still_close(job, chunk):
-                continue
-            failed += self._fail(job, chunk_key, ErrorCode.PEER_LOST, f"{why}; chunk cannot complete", now)
-        actions: list[Action] = [Log("warning" if failed else "info", why)]
-        actions += failed
-        if not job.members and not self._keeps_results(job):
-            self._drop_job(job)
-        return actions
-
-    @staticmethod
-    def _keeps_results(job: _Job) -> bool:
-        """Results still kept for ranks that have not collected them (a straggler may connect
-        after the others have finished and left)."""
-        return any(closed.result is not None for closed in job.retained)
-
-    def _can_still_close(self, job: _Job, chunk: _OpenChunk) -> bool:
-        if job.params.mode is StragglerMode.ALL:
-            return not job.lost
-        alive = chunk.contributors
-        for rank in job.members:
-            alive |= 1 << rank
-        return bin(alive).count("1") >= job.params.quorum
-
-    def _drop_job(self, job: _Job) -> None:
-        for chunk in job.open.values():
-            chunk.free(self, job)
-        for kept in job.undelivered.values():
-            for delivery in kept.values():
-                delivery.done()
-        job.undelivered.clear()
-        for closed in job.retained:
-            if closed.result is not None:
-                closed.result.release()
-        del self._jobs[job.name]
-        if self._active.get(job.name) is job:
-            del self._active[job.name]
-            self.memory_epoch += 1
 
     # --- data path ---
 
@@ -535,84 +346,6 @@ class ReducerCore(_MemoryRules):
             return PushTicket(conn, job.name, rank, push, None, skip=payload_len, resent=True)
         return None
 
-    def _settle(self, job: _Job | None, ticket: PushTicket, now: float) -> list[Action]:
-        """A worker pushes a chunk's result it already has to a reducer that restarted before
-        every rank had it (ReduceOp.SETTLED, R22): the chunk closes with that result, the ranks
-        waiting in it are answered, and the ranks that push later are answered from it. Results
-        are bitwise the same on every rank, so any rank's copy is the result."""
-        push, buffer = ticket.push, ticket.buffer
-        chunk_key = (push.key, push.chunk)
-        if job is None or buffer is None or chunk_key in job.closed or ticket.conn not in self._conns:
-            self._give(job, buffer)
-            return []
-        chunk = job.open.get(chunk_key)
-        shape = (push.total, push.offset, push.count, push.dtype)
-        if chunk is not None and (chunk.shape.total, chunk.shape.offset, chunk.shape.count, chunk.shape.dtype) != shape:
-            self._give(job, buffer)
-            return self._fail(job, chunk_key, ErrorCode.CONTRIBUTION_MISMATCH,
-                              f"rank {ticket.rank}'s settled result does not fit {chunk.shape.describe()}", now)
-        world = job.params.world_size
-        everyone = bitmap_from_ranks((1 << world) - 1, world)
-        item = numpy_dtype(push.dtype).itemsize
-        shared = _SharedBuffer(buffer, self.pool, 1, self._freer(job))  # this function's reference
-        data = buffer.data
-        header = result_header(Result(push.key, push.offset, push.count, push.chunk, push.dtype, world, everyone), len(data))
-        closed = _Closed(answered=1 << ticket.rank)
-        actions: list[Action] = []
-        if chunk is not None:
-            del job.open[chunk_key]
-            chunk.transition("close")
-            targets = self._answer_to(chunk)
-            # The ranks in a cut-through chunk have its sums up to here, in pieces.
-            done = chunk.forwarded if isinstance(chunk, _CutThroughChunk) else 0
-            if targets and done < len(data):
-                rest = Result(push.key, push.offset + done // item, push.count - done // item, push.chunk, push.dtype,
-                              world, everyone)
-                actions.append(self._send_to(targets, result_header(rest, len(data) - done), data[done:], shared))
-            for rank, conn in chunk.conns.items():
-                if conn in targets:
-                    closed.answered |= 1 << rank
-            self._track(job, chunk, header, data, shared)
-            chunk.free(self, job)
-        shared.retain(1)  # kept for the ranks that push later
-        closed.result, closed.header, closed.data = shared, header, data
-        closed.expires_at = now + job.params.op_timeout_ms / 1000
-        job.retained.append(closed)
-        self._remember(job, chunk_key, closed)
-        shared.release()
-        return actions
-
-
-    def _send_to(self, targets: list[int], header: bytes, data: memoryview, shared: _SharedBuffer) -> SendResult:
-        """One RESULT frame to each connection in ``targets``, counted per connection (the count
-        that ACK frames acknowledge); takes a reference on ``shared`` for each."""
-        shared.retain(len(targets))
-        for conn in targets:
-            self._conns[conn].frames_sent += 1
-        return SendResult(targets, header, data, shared.release)
-
-    def _track(self, job: _Job, chunk: _OpenChunk, header: bytes, data: memoryview, shared: _SharedBuffer) -> None:
-        """A chunk's last RESULT frame was sent: keep its whole result for every rank whose client
-        reconnects, until that rank acknowledges it, or for the rank's return when its
-        connection is already gone."""
-        chunk_key = (chunk.key, chunk.chunk)
-        ranks = [(rank, conn) for rank, conn in chunk.conns.items()
-                 if (member := job.members.get(rank)) is not None and member.grace > 0]
-        group = _AckGroup(len(ranks))
-        for rank, conn in ranks:
-            shared.retain(1)
-            info = self._conns.get(conn)
-            if info is not None:
-                delivery = _Delivery(info.frames_sent, chunk_key, header, data, shared, group)
-                info.unacked.append(delivery)
-                info.safe_pending.append(delivery)
-                continue
-            undelivered = job.undelivered.setdefault(rank, {})
-            kept = undelivered.pop(chunk_key, None)
-            if kept is not None:
-                kept.done()
-            undelivered[chunk_key] = _Delivery(0, chunk_key, header, data, shared, group)
-
     def report_piece_bytes(self, mode: StragglerMode) -> int:
         """How much of a push's payload the daemon should let arrive between :meth:`progress`
         reports on a connection of a job in ``mode``; 0: report whole payloads only. Only where
@@ -769,166 +502,6 @@ class ReducerCore(_MemoryRules):
         self.stats(job.name).observe_lateness(part.rank, now - chunk.opened_at)
         return self._forward(job, chunk, now)
 
-    def _forward(self, job: _Job, chunk: _CutThroughChunk, now: float) -> list[Action]:
-        """Sum and send what every rank of a cut-through chunk has sent beyond what was sent:
-        whole pieces while payloads arrive, then the rest; close the chunk once every push
-        ended and the sum of its last byte left."""
-        parts = chunk.parts
-        world = job.params.world_size
-        if len(parts) < world:
-            return []
-        wire = numpy_dtype(chunk.shape.dtype)
-        size = chunk.shape.count * wire.itemsize
-        ready = min(part.received for part in parts.values())
-        ready -= ready % wire.itemsize
-        start = chunk.forwarded
-        actions: list[Action] = []
-        if ready > start and (ready == size or (self.piece_bytes and ready - start >= self.piece_bytes)):
-            actions += self._send_piece(job, chunk, start, ready)
-        if chunk.forwarded == size and chunk.contributors == (1 << world) - 1:  # every push ended
-            shape = chunk.shape
-            whole = Result(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype, world,
-                           bitmap_from_ranks((1 << world) - 1, world))
-            chunk.transition("close")
-            out = parts[0].shared
-            self._track(job, chunk, result_header(whole, size), out.buffer[:size].data, out)
-            del job.open[(chunk.key, chunk.chunk)]
-            stats = self.stats(job.name)
-            stats.chunks_closed += 1
-            stats.observe_latency(now - chunk.opened_at)
-            self._remember(job, (chunk.key, chunk.chunk), _Closed(answered=chunk.contributors))
-            chunk.free(self, job)
-        return actions
-
-    def _send_piece(self, job: _Job, chunk: _CutThroughChunk, start: int, stop: int) -> list[Action]:
-        parts = chunk.parts
-        world = job.params.world_size
-        shape = chunk.shape
-        self._combiner.combine_into_first([parts[rank].shared.buffer[start:stop] for rank in range(world)], shape.dtype,
-                                          shape.op)
-        chunk.forwarded = stop
-        item = numpy_dtype(shape.dtype).itemsize
-        result = Result(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk, shape.dtype,
-                        world, bitmap_from_ranks((1 << world) - 1, world))
-        targets = self._answer_to(chunk)
-        self.stats(job.name).bytes_out += len(targets) * (stop - start)
-        if not targets:
-            return []
-        out = parts[0].shared  # rank 0's buffer holds the sum
-        return [self._send_to(targets, result_header(result, stop - start), out.buffer[start:stop].data, out)]
-
-    def _answer_to(self, chunk: _OpenChunk) -> list[int]:
-        """The connections a chunk's result goes to: each contributor's, while it is open."""
-        return [chunk.conns[r] for r in sorted(chunk.conns) if chunk.conns[r] in self._conns]
-
-
-    def _maybe_close(self, job: _Job, chunk: _OpenChunk, now: float) -> list[Action]:
-        count = bin(chunk.contributors).count("1")
-        params = job.params
-        if count == params.world_size:
-            return self._close(job, chunk, now)
-        if params.mode is StragglerMode.FIRST_M and count >= params.quorum:
-            return self._close(job, chunk, now)
-        return []
-
-    def _close(self, job: _Job, chunk: _OpenChunk, now: float) -> list[Action]:
-        chunk_key = (chunk.key, chunk.chunk)
-        del job.open[chunk_key]
-        shape = chunk.shape
-        wire = numpy_dtype(shape.dtype)
-        if shape.count == 0:  # an empty operation: nothing to combine, every rank agreed on nothing
-            out_raw = np.empty(0, dtype=np.uint8)
-        else:
-            outcome = chunk.outcome(self, job)  # folds in the ranks above a gap left by stragglers
-            if outcome is None:
-                return self._fail_detached(job, chunk, ErrorCode.CONTRIBUTION_MISMATCH,
-                                           f"broadcast root {shape.root} did not contribute", now)
-            out_raw = outcome
-        chunk.transition("close")
-        stats = self.stats(job.name)
-        stats.chunks_closed += 1
-        stats.observe_latency(now - chunk.opened_at)
-        result = Result(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype,
-                        bin(chunk.contributors).count("1"), bitmap_from_ranks(chunk.contributors, job.params.world_size))
-        header = result_header(result, shape.count * wire.itemsize)
-        targets = self._answer_to(chunk)
-        stats.bytes_out += len(targets) * shape.count * wire.itemsize
-        retain = bin(chunk.contributors).count("1") < job.params.world_size
-        shared = _SharedBuffer(out_raw, self.pool, 1, self._freer(job))  # this function's reference
-        data = out_raw.data
-        closed = _Closed(answered=chunk.contributors)
-        if retain:
-            shared.retain(1)
-            closed.result, closed.header, closed.data = shared, header, data
-            closed.expires_at = now + job.params.op_timeout_ms / 1000 * C.LATE_RESULT_RETENTION_FACTOR
-            job.retained.append(closed)
-        self._remember(job, chunk_key, closed)
-        actions: list[Action] = [self._send_to(targets, header, data, shared)] if targets else []
-        self._track(job, chunk, header, data, shared)
-        shared.release()
-        return actions
-
-    def _answer_late(self, job: _Job, chunk_key: tuple[int, int], rank: int, conn: int, now: float) -> list[Action]:
-        closed = job.closed[chunk_key]
-        closed.expect("answer")
-        key, chunk = chunk_key
-        delivery = job.undelivered.get(rank, {}).pop(chunk_key, None)
-        if delivery is not None:  # a reconnected rank asks again for a result its old connection lost
-            action = self._send_to([conn], delivery.header, delivery.data, delivery.shared)
-            info = self._conns[conn]
-            delivery.last_frame = info.frames_sent
-            info.unacked.append(delivery)  # its reference moves with it
-            info.safe_pending.append(delivery)
-            return [action]
-        if closed.error is not None:
-            return [SendError(conn, closed.error)]
-        if closed.answered >> rank & 1:
-            stats = self.stats(job.name)
-            stats.rejected["STALE"] = stats.rejected.get("STALE", 0) + 1
-            return [SendError(conn, Error(ErrorCode.STALE, False, f"rank {rank} pushed again to a closed chunk (key reused?)",
-                                          key, chunk))]
-        if closed.result is None or closed.data is None:
-            return [SendError(conn, Error(ErrorCode.STALE, False,
-                                          f"chunk closed without rank {rank}; its result is no longer kept", key, chunk))]
-        closed.answered |= 1 << rank
-        self.stats(job.name).bytes_out += len(closed.data)
-        actions: list[Action] = [self._send_to([conn], closed.header, closed.data, closed.result)]
-        if bin(closed.answered).count("1") >= job.params.world_size:
-            self._drop_retained(closed)
-        return actions
-
-    def _drop_retained(self, closed: _Closed) -> None:
-        if closed.result is not None:
-            result, closed.result, closed.data = closed.result, None, None
-            result.release()
-
-    def _remember(self, job: _Job, chunk_key: tuple[int, int], closed: _Closed) -> None:
-        job.closed[chunk_key] = closed
-        job.closed.move_to_end(chunk_key)
-        while len(job.closed) > C.STALE_KEYS_PER_JOB:
-            _, oldest = job.closed.popitem(last=False)
-            self._drop_retained(oldest)
-
-    def _fail(self, job: _Job, chunk_key: tuple[int, int], code: ErrorCode, why: str, now: float) -> list[Action]:
-        chunk = job.open.pop(chunk_key, None)
-        if chunk is None:
-            return []
-        return self._fail_detached(job, chunk, code, why, now)
-
-    def _fail_detached(self, job: _Job, chunk: _OpenChunk, code: ErrorCode, why: str, now: float) -> list[Action]:
-        state = chunk.transition("fail")
-        chunk.free(self, job)
-        message = f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk}: {why}"
-        stats = self.stats(job.name)
-        stats.chunks_failed[code.name] = stats.chunks_failed.get(code.name, 0) + 1
-        error = Error(code, False, message, chunk.key, chunk.chunk)
-        self._remember(job, (chunk.key, chunk.chunk), _Closed(state, error=error))
-        actions: list[Action] = [Log("warning", message)]
-        for rank in sorted(chunk.conns):
-            if chunk.conns[rank] in self._conns:
-                actions.append(SendError(chunk.conns[rank], error))
-        return actions
-
     # --- time ---
 
     def tick(self, now: float) -> list[Action]:
@@ -986,17 +559,6 @@ class ReducerCore(_MemoryRules):
         return actions
 
     # --- introspection ---
-
-    def stats(self, job: str) -> JobStats:
-        """The counters of ``job`` (created on first use; the 1,000 most recent jobs are kept)."""
-        stats = self.job_stats.get(job)
-        if stats is None:
-            stats = self.job_stats[job] = JobStats()
-            while len(self.job_stats) > 1000:
-                self.job_stats.popitem(last=False)
-        else:
-            self.job_stats.move_to_end(job)
-        return stats
 
     def connections(self, job: str) -> int:
         j = self._jobs.get(job)

@@ -46,12 +46,19 @@ class _MemoryRules:
     _jobs: dict[str, _Job]
     _conns: dict[int, _Conn]
 
-    # ReducerCore's, which the reclaiming rules use:
-
     def stats(self, job: str) -> JobStats:
-        raise NotImplementedError
+        """The counters of ``job`` (created on first use; the 1,000 most recent jobs are kept)."""
+        stats = self.job_stats.get(job)
+        if stats is None:
+            stats = self.job_stats[job] = JobStats()
+            while len(self.job_stats) > 1000:
+                self.job_stats.popitem(last=False)
+        else:
+            self.job_stats.move_to_end(job)
+        return stats
 
     def _fail(self, job: _Job, chunk_key: tuple[int, int], code: ErrorCode, why: str, now: float) -> list[Action]:
+        """Fail a chunk (``reducer_results``)."""
         raise NotImplementedError
 
     # --- budgets ---
