@@ -52,6 +52,10 @@ class ChunkState(enum.Enum):
     CLOSED = "closed"
     FAILED = "failed"
 
+    # Members are singletons compared by identity; Enum's own hash is a Python call (of the
+    # name's hash), and the table is consulted once a push.
+    __hash__ = object.__hash__
+
 
 OPEN, CLOSED, FAILED = ChunkState.OPEN, ChunkState.CLOSED, ChunkState.FAILED
 
