@@ -7,15 +7,15 @@ went out), and is remembered in that state so that late or repeated pushes are a
 summed. :data:`CHUNK_TRANSITIONS` is the whole table; :meth:`_OpenChunk.transition` and
 :meth:`_Closed.expect` consult it and raise :class:`ChunkStateError` on anything else. Such an
 error is a bug in the core, never a peer's fault: what peers do wrong (a push to a closed chunk, a
-duplicate, a mismatch) is answered on the wire by the rules in ``reducer.py`` before any
-transition is attempted.
+duplicate, a mismatch) is answered on the wire by ``ReducerCore``'s rules before any transition
+is attempted.
 
 Accumulation, one type per mode, behind one interface (``add``, ``outcome``, ``free``, ``has``,
-``part``, ``writing``):
+``writing``):
 
 - :class:`_CutThroughChunk`: every rank must contribute (straggler mode "all") to a sum-like op.
   Each rank's receive buffer joins the chunk at its push's header (a :class:`_Part`), and
-  ``ReducerCore._forward`` combines in rank order and sends each piece every rank has.
+  ``_forward`` (``reducer_results``) combines in rank order and sends each piece every rank has.
 - :class:`_RankOrderChunk`: whole payloads (the straggler modes, and empty operations). Rank r's
   payload is added once ranks 0..r-1 are in; earlier arrivals wait in their buffers until then,
   or until the chunk closes with the contributors it has (deadline, first m).
@@ -133,10 +133,6 @@ class _OpenChunk:
         """Rank ``rank`` contributed, or its contribution is arriving."""
         return bool(self.contributors >> rank & 1)
 
-    def part(self, rank: int) -> _Part | None:
-        """Rank ``rank``'s contribution while it is summed piece by piece (cut-through only)."""
-        return None
-
     def writing(self) -> bool:
         """A push still receives into this chunk's memory."""
         return False
@@ -236,7 +232,7 @@ class _BroadcastChunk(_OpenChunk):
 @dataclass(eq=False)
 class _CutThroughChunk(_OpenChunk):
     """Every rank's buffer joins at its push's header; each piece that every rank has is combined
-    in rank order into rank 0's buffer and sent (``ReducerCore._forward``), so the result is
+    in rank order into rank 0's buffer and sent (``_forward`` in ``reducer_results``), so the result is
     never whole in one place before it leaves."""
 
     parts: dict[int, _Part] = field(default_factory=dict)  # rank -> contribution
@@ -244,9 +240,6 @@ class _CutThroughChunk(_OpenChunk):
 
     def has(self, rank: int) -> bool:
         return bool(self.contributors >> rank & 1) or rank in self.parts
-
-    def part(self, rank: int) -> _Part | None:
-        return self.parts.get(rank)
 
     def writing(self) -> bool:
         return any(part.writing for part in self.parts.values())
