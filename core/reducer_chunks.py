@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .combine import ACCUMULATION_DTYPES, UFUNCS
-from .errors import LocalProtocolError
 from .reducer_buffers import _SharedBuffer
 from .wire import DType, Error, ReduceOp, numpy_dtype
 
@@ -73,9 +72,11 @@ CHUNK_TRANSITIONS: dict[ChunkState, dict[str, ChunkState]] = {
 }
 
 
-class ChunkStateError(LocalProtocolError):
-    """The reducer core tried an event its chunk's state does not allow (a bug in the core: peers'
-    mistakes are answered on the wire, never raised). The chunk is left as it was."""
+class ChunkStateError(RuntimeError):
+    """The reducer core tried an event its chunk's state does not allow. A bug in the core, not a
+    caller's or a peer's mistake (those are answered on the wire, never raised), so not one of
+    ``errors``' types: the daemon contains it like any internal error, ending the connection it
+    was serving. The chunk is left as it was."""
 
 
 def _illegal(what: str, state: ChunkState, event: str) -> ChunkStateError:
