@@ -7,9 +7,18 @@ connection cost one wake-up and one GIL hand-off per frame, which on a loaded ho
 a small all-reduce's time and most of the reducer's CPU per chunk. Large payloads are received
 with a low-water mark (``SO_RCVLOWAT``), so the loop wakes once per result piece (see
 ``DaemonSettings.result_piece_bytes``), not once per few segments, and tells the state machine
-how much of each payload is in so it can forward sums before whole chunks arrive. The only
-other threads run handshakes (blocking, bounded by the handshake timeout;
-the shared-secret exchange is easier to read as straight-line code) and wait for nothing else.
+how much of each payload is in so it can forward sums before whole chunks arrive.
+
+Handshakes run on the loop too, with no thread of their own: an accepted connection is a
+``_Pending`` whose sans-IO :class:`~.handshake.ServerHandshake` is fed at most the bytes it asks
+for (so nothing past its last frame leaves the socket), holds at most
+``handshake.PRE_AUTH_MAX_BYTES``, and has one deadline from accept however its bytes trickle in;
+at ``max_pending_handshakes`` the oldest makes room for the newest. An unauthenticated peer thus
+costs the reducer no thread and a bounded number of bytes (R20). Besides the loop
+(``redsrv-loop``) there is only the caller's thread (``start``, ``stop``) and, with a metrics
+port, the metrics server's, which reads the state machine through :meth:`ReducerDaemon.snapshot`
+and :meth:`ReducerDaemon.memory` under the lock that every loop call into :class:`ReducerCore`
+holds.
 
 Deadlines live in the loop too: a worker that sends nothing (not even heartbeats) for the
 heartbeat bound is frozen; one that stops reading our results for the send timeout is dropped;

@@ -947,3 +947,104 @@ def test_a_late_push_to_a_closed_chunk_takes_no_memory() -> None:
     late = core.begin_push(conn_id("j", 0), wire.Push(1, INC, 4, 0, 4, 0, wire.DType.FLOAT32), 16, 0.0)
     assert isinstance(late, PushTicket) and late.buffer is None and late.skip == 16 and core.bytes_held("j") == 0
     assert errors(core.finish_push(late, 0.0))[0].frame.code is wire.ErrorCode.STALE
+
+
+# --- chunk states (core/reducer_chunks.py: CHUNK_TRANSITIONS) ---
+
+
+def test_each_chunk_state_allows_exactly_the_events_of_the_transition_table() -> None:
+    from redsrv.core.reducer import CHUNK_TRANSITIONS, ChunkState, ChunkStateError
+    from redsrv.core.reducer_chunks import _Closed, _RankOrderChunk, _Shape
+
+    assert set(CHUNK_TRANSITIONS) == set(ChunkState), "every state has its row"
+    assert CHUNK_TRANSITIONS[ChunkState.OPEN] == {"contribute": ChunkState.OPEN, "close": ChunkState.CLOSED,
+                                                   "fail": ChunkState.FAILED}
+    assert not {"contribute", "close", "fail"} & (set(CHUNK_TRANSITIONS[ChunkState.CLOSED])
+                                                  | set(CHUNK_TRANSITIONS[ChunkState.FAILED])), "an ended chunk stays ended"
+    events = {event for row in CHUNK_TRANSITIONS.values() for event in row}
+    shape = _Shape(4, 0, 4, wire.DType.FLOAT32, wire.ReduceOp.SUM, 0)
+    for state in ChunkState:
+        for event in sorted(events):
+            chunk = _RankOrderChunk(1, 0, shape, 0, 0.0, state=state)
+            allowed = CHUNK_TRANSITIONS[state].get(event)
+            if allowed is not None:
+                assert chunk.transition(event) is allowed and chunk.state is allowed
+                continue
+            with pytest.raises(ChunkStateError, match=f"is {state.value}: it cannot {event}"):
+                chunk.transition(event)
+            assert chunk.state is state, "a refused event leaves the chunk as it was"
+            closed = _Closed(state) if state is not ChunkState.OPEN else None
+            if closed is not None:
+                with pytest.raises(ChunkStateError):
+                    closed.expect(event)
+
+
+def test_a_closed_chunk_refuses_a_payload_and_a_repeat_push_is_stale_as_before() -> None:
+    """Cut-through: the chunk a push joined at its header ends CLOSED once every rank is in;
+    feeding it another payload is a bug the state table refuses, and the wire answer to a repeat
+    push is STALE, never a second sum."""
+    from redsrv.core.reducer import ChunkState, ChunkStateError
+
+    core = make_core(2)
+    data = np.arange(8, dtype=np.float32)
+    tickets = [begin_on(core, conn_id("j", r), data) for r in range(2)]
+    assert all(isinstance(t, PushTicket) and t.part is not None for t in tickets)
+    chunk = tickets[0].part.chunk
+    assert chunk is not None and chunk.state is ChunkState.OPEN
+    actions: list = []  # type: ignore[type-arg]
+    for ticket in tickets:
+        ticket.buffer[:] = data.view(np.uint8)
+        actions += core.finish_push(ticket, 0.0)
+    out, _, _ = result_of(actions, np.dtype(np.float32))
+    assert out.tolist() == (2 * data).tolist()
+    assert chunk.state is ChunkState.CLOSED and tickets[0].part.chunk is None
+    with pytest.raises(ChunkStateError, match="is closed: it cannot contribute"):
+        chunk.attach(tickets[0].part, conn_id("j", 0), 0.0)
+    with pytest.raises(ChunkStateError, match="is closed: it cannot fail"):
+        chunk.transition("fail")
+    assert chunk.state is ChunkState.CLOSED
+    again = push(core, 0, data)
+    assert [e.frame.code for e in errors(again)] == [wire.ErrorCode.STALE] and not [
+        a for a in again if isinstance(a, SendResult)], "a push to a closed chunk is answered, not summed"
+    assert core.open_chunks("j") == 0 and core.bytes_held("j") == 0
+
+
+def test_a_whole_payload_chunk_takes_no_payload_once_closed_or_failed() -> None:
+    """Straggler modes and broadcasts: the chunk that took whole payloads refuses one after it
+    closed; a failed chunk answers a later push with its own error."""
+    from redsrv.core.reducer import ChunkState, ChunkStateError
+
+    core = make_core(3, mode=wire.StragglerMode.FIRST_M, min_contributors=2)
+    data = np.ones(4, np.float32)
+    assert push(core, 1, data) == []
+    job = core._jobs["j"]
+    (chunk,) = job.open.values()
+    assert type(chunk).__name__ == "_RankOrderChunk" and chunk.state is ChunkState.OPEN
+    result_of(push(core, 2, data), np.dtype(np.float32))
+    assert chunk.state is ChunkState.CLOSED
+    with pytest.raises(ChunkStateError, match="is closed: it cannot contribute"):
+        chunk.add(core, job, 0, np.ones(16, np.uint8))
+    assert chunk.contributors == 0b110 and chunk.state is ChunkState.CLOSED
+
+    assert push(core, 0, np.ones(4, np.float32), key=2) == []
+    failing = job.open[(2, 0)]
+    errs = errors(push(core, 1, np.ones(4, np.float64), key=2))
+    assert errs and errs[0].frame.code is wire.ErrorCode.CONTRIBUTION_MISMATCH
+    assert failing.state is ChunkState.FAILED and job.closed[(2, 0)].state is ChunkState.FAILED
+    with pytest.raises(ChunkStateError, match="is failed: it cannot close"):
+        failing.transition("close")
+    later = errors(push(core, 2, np.ones(4, np.float32), key=2))
+    assert [e.frame for e in later] == [errs[0].frame], "a failed chunk answers with the error it failed with"
+
+
+def test_each_accumulation_mode_is_its_own_type() -> None:
+    from redsrv.core.reducer_chunks import _BroadcastChunk, _CutThroughChunk, _RankOrderChunk
+
+    core = make_core(2)
+    assert push(core, 1, np.ones(4, np.float32), key=1, op=wire.ReduceOp.BROADCAST, root=0) == []
+    assert isinstance(begin_on(core, conn_id("j", 0), np.ones(4, np.float32), key=2), PushTicket)
+    straggling = make_core(2, mode=wire.StragglerMode.DEADLINE, min_contributors=1, deadline_ms=1000)
+    assert push(straggling, 0, np.ones(4, np.float32)) == []
+    kinds = {key: type(chunk) for (key, _), chunk in core._jobs["j"].open.items()}
+    assert kinds == {1: _BroadcastChunk, 2: _CutThroughChunk}
+    assert [type(c) for c in straggling._jobs["j"].open.values()] == [_RankOrderChunk]
