@@ -1,9 +1,26 @@
-"""``redsrv.torch`` is :mod:`redsrv.adapters.torch` (the PyTorch adapter) under a short name."""
+"""``redsrv.torch``: the PyTorch adapter's public names under a short name: the DDP comm hook
+and its compression wrappers, and the ``redsrv`` c10d backend. They are implemented in
+:mod:`redsrv.adapters.torch`, and these are the same objects (``redsrv.torch.HookState is
+redsrv.adapters.torch.HookState``), so the backend's registration and every other piece of state
+exist once, in the adapter module. None of the names is rebound after import, so a copy here
+cannot go stale."""
 
-import sys
+from redsrv.adapters.torch import (
+    BACKEND_NAME,
+    HookState,
+    RedsrvProcessGroup,
+    bf16_compress_wrapper,
+    fp16_compress_wrapper,
+    redsrv_hook,
+    register_backend,
+)
 
-from redsrv.adapters import torch as _adapter
-
-# One module object under both names, so `redsrv.torch.HookState is redsrv.adapters.torch.HookState`
-# and state such as a registered backend is never duplicated.
-sys.modules[__name__] = _adapter
+__all__ = [
+    "HookState",
+    "redsrv_hook",
+    "fp16_compress_wrapper",
+    "bf16_compress_wrapper",
+    "register_backend",
+    "RedsrvProcessGroup",
+    "BACKEND_NAME",
+]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from redsrv.cli.fleet import start_reducers, stop_processes
-from redsrv.core.config import Config
+from redsrv.core.config import Config, DaemonSettings
 
 __all__ = ["add_parser", "run"]
 
@@ -61,7 +61,9 @@ def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | 
     base = {k: v for k, v in os.environ.items() if k not in _INHERITED_PLACEMENT}
     base["REDSRV_SECRET"] = secrets.token_hex(32)  # reducers and workers of this run only
     job = job or f"run-{uuid.uuid4().hex[:8]}"
-    Config.from_env(base, rank=0, world_size=num_proc, reducers=("127.0.0.1:1",), job=job)  # bad REDSRV_* fail here, once
+    # Bad REDSRV_* fail here, once: the workers' settings and the reducers' own (REDSRV_STALL_WARNING...).
+    Config.from_env(base, rank=0, world_size=num_proc, reducers=("127.0.0.1:1",), job=job)
+    DaemonSettings.from_env(base)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     fleet = start_reducers(reducers, env=base)
     workers: list[subprocess.Popen[bytes]] = []

@@ -1,8 +1,10 @@
 """The one place redsrv reads its configuration from the environment.
 
-:class:`Config` is frozen and validated eagerly: an unknown ``REDSRV_*`` variable, a
-non-positive timeout or a malformed address is a :class:`~redsrv.ConfigError` when the client or
-daemon starts, not a surprise at step 10,000. Explicit arguments win over the environment.
+Two frozen classes, validated eagerly with the same rules: :class:`Config` for a worker (the
+client, the adapters, the Horovod API) and :class:`DaemonSettings` for a reducer (``redsrv
+reducer``, :class:`~redsrv.ReducerDaemon`). An unknown ``REDSRV_*`` variable, a non-positive
+timeout or a malformed address is a :class:`~redsrv.ConfigError` when the client or daemon
+starts, not a surprise at step 10,000. Explicit arguments win over the environment.
 """
 
 from __future__ import annotations
@@ -229,7 +231,9 @@ def check_recv_buffer(nbytes: int) -> None:
 
 def _known_variables() -> set[str]:
     """Every ``REDSRV_*`` variable a worker or a reducer reads: both accept all of them, so one
-    environment can serve a pod that runs either."""
+    environment can serve a pod that runs either, and each class takes the fields it has (a
+    worker leaves ``REDSRV_MEMORY_BUDGET_BYTES`` to the reducers, a reducer ``REDSRV_CHUNK_BYTES``
+    to the workers)."""
     names = {f.name for f in dataclasses.fields(Config)} | {f.name for f in dataclasses.fields(DaemonSettings)}
     return {_env_name(n) for n in names if n != "secret"} | {_env_name("secret"), _env_name("secret_file")}
 
@@ -269,17 +273,33 @@ class _Sources:
         values.update({k: v for k, v in self.overrides.items() if v is not None})
         unknown_args = sorted(set(values) - set(fields))
         if unknown_args:
-            raise ConfigError(f"unknown config field(s) {', '.join(unknown_args)}")
+            raise ConfigError(f"unknown config field(s) {', '.join(unknown_args)}{_elsewhere(unknown_args)}")
         return values
+
+
+def _elsewhere(names: Sequence[str]) -> str:
+    """For an argument given to the wrong class: which class reads it, and on which process."""
+    readers = (("Config", "a worker", {f.name for f in dataclasses.fields(Config)}),
+               ("DaemonSettings", "a reducer", {f.name for f in dataclasses.fields(DaemonSettings)}))
+    hints = [f"{name} is {who}'s setting: {cls}.{name}, or {_env_name(name)} in {who}'s environment"
+             for name in names for cls, who, fields in readers if name in fields]
+    return "; " + "; ".join(hints) if hints else ""
 
 
 @dataclass(frozen=True)
 class Config:
-    """Everything a worker client needs; the reducer daemon reads the same class.
+    """Everything a worker needs: the client, the adapters and the Horovod API read it. A reducer
+    reads :class:`DaemonSettings` instead, never this class.
 
     Build it with ``Config(...)`` for explicit settings or :meth:`from_env` to fill the rest
     from ``REDSRV_*`` variables (each field ``x`` is ``REDSRV_X``) and torchrun's ``RANK`` /
-    ``WORLD_SIZE``.
+    ``WORLD_SIZE``. Settings both ends use (``handshake_timeout``, the heartbeat,
+    ``close_timeout``, ``max_frame_payload``, ``tcp_congestion``) are fields of both classes, read
+    from the same variables. The reducer's own (its memory budgets, ``result_piece_bytes``,
+    ``stall_warning``) are fields of :class:`DaemonSettings` only: their variables are accepted in
+    a worker's environment and left to the reducers, and one given as an argument to
+    :meth:`from_env` (through :class:`~redsrv.Client` or an adapter) is a
+    :class:`~redsrv.ConfigError` naming the ``DaemonSettings`` field and its variable.
     """
 
     reducers: tuple[str, ...] = ()
@@ -305,10 +325,7 @@ class Config:
     heartbeat_interval: float = C.DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_misses: int = C.DEFAULT_HEARTBEAT_MISSES
     close_timeout: float = C.DEFAULT_CLOSE_TIMEOUT_S
-    stall_warning: float = C.DEFAULT_STALL_WARNING_S
     max_frame_payload: int = C.DEFAULT_MAX_FRAME_PAYLOAD
-    job_budget_bytes: int = C.DEFAULT_JOB_BUDGET_BYTES
-    result_piece_bytes: int = C.DEFAULT_RESULT_PIECE_BYTES  # reducer: cut-through piece, 0 = whole chunks
     timeline: str | None = None  # Chrome-trace file; "{rank}" is replaced by the rank
     host_reduce: str = "auto"  # HOST_REDUCE_MODES
     local_rank: int | None = None  # this worker's index among the workers on its host (launchers' LOCAL_RANK & co.)
@@ -344,17 +361,15 @@ class Config:
             if self.wire_dtype not in WIRE_DTYPES:
                 raise ConfigError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)} or None, got {self.wire_dtype!r}")
             object.__setattr__(self, "wire_dtype", WIRE_DTYPES[self.wire_dtype])
-        require_positive(self, ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout",
-                                "stall_warning"))
-        for name in ("chunk_bytes", "chunks_per_span", "streams_per_reducer", "heartbeat_misses", "max_frame_payload",
-                     "job_budget_bytes"):
+        require_positive(self, ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout"))
+        for name in ("chunk_bytes", "chunks_per_span", "streams_per_reducer", "heartbeat_misses", "max_frame_payload"):
             if name == "chunks_per_span" and self.chunks_per_span is None:
                 continue
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes > self.max_frame_payload:
             raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) exceeds max_frame_payload ({self.max_frame_payload})")
-        for name in ("push_window_chunks", "send_lowat_bytes", "result_piece_bytes", "reconnect_window"):
+        for name in ("push_window_chunks", "send_lowat_bytes", "reconnect_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
         if self.tcp_congestion is not None:

@@ -1,9 +1,10 @@
 """Horovod's API on the reduction server: ``import redsrv.horovod.torch as hvd`` (or
 ``redsrv.horovod.tensorflow``, ``redsrv.horovod.keras``) runs a Horovod training script
 unchanged, launched with ``redsrv run -np N python train.py`` or under ``mpirun`` / SLURM /
-torchrun with ``REDSRV_REDUCERS`` set.
+torchrun with ``REDSRV_REDUCERS`` set. See ``docs/horovod.md``.
 
-Every collective goes through :class:`redsrv.Client`; :mod:`redsrv.horovod.common` holds what
-the framework modules share (initialisation, process sets, operation keys, handles, errors).
-See ``docs/horovod.md`` for what changes when migrating and what is not supported.
+Only the public names live here: the implementation is :mod:`redsrv.adapters.horovod`. Each
+module below re-exports its counterpart's ``__all__``, the same objects (so ``isinstance`` holds
+and ``hvd.init()``'s process-wide state is one), and Horovod's submodules stay importable
+(``redsrv.horovod.torch.mpi_ops``, ``redsrv.horovod.keras.callbacks``, ...).
 """

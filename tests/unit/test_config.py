@@ -97,7 +97,6 @@ def test_config_is_frozen() -> None:
         ({"REDSRV_SECRET_FILE": "/nonexistent/redsrv-secret"}, "cannot read secret file"),
         ({"REDSRV_CHUNK_BYTES": "0"}, "chunk_bytes must be >= 1"),
         ({"REDSRV_CHUNKS_PER_SPAN": "0"}, "chunks_per_span must be >= 1"),
-        ({"REDSRV_RESULT_PIECE_BYTES": "-1"}, "result_piece_bytes must be >= 0"),
         ({"REDSRV_IO_THREADS": "0"}, r"io_threads \(REDSRV_IO_THREADS\) must be in 1\.\.64, got 0"),
         ({"REDSRV_IO_THREADS": "65"}, r"must be in 1\.\.64, got 65"),
         ({"REDSRV_IO_THREADS": "two"}, "REDSRV_IO_THREADS='two' is not a valid int"),
@@ -106,6 +105,23 @@ def test_config_is_frozen() -> None:
 def test_invalid_settings_fail_at_start_up(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Config.from_env(env)
+
+
+def test_the_reducers_own_settings_are_daemon_settings_and_their_variables_pass_through_a_worker() -> None:
+    # The reducer reads these (DaemonSettings); one environment may serve workers and reducers alike.
+    from redsrv.core.config import DaemonSettings
+
+    env = {"REDSRV_RESULT_PIECE_BYTES": "0", "REDSRV_STALL_WARNING": "2.5", "REDSRV_JOB_BUDGET_BYTES": "1000"}
+    settings = DaemonSettings.from_env(env)
+    assert (settings.result_piece_bytes, settings.stall_warning, settings.job_budget_bytes) == (0, 2.5, 1000)
+    assert Config.from_env(env) == Config.from_env({})
+    with pytest.raises(ConfigError, match="result_piece_bytes must be >= 0"):
+        DaemonSettings.from_env({"REDSRV_RESULT_PIECE_BYTES": "-1"})
+    with pytest.raises(ConfigError, match=r"stall_warning is a reducer's setting: DaemonSettings\.stall_warning, or "
+                                          "REDSRV_STALL_WARNING in a reducer's environment"):
+        Config.from_env({}, stall_warning=2.5)
+    with pytest.raises(ConfigError, match="chunk_bytes is a worker's setting"):
+        DaemonSettings.from_env({}, chunk_bytes=1)
 
 
 def test_io_threads_come_from_the_environment_or_an_argument_and_default_to_one() -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 # pyproject.toml's [tool.setuptools] packages: each maps one source folder.
-PACKAGES = ("redsrv", "redsrv.horovod", "redsrv.core", "redsrv.adapters", "redsrv.cli", "redsrv.bench", "redsrv.examples")
+PACKAGES = ("redsrv", "redsrv.horovod", "redsrv.core", "redsrv.adapters", "redsrv.adapters.horovod", "redsrv.cli", "redsrv.bench",
+            "redsrv.examples")
 
 
 def modules_with_examples() -> list[str]:
@@ -30,7 +31,8 @@ def modules_with_examples() -> list[str]:
 
 def test_the_search_finds_the_modules_the_issue_named() -> None:
     # A broken search (a package moved, a glob that matches nothing) would run no example at all.
-    assert {"redsrv.bench.train", "redsrv.core.config", "redsrv.core.commons", "redsrv.cli.plan"} <= set(modules_with_examples())
+    assert {"redsrv.bench.train", "redsrv.core.config", "redsrv.core.commons", "redsrv.cli.plan",
+            "redsrv.adapters.horovod.common"} <= set(modules_with_examples())
 
 
 @pytest.mark.parametrize("name", modules_with_examples())

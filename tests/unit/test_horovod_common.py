@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from redsrv.adapters.horovod.common import HorovodInternalError, ReduceOp, Topology, internal_error, resolve_op
 from redsrv.core.errors import ContributionMismatchError, PeerLostError, PeerTimeoutError
-from redsrv.horovod.common import HorovodInternalError, ReduceOp, Topology, internal_error, resolve_op
 
 
 @pytest.mark.parametrize(("hosts", "rank", "expected"), [

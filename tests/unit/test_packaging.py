@@ -1,7 +1,8 @@
 """What pyproject.toml and tox.ini promise about installing redsrv: a build-system floor that can
 read the SPDX license, the license file itself, extras that install beside users' GPU builds and
 stop before framework releases the adapters' private reads were not tested against, pinned lint
-tools, and CI on TensorFlow's CPU build at the extra's own version range."""
+tools, CI on TensorFlow's CPU build at the extra's own version range, and every package folder
+in the wheel."""
 
 from __future__ import annotations
 
@@ -79,3 +80,19 @@ def test_every_tox_environment_runs_in_ci_or_says_it_is_by_hand() -> None:
             assert "by hand" in tox[section]["description"], f"tox env {name!r} is neither in env_list nor by hand"
     readme = (ROOT / "README.md").read_text()
     assert "Keras 2 (`tox -e tf-keras2`)" in readme and "tf-keras2" in in_ci
+
+
+def test_every_source_package_is_listed_so_the_wheel_installs_it() -> None:
+    # setuptools installs the packages named in [tool.setuptools] packages and no others: a folder
+    # with an __init__.py left out (a subpackage such as adapters/horovod/torch) is missing from the
+    # wheel while an editable install still finds it.
+    setuptools = PYPROJECT["tool"]["setuptools"]
+    folders = setuptools["package-dir"]
+    listed = set(setuptools["packages"])
+    found = set()
+    for package, folder in folders.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found == listed, f"missing from packages: {sorted(found - listed)}; listed without a folder: {sorted(listed - found)}"
+    assert {"redsrv.horovod.torch", "redsrv.adapters.horovod", "redsrv.adapters.horovod.keras"} <= listed

@@ -1,32 +1,8 @@
-"""``import redsrv.horovod.tensorflow as hvd``: Horovod's TensorFlow API on the reduction server.
+"""``import redsrv.horovod.tensorflow as hvd``: Horovod's TensorFlow API on the reduction server,
+implemented in :mod:`redsrv.adapters.horovod.tensorflow`. See docs/horovod.md for what differs from Horovod."""
 
-Collectives on tensors (eagerly and inside ``tf.function``), ``DistributedGradientTape`` for
-custom training loops, ``DistributedOptimizer`` for Keras 3 optimizers, ``broadcast_variables``.
-Launch with ``redsrv run -np N python train.py`` (or mpirun/SLURM with ``REDSRV_REDUCERS``).
-See docs/horovod.md for what differs from Horovod.
-"""
+from redsrv.adapters.horovod.tensorflow import *  # noqa: F403 - exactly the names in its __all__
+from redsrv.adapters.horovod.tensorflow import __all__ as __all__
 
-from ..common import *  # noqa: F403 - init, size, rank, ..., ops, process sets: listed once in common.__all__
-from ..common import __all__ as _common_all
-from .distributed import DistributedGradientTape, DistributedOptimizer
-from .mpi_ops import (
-    Compression,
-    allgather,
-    allgather_object,
-    allreduce,
-    alltoall,
-    barrier,
-    broadcast,
-    broadcast_object,
-    broadcast_variables,
-    grouped_allreduce,
-    join,
-    reducescatter,
-)
-
-__all__ = [
-    *_common_all,
-    "Compression", "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier",
-    "join", "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape",
-    "DistributedOptimizer",
-]
+# Its submodules, as attributes too (``hvd.mpi_ops``), as ``import horovod.tensorflow`` gives them.
+from . import distributed, mpi_ops  # noqa: F401

@@ -1,11 +1,16 @@
-"""Starting and waiting for the worker processes of a Horovod-API test run."""
+"""Starting and waiting for the worker processes of a Horovod-API test run; the check that the
+public ``redsrv.horovod`` paths re-export the implementation in ``redsrv.adapters.horovod``."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
+from pathlib import Path
 
 from conftest import ProcessTracker, child_env
 
@@ -43,3 +48,48 @@ def wait_ranks(workers: list[subprocess.Popen], prefixes: list[str], timeout: fl
         if proc.returncode != 0:
             with open(prefix + ".err") as f:
                 raise AssertionError(f"worker {prefix} exited with {proc.returncode}:\n{f.read()}")
+
+
+IMPLEMENTATION = "redsrv.adapters.horovod"
+PUBLIC = "redsrv.horovod"
+
+
+def public_name(implementation: str) -> str:
+    """Where users import a module of the implementation: ``redsrv.adapters.horovod.torch.mpi_ops``
+    is ``redsrv.horovod.torch.mpi_ops``."""
+    assert implementation.startswith(IMPLEMENTATION), implementation
+    return PUBLIC + implementation.removeprefix(IMPLEMENTATION)
+
+
+def implementation_modules() -> list[str]:
+    """Every module below ``redsrv.adapters.horovod``, found in its folder without importing a framework."""
+    spec = importlib.util.find_spec(IMPLEMENTATION)
+    assert spec is not None and spec.origin is not None
+    root = Path(spec.origin).parent
+    names = []
+    for source in sorted(root.rglob("*.py")):
+        parts = source.relative_to(root).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names.append(".".join((IMPLEMENTATION, *parts)))
+    return names
+
+
+def assert_reexported(implementation: str) -> None:
+    """The public module holds exactly the implementation's ``__all__``, each name the very same
+    object (``isinstance`` and ``hvd.init()``'s process-wide state are shared), a submodule's name
+    as the public path's own submodule; and it is an attribute of its public package, as
+    ``import horovod.torch`` gives ``hvd.mpi_ops``."""
+    impl = importlib.import_module(implementation)
+    public = importlib.import_module(public_name(implementation))
+    if implementation != IMPLEMENTATION:  # the package itself is only a docstring
+        assert list(public.__all__) == list(impl.__all__), f"{public.__name__}.__all__ differs from {implementation}'s"
+    for name in getattr(impl, "__all__", ()):
+        ours, theirs = getattr(public, name), getattr(impl, name)
+        if isinstance(theirs, types.ModuleType):
+            assert isinstance(ours, types.ModuleType) and ours.__name__ == public_name(theirs.__name__), (public, name)
+        else:
+            assert ours is theirs, f"{public.__name__}.{name} is not {implementation}.{name}"
+    parent, _, leaf = public.__name__.rpartition(".")
+    if implementation != IMPLEMENTATION:
+        assert getattr(sys.modules[parent], leaf) is public, f"{parent}.{leaf} is not the module {public.__name__}"

@@ -21,11 +21,19 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "hvd_tf_worker.py")
 sys.path.insert(0, HERE)
 
-from hvd_support import START_ENV, start_ranks, wait_ranks  # noqa: E402
+from hvd_support import IMPLEMENTATION, START_ENV, assert_reexported, implementation_modules, start_ranks, wait_ranks  # noqa: E402
 from hvd_tf_worker import data, make_model  # noqa: E402
 
 N = 2
 
+
+
+def test_the_public_tf_and_keras_paths_reexport_the_implementation() -> None:
+    # test_public_paths.py checks every module; this env (tox -e tf) runs only this file.
+    modules = [m for m in implementation_modules() if m.startswith((IMPLEMENTATION + ".tensorflow", IMPLEMENTATION + ".keras"))]
+    assert len(modules) >= 4
+    for module in modules:
+        assert_reexported(module)
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):  # type: ignore[no-untyped-def]

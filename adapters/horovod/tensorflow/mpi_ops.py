@@ -1,0 +1,292 @@
+"""Horovod's TensorFlow collectives on tensors, eagerly and inside ``tf.function``.
+
+Each collective is one host call: eagerly a plain call on the tensors' NumPy values, in a graph
+``tf.numpy_function(..., stateful=True)``. Stateful host calls run in program order, so every
+rank issues its operations in the same order, and the key of an operation (kind, name, count of
+earlier ones with that name, see :mod:`redsrv.adapters.horovod.common`) is taken when the host call runs,
+not when the function is traced: a retrace never shifts keys. XLA (``jit_compile=True``) cannot
+contain host calls and is refused with a clear error. ``allreduce``, ``allgather`` and
+``broadcast`` are differentiable with Horovod's gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from redsrv.adapters._tf_internals import in_xla_context
+from redsrv.core.errors import ConfigError
+
+from .. import common
+from ..common import ProcessSet, global_process_set
+
+__all__ = ["Compression", "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+           "broadcast_variables", "broadcast_object", "allgather_object", "barrier", "join"]
+
+
+class _NoneCompressor:
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return tensor
+
+
+class _CastCompressor:
+    wire: tf.DType
+
+    @classmethod
+    def compress(cls, tensor: Any) -> tuple[Any, Any]:
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.dtype.is_floating:
+            return tf.cast(tensor, cls.wire), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        return tensor if ctx is None else tf.cast(tensor, ctx)
+
+
+class _FP16Compressor(_CastCompressor):
+    wire = tf.float16
+
+
+class _BF16Compressor(_CastCompressor):
+    wire = tf.bfloat16
+
+
+class Compression:
+    """``Compression.none``, ``Compression.fp16`` (Horovod's) and ``Compression.bf16``: floating
+    tensors cast for the trip (the reducers accumulate 16-bit floats in float32)."""
+
+    none = _NoneCompressor
+    fp16 = _FP16Compressor
+    bf16 = _BF16Compressor
+
+
+# --- host calls -----------------------------------------------------------------------------
+
+
+def _host(function: Callable[..., Any], inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+          name: str) -> list[tf.Tensor]:
+    """``function(*arrays) -> arrays`` on the host: eagerly a plain call, in a graph one stateful
+    ``tf.numpy_function`` (program order on every rank)."""
+    if tf.executing_eagerly():
+        results = function(*[t.numpy() for t in inputs])
+        return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, out_dtypes)]
+    if in_xla_context():
+        raise ConfigError("redsrv.horovod cannot run inside an XLA-compiled function: its collectives are host calls "
+                          "(tf.numpy_function), which XLA cannot contain. Use jit_compile=False (Keras: "
+                          "model.compile(..., jit_compile=False)).")
+    outs = tf.numpy_function(lambda *arrays: list(function(*arrays)), list(inputs), Tout=list(out_dtypes), stateful=True,
+                             name=name)
+    return list(outs)
+
+
+def _dense(tensor: Any) -> tf.Tensor:
+    # IndexedSlices (embedding gradients) are reduced densely: the reducers add flat arrays.
+    return tf.convert_to_tensor(tensor)
+
+
+def _wait(future: Any, process_set: ProcessSet) -> Any:
+    return common.wait_future(future, process_set.client())
+
+
+# --- allreduce ------------------------------------------------------------------------------
+
+
+def _reduce_all(tensors: Sequence[tf.Tensor], op: common.ReduceOp, name: str | None, prescale_factor: float,
+                postscale_factor: float, process_set: ProcessSet, kind: str) -> list[tf.Tensor]:
+    def host(*arrays: np.ndarray) -> list[np.ndarray]:
+        futures = [common.allreduce_async(process_set, np.asarray(a), op, kind=kind, prescale_factor=prescale_factor,
+                                          postscale_factor=postscale_factor,
+                                          name=None if name is None else (name if len(arrays) == 1 else f"{name}.{i}"))
+                   for i, a in enumerate(arrays)]
+        return [np.asarray(_wait(f, process_set)).reshape(np.shape(a)) for f, a in zip(futures, arrays)]
+
+    outs = _host(host, tensors, [t.dtype for t in tensors], f"hvd_{kind}")
+    for out, t in zip(outs, tensors):
+        out.set_shape(t.shape)
+    return outs
+
+
+def _differentiable_reduce(tensors: list[tf.Tensor], op: common.ReduceOp, name: str | None, prescale_factor: float,
+                           postscale_factor: float, process_set: ProcessSet, kind: str) -> list[tf.Tensor]:
+    @tf.custom_gradient
+    def reduce(*xs: tf.Tensor) -> Any:
+        ys = _reduce_all(xs, op, name, prescale_factor, postscale_factor, process_set, kind)
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            return _reduce_all([tf.convert_to_tensor(d) for d in dys], op, None, prescale_factor, postscale_factor,
+                               process_set, kind + "_grad")
+
+        return ys, grad
+
+    return list(reduce(*tensors))
+
+
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+              compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              name: str | None = None, process_set: ProcessSet = global_process_set,
+              ignore_name_scope: bool = False) -> tf.Tensor:
+    """``op`` (default Average) of ``tensor`` over the ranks, combined in rank order (identical on
+    every rank). ``device_*`` and ``ignore_name_scope`` are accepted for Horovod's signature."""
+    chosen = common.resolve_op(op, average)
+    compressed, ctx = compression.compress(_dense(tensor))
+    (reduced,) = _differentiable_reduce([compressed], chosen, name, prescale_factor, postscale_factor, process_set, "allreduce")
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+                      compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """:func:`allreduce` of every tensor of the list in one host call."""
+    if not tensors:
+        return []
+    chosen = common.resolve_op(op, average)
+    compressed = [compression.compress(_dense(t)) for t in tensors]
+    reduced = _differentiable_reduce([c for c, _ in compressed], chosen, name, prescale_factor, postscale_factor,
+                                     process_set, "grouped_allreduce")
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
+
+
+# --- allgather, broadcast, alltoall, reducescatter -----------------------------------------
+
+
+def _gather(tensor: tf.Tensor, name: str | None, process_set: ProcessSet) -> tf.Tensor:
+    def host(array: np.ndarray) -> list[np.ndarray]:
+        return [np.concatenate(_wait(common.allgather_async(process_set, np.asarray(array), name=name), process_set))]
+
+    (out,) = _host(host, [tensor], [tensor.dtype], "hvd_allgather")
+    out.set_shape([None, *tensor.shape[1:]])
+    return out
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension (which may differ)."""
+    tensor = tf.convert_to_tensor(tensor)
+    if tensor.shape.rank == 0:
+        raise ValueError("allgather needs a tensor with at least one dimension (it concatenates along the first)")
+
+    @tf.custom_gradient
+    def gather(x: tf.Tensor) -> Any:
+        y = _gather(x, name, process_set)
+
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            # each rank's rows of the summed gradient
+            summed = _reduce_all([tf.convert_to_tensor(dy)], common.Sum, None, 1.0, 1.0, process_set, "allgather_grad")[0]
+            rows = _gather(tf.shape(x)[:1], None, process_set)
+            start = tf.reduce_sum(rows[: process_set.rank()])
+            return summed[start : start + tf.shape(x)[0]]
+
+        return y, grad
+
+    return gather(tensor)
+
+
+def _broadcast(tensor: tf.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> tf.Tensor:
+    def host(array: np.ndarray) -> list[np.ndarray]:
+        return [np.asarray(_wait(common.broadcast_async(process_set, np.asarray(array), root_rank, name=name), process_set))
+                .reshape(np.shape(array))]
+
+    (out,) = _host(host, [tensor], [tensor.dtype], "hvd_broadcast")
+    out.set_shape(tensor.shape)
+    return out
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Global rank ``root_rank``'s ``tensor`` on every rank, bit for bit."""
+    tensor = tf.convert_to_tensor(tensor)
+
+    @tf.custom_gradient
+    def bcast(x: tf.Tensor) -> Any:
+        def grad(dy: tf.Tensor) -> tf.Tensor:
+            summed = _reduce_all([tf.convert_to_tensor(dy)], common.Sum, None, 1.0, 1.0, process_set, "broadcast_grad")[0]
+            return summed if common.rank() == root_rank else tf.zeros_like(summed)
+
+        return _broadcast(x, root_rank, name, process_set), grad
+
+    return bcast(tensor)
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Horovod's alltoall: the rows received from every rank in rank order; with ``splits``,
+    also how many came from each rank."""
+    tensor = tf.convert_to_tensor(tensor)
+    inputs = [tensor] if splits is None else [tensor, tf.cast(tf.convert_to_tensor(splits), tf.int32)]
+
+    def host(array: np.ndarray, *split_array: np.ndarray) -> list[np.ndarray]:
+        chosen = None if not split_array else [int(s) for s in split_array[0]]
+        rows, counts = _wait(common.alltoall_async(process_set, np.asarray(array), chosen, name=name), process_set)
+        return [rows, np.asarray(counts, dtype=np.int32)]
+
+    output, received = _host(host, inputs, [tensor.dtype, tf.int32], "hvd_alltoall")
+    output.set_shape([None, *tensor.shape[1:]])
+    received.set_shape([None])
+    return output if splits is None else (output, received)
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none, op: Any = common.Average,
+                  name: str | None = None, process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    """The reduction (default Average) of which this rank keeps its rows of the first dimension."""
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    chosen = common.resolve_op(op, None)
+
+    def host(array: np.ndarray) -> list[np.ndarray]:
+        return [_wait(common.reducescatter_async(process_set, np.asarray(array), chosen, name=name,
+                                                 prescale_factor=prescale_factor, postscale_factor=postscale_factor),
+                      process_set)]
+
+    (out,) = _host(host, [compressed], [compressed.dtype], "hvd_reducescatter")
+    out.set_shape([None, *compressed.shape[1:]])
+    return compression.decompress(out, ctx)
+
+
+# --- variables, objects, synchronisation ----------------------------------------------------
+
+
+def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int, process_set: ProcessSet = global_process_set,
+                        inplace: bool = False) -> Any:
+    """Assign rank ``root_rank``'s value to every variable (one host call for all of them)."""
+    variables = list(variables)
+    if not variables:
+        return None
+
+    def host(*arrays: np.ndarray) -> list[np.ndarray]:
+        futures = [common.broadcast_async(process_set, np.asarray(a), root_rank, name=f"variables.{i}")
+                   for i, a in enumerate(arrays)]
+        return [np.asarray(_wait(f, process_set)).reshape(np.shape(a)) for f, a in zip(futures, arrays)]
+
+    values = _host(host, [tf.convert_to_tensor(v) for v in variables], [v.dtype for v in variables], "hvd_broadcast_variables")
+    return tf.group(*[v.assign(value) for v, value in zip(variables, values)])
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Rank ``root_rank``'s picklable ``obj`` on every rank (pickled between the job's ranks only)."""
+    return common.broadcast_object(obj, root_rank, name, process_set)
+
+
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    return common.allgather_object(obj, name, process_set)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    common.barrier(process_set)
+
+
+def join() -> int:
+    """Block until every rank joined; the rank that joined last (see docs/horovod.md)."""
+    return common.join_ranks(global_process_set)
