@@ -117,10 +117,12 @@ def translate(exc: BaseException, what: str, timeout: float) -> BaseException:
     return translated
 
 
-def peer_group(spec: GroupSpec, timeout: float, what: str) -> Any:
+def peer_group(spec: GroupSpec, timeout: float, what: str, restart_count: int = 0) -> Any:
     """A gloo backend connecting every rank of the group to every other, rendezvousing through
-    the group's own store (under a prefix of ours, so its keys never meet c10d's)."""
-    store = dist.PrefixStore("redsrv-peers/", spec.store)  # type: ignore[attr-defined]
+    the group's own store (under a prefix of ours, so its keys never meet c10d's). torchrun keeps
+    its store across the restarts of a group: ``restart_count`` keeps a restarted group's
+    rendezvous apart from the addresses of the processes it replaced."""
+    store = dist.PrefixStore(f"redsrv-peers/{restart_count}/", spec.store)  # type: ignore[attr-defined]
     try:
         return dist.ProcessGroupGloo(store, spec.rank, spec.size, timedelta(seconds=timeout))
     except RuntimeError as exc:

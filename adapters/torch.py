@@ -166,6 +166,7 @@ class HookState:
         #: (``wire_dtype`` in its config). The compress wrappers set it on derived views.
         self.wire_dtype: str | None = None
         self._progress = _Progress()
+        self._staging = _CudaStaging()
         self._views: dict[str, HookState] = {}
 
     @property
@@ -225,13 +226,65 @@ class HookState:
                 f"reducers={len(cfg.reducers)}, step={self.step}, wire_dtype={self.wire_dtype or cfg.wire_dtype})")
 
 
+class _CudaTrip:
+    """One CUDA bucket's trip through host memory (:class:`_CudaStaging`)."""
+
+    __slots__ = ("host", "stream")
+
+    def __init__(self, host: torch.Tensor, stream: Any) -> None:
+        self.host, self.stream = host, stream
+
+    def to_device(self, buffer: torch.Tensor, future: torch.futures.Future[torch.Tensor]) -> None:
+        """Copy the result back on the side stream and complete ``future`` there: a CUDA-aware
+        future records the side stream, and DDP's stream waits for it, not the host."""
+        with torch.cuda.stream(self.stream):
+            buffer.copy_(self.host.view(buffer.shape), non_blocking=True)
+            future.set_result(buffer)
+
+
+class _CudaStaging:
+    """Pinned host buffers, one per bucket and reused every step, and one side stream per device,
+    for CUDA buckets: the core works on host memory.
+
+    The copy to the host runs on the side stream after the gradients' stream reached the hook,
+    and the hook waits for that copy only (not the device), so the GPU goes on with the backward
+    pass meanwhile, and the next bucket's copy overlaps this one's trip to the reducers. The copy
+    back runs on the side stream too. A bucket's pinned buffer is written again only after the
+    copy back of its previous step: both copies are on one stream, in order."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self._streams: dict[torch.device, Any] = {}
+
+    def to_host(self, buffer: torch.Tensor, index: int) -> _CudaTrip:
+        device = buffer.device
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            host = self._buffers.get((device, index))
+            if host is None or host.numel() != buffer.numel() or host.dtype != buffer.dtype:  # DDP rebuilt its buckets
+                host = self._buffers[(device, index)] = torch.empty(buffer.numel(), dtype=buffer.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            host.copy_(buffer.detach().reshape(-1), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        buffer.record_stream(stream)  # the allocator must not hand the bucket's memory out while the side stream uses it
+        copied.synchronize()
+        return _CudaTrip(host, stream)
+
+
 def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:  # type: ignore[name-defined]
     """DDP communication hook: the mean of the bucket over the ranks that contributed.
 
     Hands the bucket's memory to the core without copying and returns at once; the mean is
     received straight back into the bucket (as torch's own allreduce hook does, in place), and
-    the future is completed from redsrv's transport thread. The step advances after the bucket DDP marks
-    last, so keys stay aligned across ranks through bucket rebuilds and ``no_sync()``.
+    the future is completed on the client's completion thread (``redsrv-done``). A CUDA bucket
+    goes through a pinned host buffer on a side stream (:class:`_CudaStaging`). The step advances
+    after the bucket DDP marks last, so keys stay aligned across ranks through bucket rebuilds
+    and ``no_sync()``.
     """
     index = bucket.index()
     # DDP launches a step's buckets in index order under its reducer's lock, the last one
@@ -240,8 +293,10 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     if bucket.is_last():
         state._progress.step = step + 1
     buffer = bucket.buffer()
-    host = _host(buffer)
-    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    staged = state._staging.to_host(buffer, index) if buffer.device.type == "cuda" else None
+    host = staged.host if staged is not None else _host(buffer)
+    # A CUDA bucket's future is CUDA-aware: DDP's stream then waits for the copy back (to_device).
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buffer.device] if staged else None)
     try:
         # In place is safe: a chunk's sum comes back only after our copy of it reached the reducer.
         array = _numpy(host)
@@ -255,7 +310,10 @@ def redsrv_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futu
     def complete(done: ReduceFuture) -> None:
         try:
             done.result()  # raises the operation's error
-            if host.data_ptr() != buffer.data_ptr():  # an accelerator bucket, staged through host memory
+            if staged is not None:
+                staged.to_device(buffer, future)
+                return
+            if host.data_ptr() != buffer.data_ptr():  # another accelerator's bucket, staged through host memory
                 buffer.copy_(host.view(buffer.shape))
             future.set_result(buffer)
         except BaseException as exc:
@@ -518,14 +576,16 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return _torch_c10d.DelegatedWork(call(peers), f"redsrv {what} over peer links (job {cfg.job!r}, rank {cfg.rank})",
                                          cfg.op_timeout)
 
-    def _agreed(self, what: str, call: Callable[[Any], Any], signature: "_Signature", instead: str = "") -> Any:
-        """``_delegate`` after the ranks agreed on what they pass (docs/torch_backend.md, "Mismatched
-        collectives"): every rank's signature travels through the reducers as one small all-reduce
-        under the operation's sequence number, and every rank judges the same table, so a mismatch
-        is a ContributionMismatchError on every rank before gloo sees a byte."""
+    def _agreed(self, what: str, call: Callable[[Any], Any], describe: Callable[[], "_Signature"], instead: str = "") -> Any:
+        """``_delegate`` after the ranks agreed on what they pass, when the group checks
+        (docs/torch_backend.md, "Mismatched collectives"): every rank's signature (``describe()``,
+        built only then) travels through the reducers as one small all-reduce under the operation's
+        sequence number, and every rank judges the same table, so a mismatch is a
+        ContributionMismatchError on every rank before gloo sees a byte."""
         if not self._verify:
             return self._delegate(what, call, instead)
         self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+        signature = describe()
         seq = self._keys.next_call()
         key = self._keys.key(seq, 0)
         table = np.zeros((self.size(), signature.width(self.size())), dtype=np.int64)
@@ -547,44 +607,52 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return self._delegate("recv", lambda peers: peers.recv_anysource(tensors, tag))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
-        root, n = int(opts.rootRank), self.size()
-        x = input_tensors[0]
-        problem = None
-        if self.rank() == root and (len(output_tensors[0]) != n or any(_layout(o) != _layout(x) for o in output_tensors[0])):
-            problem = f"the root's outputs are not {n} tensors of {x.numel()} {_dtype_name(x.dtype)} elements like its input"
-        return self._agreed("gather", lambda peers: peers.gather(output_tensors, input_tensors, opts),
-                            _Signature("gather", [x], root=root, same=[x.numel()], problem=problem),
+        def describe() -> _Signature:
+            root, n = int(opts.rootRank), self.size()
+            x = input_tensors[0]
+            problem = None
+            if self.rank() == root and (len(output_tensors[0]) != n or any(_layout(o) != _layout(x) for o in output_tensors[0])):
+                problem = f"the root's outputs are not {n} tensors of {x.numel()} {_dtype_name(x.dtype)} elements like its input"
+            return _Signature("gather", [x], root=root, same=[x.numel()], problem=problem)
+
+        return self._agreed("gather", lambda peers: peers.gather(output_tensors, input_tensors, opts), describe,
                             "use all_gather, which the reducers can do without links")
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Any:  # type: ignore[override]
-        root, n = int(opts.rootRank), self.size()
-        y = output_tensors[0]
-        problem = None
-        if self.rank() == root and (len(input_tensors[0]) != n or any(_layout(i) != _layout(y) for i in input_tensors[0])):
-            problem = f"the root's inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like its output"
-        return self._agreed("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts),
-                            _Signature("scatter", [y], root=root, same=[y.numel()], problem=problem),
+        def describe() -> _Signature:
+            root, n = int(opts.rootRank), self.size()
+            y = output_tensors[0]
+            problem = None
+            if self.rank() == root and (len(input_tensors[0]) != n or any(_layout(i) != _layout(y) for i in input_tensors[0])):
+                problem = f"the root's inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like its output"
+            return _Signature("scatter", [y], root=root, same=[y.numel()], problem=problem)
+
+        return self._agreed("scatter", lambda peers: peers.scatter(output_tensors, input_tensors, opts), describe,
                             "use broadcast, which the reducers can do without links, and take your part")
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        n = self.size()
-        problem = None
-        if len(output_tensors) != n or len(input_tensors) != n:
-            problem = f"all_to_all needs {n} inputs and {n} outputs, got {len(input_tensors)} and {len(output_tensors)}"
-        signature = _Signature("all_to_all", [*input_tensors, *output_tensors], problem=problem,
-                               sends=[t.numel() for t in input_tensors], receives=[t.numel() for t in output_tensors])
+        def describe() -> _Signature:
+            n = self.size()
+            problem = None
+            if len(output_tensors) != n or len(input_tensors) != n:
+                problem = f"all_to_all needs {n} inputs and {n} outputs, got {len(input_tensors)} and {len(output_tensors)}"
+            return _Signature("all_to_all", [*input_tensors, *output_tensors], problem=problem,
+                              sends=[t.numel() for t in input_tensors], receives=[t.numel() for t in output_tensors])
+
         return self._agreed("all_to_all", lambda peers: peers.alltoall(output_tensors, input_tensors,
-                                                                       _opts(opts, AllToAllOptions)), signature)
+                                                                       _opts(opts, AllToAllOptions)), describe)
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002 - c10d's name
                           input_split_sizes: list[int], opts: Any = None) -> Any:
-        n = self.size()
-        sends, send_problem = _split_elements(input, input_split_sizes, n, "input")
-        receives, receive_problem = _split_elements(output, output_split_sizes, n, "output")
-        signature = _Signature("all_to_all_single", [input, output], sends=sends, receives=receives,
-                               problem=send_problem or receive_problem)
+        def describe() -> _Signature:
+            n = self.size()
+            sends, send_problem = _split_elements(input, input_split_sizes, n, "input")
+            receives, receive_problem = _split_elements(output, output_split_sizes, n, "output")
+            return _Signature("all_to_all_single", [input, output], sends=sends, receives=receives,
+                              problem=send_problem or receive_problem)
+
         return self._agreed("all_to_all_single", lambda peers: peers.alltoall_base(
-            output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)), signature)
+            output, input, output_split_sizes, input_split_sizes, _opts(opts, AllToAllOptions)), describe)
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]  # the name gloo's backend uses
 
@@ -594,19 +662,23 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
             return self._relay_gather("all_gather", output_tensors, input_tensors)
         return self._agreed("all_gather",
                             lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)),
-                            _gather_signature("all_gather", output_tensors, input_tensors, self.size()))
+                            lambda: _gather_signature("all_gather", output_tensors, input_tensors, self.size()))
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
         if self._peers is None:
             per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
             return self._relay_gather("all_gather_coalesced", per_input, input_list)
-        per_input = [[outputs[i] if i < len(outputs) else outputs[0] for outputs in output_lists] for i in range(len(input_list))]
-        signature = _gather_signature("all_gather_coalesced", per_input, input_list, self.size())
-        if any(len(outputs) != len(input_list) for outputs in output_lists):
-            signature.problem = f"every rank's outputs need {len(input_list)} tensors, one per input"
+        def describe() -> _Signature:
+            per_input = [[outputs[i] if i < len(outputs) else outputs[0] for outputs in output_lists]
+                         for i in range(len(input_list))]
+            signature = _gather_signature("all_gather_coalesced", per_input, input_list, self.size())
+            if any(len(outputs) != len(input_list) for outputs in output_lists):
+                signature.problem = f"every rank's outputs need {len(input_list)} tensors, one per input"
+            return signature
+
         return self._agreed("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
-            output_lists, input_list, _opts(opts, AllgatherOptions)), signature)
+            output_lists, input_list, _opts(opts, AllgatherOptions)), describe)
 
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor``."""
@@ -615,13 +687,15 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 raise ValueError(f"redsrv all_gather_into_tensor needs an output of {self.size()} x {tensor.numel()} "
                                  f"{tensor.dtype} elements, got {output.numel()} of {output.dtype}")
             return self._relay_gather("all_gather_into_tensor", [list(output.view(self.size(), -1))], [tensor], [output])
-        problem = None
-        if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
-            problem = (f"the output holds {output.numel()} {_dtype_name(output.dtype)} elements, not {self.size()} x "
-                       f"{tensor.numel()} {_dtype_name(tensor.dtype)}")
+        def describe() -> _Signature:
+            problem = None
+            if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
+                problem = (f"the output holds {output.numel()} {_dtype_name(output.dtype)} elements, not {self.size()} x "
+                           f"{tensor.numel()} {_dtype_name(tensor.dtype)}")
+            return _Signature("all_gather_into_tensor", [tensor, output], same=[tensor.numel()], problem=problem)
+
         return self._agreed("all_gather_into_tensor",
-                            lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)),
-                            _Signature("all_gather_into_tensor", [tensor, output], same=[tensor.numel()], problem=problem))
+                            lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)), describe)
 
     _allgather_base = all_gather_single  # type: ignore[assignment]  # the name older torch releases call
 
@@ -639,33 +713,39 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return _torch_c10d.WorkList([self.reduce_scatter_single(out, tensor, opts)
                                      for out, tensor in zip(outputs, inputs, strict=True)])
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the names torch 2.13 still looks up second
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # torch 2.13's second name
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
         if self._peers is None:
             whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
             return self._relay_reduce_scatter("reduce_scatter", output_tensors[0], whole, opts)
         op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter")  # refuses what neither path has
-        y, n = output_tensors[0], self.size()
-        problem = None
-        if len(input_lists[0]) != n or any(_layout(i) != _layout(y) for i in input_lists[0]):
-            problem = f"the inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like the output"
+
+        def describe() -> _Signature:
+            y, n = output_tensors[0], self.size()
+            problem = None
+            if len(input_lists[0]) != n or any(_layout(i) != _layout(y) for i in input_lists[0]):
+                problem = f"the inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like the output"
+            return _Signature("reduce_scatter", [y, *input_lists[0]], reduce_op=op, same=[y.numel()], problem=problem)
+
         return self._agreed("reduce_scatter", lambda peers: peers.reduce_scatter(
-            output_tensors, input_lists, _opts(opts, ReduceScatterOptions)),
-            _Signature("reduce_scatter", [y, *input_lists[0]], reduce_op=op, same=[y.numel()], problem=problem))
+            output_tensors, input_lists, _opts(opts, ReduceScatterOptions)), describe)
 
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor``."""
         if self._peers is None:
             return self._relay_reduce_scatter("reduce_scatter_tensor", output, tensor, opts)
         op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter_tensor")
-        problem = None
-        if tensor.numel() != output.numel() * self.size() or output.dtype != tensor.dtype:
-            problem = (f"the input holds {tensor.numel()} {_dtype_name(tensor.dtype)} elements, not {self.size()} x "
-                       f"{output.numel()} {_dtype_name(output.dtype)}")
+
+        def describe() -> _Signature:
+            problem = None
+            if tensor.numel() != output.numel() * self.size() or output.dtype != tensor.dtype:
+                problem = (f"the input holds {tensor.numel()} {_dtype_name(tensor.dtype)} elements, not {self.size()} x "
+                           f"{output.numel()} {_dtype_name(output.dtype)}")
+            return _Signature("reduce_scatter_tensor", [output, tensor], reduce_op=op, same=[output.numel()], problem=problem)
+
         return self._agreed("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
-            output, tensor, _opts(opts, ReduceScatterOptions)),
-            _Signature("reduce_scatter_tensor", [output, tensor], reduce_op=op, same=[output.numel()], problem=problem))
+            output, tensor, _opts(opts, ReduceScatterOptions)), describe)
 
     # Without peer links, all-gather and reduce-scatter go through the reducers (DDP checks
     # parameter shapes with an all-gather when it starts). They move more bytes that way than
@@ -700,7 +780,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
         """gloo's barrier that names the ranks that did not arrive. ``dist.monitored_barrier``
@@ -919,14 +999,14 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         settings = base.replace(job=f"{base.job}.pg{spec.group_name}", op_timeout=op_timeout)
         client = Client(config=settings)
         try:
-            peers = _torch_c10d.peer_group(spec, op_timeout, f"redsrv peer links (job {settings.job!r}, rank {spec.rank})") \
-                if peer_links else None
+            what = f"redsrv peer links (job {settings.job!r}, rank {spec.rank})"
+            peers = _torch_c10d.peer_group(spec, op_timeout, what, settings.restart_count) if peer_links else None
         except BaseException:
             client.close()
             raise
         verify = settings.verify_collectives
         if verify is None:
-            verify = dist.get_debug_level() == dist.DebugLevel.DETAIL
+            verify = dist.get_debug_level() == dist.DebugLevel.DETAIL  # type: ignore[attr-defined]
         return RedsrvProcessGroup(client, rank=spec.rank, size=spec.size, group_name=spec.group_name, peers=peers,
                                   owns_client=True, verify_collectives=verify)
 

@@ -336,6 +336,10 @@ class Config:
     # The torch backend's cross-rank check before each peer-link collective; None: PyTorch's own
     # convention, on only under TORCH_DISTRIBUTED_DEBUG=DETAIL (docs/torch_backend.md).
     verify_collectives: bool | None = None
+    # Which start of the job this process belongs to: torchrun's TORCHELASTIC_RESTART_COUNT. The
+    # torch backend keys its peer links' rendezvous by it, so the processes of a restarted group
+    # never read the addresses the killed ones left in torchrun's store.
+    restart_count: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reducers", expand_reducers(self.reducers))
@@ -469,6 +473,9 @@ class Config:
             sources.offer(name, _convert(name, env[var], "int", var), var)
         for name, var in local_launcher_variables(env):
             sources.offer(name, _convert(name, env[var], "int", var), var)
+        if _TORCHRUN_RESTARTS in env:
+            sources.offer("restart_count", _convert("restart_count", env[_TORCHRUN_RESTARTS], "int", _TORCHRUN_RESTARTS),
+                          _TORCHRUN_RESTARTS)
         values = sources.values(fields)
         return cls(**values)
 
@@ -581,6 +588,9 @@ def launcher_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:
 _LOCAL_LAUNCHERS = (("LOCAL_RANK", "LOCAL_WORLD_SIZE"), ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
                     ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"), ("HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"))
 _SLURM_LOCAL = ("SLURM_LOCALID", "SLURM_NTASKS_PER_NODE")
+
+
+_TORCHRUN_RESTARTS = "TORCHELASTIC_RESTART_COUNT"
 
 
 def local_launcher_variables(environ: Mapping[str, str]) -> list[tuple[str, str]]:

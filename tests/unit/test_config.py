@@ -258,3 +258,12 @@ def test_host_level_is_chosen_from_the_launchers_variables() -> None:
     with pytest.raises(ConfigError, match="conflicting local_rank"):
         Config.from_env({**env, "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, reducers="a:1")
 
+
+
+def test_torchrun_restart_count_and_verify_collectives_from_the_environment() -> None:
+    env = {"REDSRV_REDUCERS": "127.0.0.1:1", "TORCHELASTIC_RESTART_COUNT": "2", "REDSRV_VERIFY_COLLECTIVES": "on"}
+    config = Config.from_env(env)
+    assert (config.restart_count, config.verify_collectives) == (2, True)
+    assert Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1"}).verify_collectives is None
+    with pytest.raises(ConfigError, match="REDSRV_VERIFY_COLLECTIVES='maybe' is not a valid bool"):
+        Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1", "REDSRV_VERIFY_COLLECTIVES": "maybe"})
