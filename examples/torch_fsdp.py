@@ -14,6 +14,11 @@ Run it with torchrun against a local fleet::
     REDSRV_REDUCERS=127.0.0.1:29600,127.0.0.1:29601 REDSRV_JOB=fsdp-$(date +%s) \\
         torchrun --standalone --nproc-per-node 2 -m redsrv.examples.torch_fsdp --steps 20
 
+``--checkpoint DIR`` resumes from a distributed checkpoint in DIR if there is one and saves
+one there at the end (``torch.distributed.checkpoint``: every rank writes its own shards), so
+running the command twice trains 2 x ``--steps`` steps; at the end rank 0 gathers the full
+weights (``full_tensor()``, as for exporting the model) and prints their sum.
+
 ``--backend gloo`` runs the same training over gloo: the per-step losses print identically
 (FSDP2's collectives move the same bytes either way, and the logged loss is a mean of two or
 three numbers, exact in either order at these sizes only up to float32 rounding).
@@ -22,10 +27,13 @@ three numbers, exact in either order at these sizes only up to float32 rounding)
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
@@ -49,7 +57,7 @@ def shard(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rows], y[rows]
 
 
-def train(steps: int, backend: str) -> list[float]:
+def train(steps: int, backend: str, checkpoint: str | None = None) -> list[float]:
     """Train for ``steps`` steps; returns the loss averaged over the ranks at each step."""
     torch.set_num_threads(1)
     if backend == "redsrv":
@@ -63,7 +71,11 @@ def train(steps: int, backend: str) -> list[float]:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)  # one all-gather and one reduce-scatter per layer
         fully_shard(model, mesh=mesh)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        if checkpoint is not None and os.path.exists(os.path.join(checkpoint, ".metadata")):
+            state = _state(model, optimizer)
+            dcp.load(state, checkpoint_id=checkpoint)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         x, y = shard(rank, world_size)
         losses = []
         for _ in range(steps):
@@ -74,19 +86,28 @@ def train(steps: int, backend: str) -> list[float]:
             logged = loss.detach().clone()
             dist.all_reduce(logged)  # SUM: gloo has no AVG
             losses.append(float(logged) / world_size)
+        if checkpoint is not None:
+            dcp.save(_state(model, optimizer), checkpoint_id=checkpoint)
+        full = [p.full_tensor() for p in model.parameters()]  # every rank takes part in the gathers
+        if rank == 0:
+            print(f"{backend}: weights sum {float(sum(p.double().sum() for p in full)):.9f}", flush=True)
         return losses
     finally:
         dist.destroy_process_group()
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, object]]:
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--backend", choices=["redsrv", "gloo"], default="redsrv")
+    parser.add_argument("--checkpoint", help="resume from and save to this distributed checkpoint folder")
     args = parser.parse_args()
-    losses = train(args.steps, args.backend)
-    import os
-
+    losses = train(args.steps, args.backend, args.checkpoint)
     if os.environ.get("RANK", "0") == "0":
         print(f"{args.backend}: loss " + " ".join(f"{loss:.6f}" for loss in losses), flush=True)
 
