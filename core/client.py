@@ -411,7 +411,8 @@ def resolve_config(reducers: Sequence[str] | str | None, rank: int | None, world
         given = dict(reducers=reducers, rank=rank, world_size=world_size, job=job, **options)
         config = config.replace(**{k: v for k, v in given.items() if v is not None})
     if not config.reducers:
-        raise ConfigError("no reducers given: pass reducers=[...] or set REDSRV_REDUCERS")
+        raise ConfigError("no reducers given: pass reducers=[...], set REDSRV_REDUCERS, or list them in TF_CONFIG's "
+                          '"reducer" task list')
     return config
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,17 @@ __all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reduc
            "HOST_REDUCE_MODES"]
 
 ENV_PREFIX = "REDSRV_"
+
+log = logging.getLogger("redsrv.config")
+
+# Kubernetes injects, for every Service in a pod's namespace, <NAME>_SERVICE_HOST,
+# <NAME>_SERVICE_PORT[_<PORT NAME>], <NAME>_PORT=tcp://ip:port and <NAME>_PORT_<n>_<PROTO>[_ADDR|
+# _PORT|_PROTO] (docker links' format). A Service called redsrv-metrics or redsrv would put such
+# names under our prefix (REDSRV_PORT among them, with a tcp:// value): recognised, never taken
+# for settings (docs/operations.md, "Kubernetes").
+_SERVICE_LINK_NAME = re.compile(r"_SERVICE_HOST$|_SERVICE_PORT(_[A-Z0-9_]+)?$|_PORT_\d+_(TCP|UDP|SCTP)(_ADDR|_PORT|_PROTO)?$")
+_SERVICE_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://[^\s/]+:\d+$")
+_service_links_reported: set[str] = set()
 
 #: Accepted names for compressed wire formats.
 WIRE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
@@ -115,15 +127,22 @@ class ClusterSpec:
 
 
 # Vertex AI names its pools: 0 the primary replica, 1 the other workers, 2 the reduction servers.
-_VERTEX_POOLS = {"chief": "workerpool0", "worker": "workerpool1", "reducer": "workerpool2"}
-_TF_CONFIG_POOLS = {"chief": "chief", "worker": "worker", "reducer": "reducer"}
+# Tasks that are neither workers nor reducers take no rank: Keras runs parameter servers and the
+# evaluator beside the workers' collectives, not in them.
+_VERTEX_POOLS: dict[str, Any] = {"chief": "workerpool0", "master": "workerpool0", "worker": "workerpool1",
+                                 "reducer": "workerpool2", "bystanders": ("workerpool3",)}
+_TF_CONFIG_POOLS: dict[str, Any] = {"chief": "chief", "master": "master", "worker": "worker", "reducer": "reducer",
+                                    "bystanders": ("ps", "evaluator")}
 
 
 def cluster_from_env(environ: Mapping[str, str]) -> ClusterSpec | None:
     """Parse ``TF_CONFIG`` (or, if absent, ``CLUSTER_SPEC``) from ``environ``; ``None`` if neither.
 
     The chief, if any, is worker 0 and the workers follow it (the ``MultiWorkerMirroredStrategy``
-    convention); the ``"reducer"`` task list (Vertex: ``workerpool2``) names the reducers.
+    convention; Kubeflow's TFJob may call it ``"master"``, TF 1's name); ``"ps"`` and
+    ``"evaluator"`` tasks are not training workers, as Keras treats them. The ``"reducer"`` task
+    list (Vertex: ``workerpool2``) names the reducers; a cluster without one (a TFJob) leaves
+    them to ``REDSRV_REDUCERS``.
 
     >>> import json
     >>> spec = cluster_from_env({"TF_CONFIG": json.dumps({
@@ -131,6 +150,11 @@ def cluster_from_env(environ: Mapping[str, str]) -> ClusterSpec | None:
     ...     "task": {"type": "worker", "index": 1}})})
     >>> spec.reducers, spec.num_workers, spec.worker_index
     (('r0:29600', 'r1:29600'), 2, 1)
+    >>> spec = cluster_from_env({"TF_CONFIG": json.dumps({  # Kubeflow TFJob: no reducers listed
+    ...     "cluster": {"master": ["m:2222"], "worker": ["w0:2222"], "ps": ["p:2222"]},
+    ...     "task": {"type": "worker", "index": 0}})})
+    >>> spec.reducers, spec.num_workers, spec.worker_index
+    ((), 2, 1)
     """
     for variable, pools in (("TF_CONFIG", _TF_CONFIG_POOLS), ("CLUSTER_SPEC", _VERTEX_POOLS)):
         raw = environ.get(variable, "").strip()
@@ -159,7 +183,10 @@ def _parse_cluster(variable: str, raw: str, pools: Mapping[str, str]) -> Cluster
                 raise ConfigError(f"{variable}: {exc}") from None
         return entries
 
-    chiefs, workers, reducers = tasks("chief"), tasks("worker"), tasks("reducer")
+    chiefs = tasks("chief") + (tasks("master") if pools["master"] != pools["chief"] else [])
+    workers, reducers = tasks("worker"), tasks("reducer")
+    if len(chiefs) > 1:
+        raise ConfigError(f"{variable} lists {len(chiefs)} chiefs (chief and master together): a cluster has one")
     num_workers = len(chiefs) + len(workers)
     task = spec.get("task")
     worker_index = reducer_index = None
@@ -167,19 +194,20 @@ def _parse_cluster(variable: str, raw: str, pools: Mapping[str, str]) -> Cluster
         kind, number = task.get("type"), task.get("index", 0)
         if not isinstance(number, int) or number < 0:
             raise ConfigError(f"{variable}: task index must be a non-negative integer, got {number!r}")
-        if kind == pools["chief"]:
+        if kind in (pools["chief"], pools["master"]):
             worker_index, count = number, len(chiefs)
+        elif kind in pools["bystanders"]:
+            count = len(cluster.get(kind, [])) if isinstance(cluster.get(kind), list) else 0  # not a worker: no rank
         elif kind == pools["worker"]:
             worker_index, count = len(chiefs) + number, len(chiefs) + len(workers)
         elif kind == pools["reducer"]:
             reducer_index, count = number, len(reducers)
         else:
-            raise ConfigError(f"{variable}: task type {kind!r} is neither a worker ({pools['chief']!r}, {pools['worker']!r}) "
-                              f"nor a reducer ({pools['reducer']!r})")
+            raise ConfigError(f"{variable}: task type {kind!r} is neither a worker ({pools['chief']!r}, "
+                              f"{pools['master']!r}, {pools['worker']!r}), a reducer ({pools['reducer']!r}) nor one of "
+                              f"{', '.join(repr(b) for b in pools['bystanders'])}")
         if (worker_index if worker_index is not None else number) >= count:
             raise ConfigError(f"{variable}: task {kind}:{number} is out of range ({count} listed)")
-    if worker_index is not None and not reducers:
-        raise ConfigError(f'{variable} lists no reducers: add a "{pools["reducer"]}" task list with every reducer\'s host:port')
     return ClusterSpec(tuple(reducers), num_workers or None, worker_index, reducer_index, variable)
 
 
@@ -242,6 +270,7 @@ class _Sources:
     """Values offered for settings by several sources that must agree; explicit arguments win."""
 
     def __init__(self, env: Mapping[str, str], overrides: Mapping[str, Any]) -> None:
+        env = _without_service_links(env)
         unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in _known_variables())
         if unknown:
             raise ConfigError(f"unknown variable(s) {', '.join(unknown)}; known: {', '.join(sorted(_known_variables()))}")
@@ -275,6 +304,23 @@ class _Sources:
         if unknown_args:
             raise ConfigError(f"unknown config field(s) {', '.join(unknown_args)}{_elsewhere(unknown_args)}")
         return values
+
+
+def _without_service_links(env: Mapping[str, str]) -> Mapping[str, str]:
+    """``env`` less the variables Kubernetes made for a Service whose name starts with "redsrv":
+    a known name with a ``tcp://`` value (a Service "redsrv" sets ``REDSRV_PORT=tcp://...``), and
+    unknown names in the service-link format. Each is logged once, with what to do about it."""
+    links = [name for name, value in env.items() if name.startswith(ENV_PREFIX)
+             and (_SERVICE_LINK_VALUE.match(value.strip()) or
+                  (_SERVICE_LINK_NAME.search(name) and name not in _known_variables()))]
+    if not links:
+        return env
+    new = sorted(set(links) - _service_links_reported)
+    if new:
+        _service_links_reported.update(new)
+        log.warning("ignoring %s: Kubernetes service-link variables of a Service whose name starts with 'redsrv', not "
+                    "redsrv settings (set enableServiceLinks: false in the pod spec to keep them out)", ", ".join(new))
+    return {name: value for name, value in env.items() if name not in links}
 
 
 def _elsewhere(names: Sequence[str]) -> str:
@@ -455,7 +501,8 @@ class Config:
         """Explicit ``overrides`` (those not ``None``) win. Then the environment, from three
         sources that must agree: ``REDSRV_*`` variables, ``TF_CONFIG`` / ``CLUSTER_SPEC`` (reducers,
         world size and rank) and the launchers' rank and size (torchrun's ``RANK`` / ``WORLD_SIZE``,
-        Open MPI's ``OMPI_COMM_WORLD_*``, MPICH's ``PMI_*``, SLURM's ``SLURM_PROCID`` /
+        Open MPI's ``OMPI_COMM_WORLD_*``, MPICH's ``PMI_*``, horovodrun's ``HOROVOD_RANK`` /
+        ``HOROVOD_SIZE``, SLURM's ``SLURM_PROCID`` /
         ``SLURM_NTASKS``: see :func:`launcher_variables`). Two sources that give
         different values for one setting are a :class:`ConfigError` naming both variables.
         ``REDSRV_SECRET_FILE`` names a file holding the secret (preferred over ``REDSRV_SECRET``,
@@ -466,7 +513,8 @@ class Config:
         sources.offer_variables(fields)
         cluster = cluster_from_env(env)
         if cluster is not None and cluster.worker_index is not None:
-            sources.offer("reducers", cluster.reducers, cluster.source)
+            if cluster.reducers:  # a TFJob's TF_CONFIG lists none: REDSRV_REDUCERS names them
+                sources.offer("reducers", cluster.reducers, cluster.source)
             sources.offer("world_size", cluster.num_workers, cluster.source)
             sources.offer("rank", cluster.worker_index, cluster.source)
         for name, var in launcher_variables(env):
@@ -477,7 +525,24 @@ class Config:
             sources.offer("restart_count", _convert("restart_count", env[_TORCHRUN_RESTARTS], "int", _TORCHRUN_RESTARTS),
                           _TORCHRUN_RESTARTS)
         values = sources.values(fields)
+        _no_guessed_rank(values, sources, overrides)
         return cls(**values)
+
+
+def _no_guessed_rank(values: Mapping[str, Any], sources: _Sources, overrides: Mapping[str, Any]) -> None:
+    """A process that is evidently one of several (a world size or a host's worker count above
+    one) but has no rank from anywhere would take rank 0 and collide with the real rank 0, or
+    train alone: refuse, naming what was looked for."""
+    if values.get("rank") is not None:
+        return
+    several = [(what, source) for what, field_name in (("a world size", "world_size"), ("a local size", "local_size"))
+               if (values.get(field_name) or 1) > 1
+               for source in [overrides.get(field_name) is not None and "an argument" or sources.found[field_name][1]]]
+    if several:
+        looked_for = ", ".join([_env_name("rank"), *(pair[0] for pair in _LAUNCHERS), _SLURM[0], "TF_CONFIG"])
+        what, source = several[0]
+        raise ConfigError(f"{what} of {values.get('world_size' if what == 'a world size' else 'local_size')} (from "
+                          f"{source}) but no rank: pass rank=, or launch with a launcher that sets one of {looked_for}")
 
 
 @dataclass(frozen=True)
@@ -557,9 +622,10 @@ class DaemonSettings:
         return cls(**sources.values(fields, secret_file=secret_file))
 
 
-#: (rank variable, size variable) that process launchers set: torchrun, Open MPI's mpirun, and
-#: MPICH / Intel MPI (Hydra's PMI).
-_LAUNCHERS = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"))
+#: (rank variable, size variable) that process launchers set: torchrun, Open MPI's mpirun,
+#: MPICH / Intel MPI (Hydra's PMI), and horovodrun (Horovod's own launcher, gloo mode).
+_LAUNCHERS = (("RANK", "WORLD_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
+              ("HOROVOD_RANK", "HOROVOD_SIZE"))
 #: SLURM's, consulted only when no launcher above set its own: a launcher started inside an
 #: allocation (mpirun or torchrun in a batch script) inherits the batch step's SLURM_PROCID.
 _SLURM = ("SLURM_PROCID", "SLURM_NTASKS")

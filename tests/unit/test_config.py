@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -59,9 +60,9 @@ def test_a_reducer_binds_the_address_listed_for_its_index() -> None:
     [
         ({"TF_CONFIG": "{not json"}, "TF_CONFIG is not valid JSON"),
         ({"TF_CONFIG": '{"task": {}}'}, 'TF_CONFIG has no "cluster" object'),
-        (tf_config({"type": "worker", "index": 0}, worker=["w:1"]), "TF_CONFIG lists no reducers"),
         (tf_config({"type": "worker", "index": 5}, worker=["w:1"], reducer=["r:1"]), "out of range"),
-        (tf_config({"type": "ps", "index": 0}, worker=["w:1"], reducer=["r:1"]), "task type 'ps'"),
+        (tf_config({"type": "gardener", "index": 0}, worker=["w:1"], reducer=["r:1"]), "task type 'gardener'"),
+        (tf_config({"type": "worker", "index": 0}, chief=["c:1"], master=["m:1"], reducer=["r:1"]), "lists 2 chiefs"),
         (tf_config({"type": "worker", "index": 0}, worker=["w:1"], reducer=["r:x"]), "TF_CONFIG: reducer address"),
         ({**tf_config({"type": "worker", "index": 0}, worker=["w:1", "w:2"], reducer=["r:1"]), "WORLD_SIZE": "4"},
          "conflicting world_size: TF_CONFIG gives 2 but WORLD_SIZE gives 4"),
@@ -89,8 +90,8 @@ def test_config_is_frozen() -> None:
         ({"REDSRV_RANK": "4", "REDSRV_WORLD_SIZE": "4"}, "rank must be in 0..3"),
         ({"REDSRV_REDUCERS": "host:notaport"}, "port 'notaport' is not a number"),
         ({"REDSRV_STRAGGLER_MODE": "fastest"}, "straggler_mode must be one of"),
-        ({"REDSRV_STRAGGLER_MODE": "first_m", "REDSRV_WORLD_SIZE": "4"}, "needs min_contributors"),
-        ({"REDSRV_STRAGGLER_MODE": "deadline", "REDSRV_WORLD_SIZE": "4", "REDSRV_MIN_CONTRIBUTORS": "2"},
+        ({"REDSRV_STRAGGLER_MODE": "first_m", "REDSRV_WORLD_SIZE": "4", "REDSRV_RANK": "0"}, "needs min_contributors"),
+        ({"REDSRV_STRAGGLER_MODE": "deadline", "REDSRV_WORLD_SIZE": "4", "REDSRV_RANK": "0", "REDSRV_MIN_CONTRIBUTORS": "2"},
          "needs a positive deadline"),
         ({"REDSRV_WIRE_DTYPE": "int8"}, "wire_dtype must be one of"),
         ({"REDSRV_SECRET": "short"}, "at least 16 bytes"),
@@ -267,3 +268,66 @@ def test_torchrun_restart_count_and_verify_collectives_from_the_environment() ->
     assert Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1"}).verify_collectives is None
     with pytest.raises(ConfigError, match="REDSRV_VERIFY_COLLECTIVES='maybe' is not a valid bool"):
         Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1", "REDSRV_VERIFY_COLLECTIVES": "maybe"})
+
+
+def test_horovodrun_ranks_are_read_and_must_agree_with_other_launchers() -> None:
+    base = {"REDSRV_REDUCERS": "127.0.0.1:1"}
+    config = Config.from_env({**base, "HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1",
+                              "HOROVOD_LOCAL_SIZE": "2"})
+    assert (config.rank, config.world_size, config.local_rank, config.local_size) == (1, 2, 1, 2)
+    with pytest.raises(ConfigError, match="conflicting rank: RANK gives 0 but HOROVOD_RANK gives 1"):
+        Config.from_env({**base, "HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "RANK": "0", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize(("env", "what"), [
+    ({"REDSRV_WORLD_SIZE": "4"}, "a world size of 4 (from REDSRV_WORLD_SIZE)"),
+    ({"HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"}, "a local size of 2 (from HOROVOD_LOCAL_SIZE)")])
+def test_one_of_several_processes_without_a_rank_is_refused_not_made_rank_0(env: dict[str, str], what: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(what) + ".*no rank.*HOROVOD_RANK, SLURM_PROCID, TF_CONFIG"):
+        Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1", **env})
+    assert Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1"}).rank == 0  # a job of one needs no rank
+
+
+def _tf_config(task_type: str, index: int, **extra: list[str]) -> dict[str, str]:
+    cluster = {"master": ["m:2222"], "worker": ["w0:2222", "w1:2222"], "ps": ["p:2222"], "evaluator": ["e:2222"], **extra}
+    return {"TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})}
+
+
+@pytest.mark.parametrize(("task_type", "index", "rank"), [("master", 0, 0), ("worker", 0, 1), ("worker", 1, 2)])
+def test_a_kubeflow_tfjob_tf_config_lists_no_reducers_and_redsrv_reducers_names_them(task_type: str, index: int,
+                                                                                    rank: int) -> None:
+    config = Config.from_env({**_tf_config(task_type, index), "REDSRV_REDUCERS": "r0:29600,r1:29600"})
+    assert (config.rank, config.world_size, config.reducers) == (rank, 3, ("r0:29600", "r1:29600"))
+
+
+@pytest.mark.parametrize("task_type", ["ps", "evaluator"])
+def test_parameter_servers_and_the_evaluator_are_not_training_workers(task_type: str) -> None:
+    from redsrv.core.config import cluster_from_env
+
+    spec = cluster_from_env(_tf_config(task_type, 0))
+    assert spec is not None and spec.worker_index is None and spec.num_workers == 3
+
+
+def test_a_reducer_list_in_tf_config_still_works_and_must_agree_with_redsrv_reducers() -> None:
+    env = _tf_config("worker", 1, reducer=["r0:29600"])
+    assert Config.from_env(env).reducers == ("r0:29600",)
+    with pytest.raises(ConfigError, match="conflicting reducers"):
+        Config.from_env({**env, "REDSRV_REDUCERS": "other:29600"})
+
+
+def test_kubernetes_service_links_never_stop_a_pod(caplog) -> None:  # type: ignore[no-untyped-def]
+    from redsrv.core.config import DaemonSettings
+
+    links = {  # a Service "redsrv-metrics" and a Service "redsrv" in the namespace
+        "REDSRV_METRICS_SERVICE_HOST": "10.0.0.7", "REDSRV_METRICS_SERVICE_PORT": "9090",
+        "REDSRV_METRICS_PORT": "tcp://10.0.0.7:9090", "REDSRV_METRICS_PORT_9090_TCP": "tcp://10.0.0.7:9090",
+        "REDSRV_METRICS_PORT_9090_TCP_ADDR": "10.0.0.7", "REDSRV_METRICS_PORT_9090_TCP_PORT": "9090",
+        "REDSRV_METRICS_PORT_9090_TCP_PROTO": "tcp", "REDSRV_SERVICE_HOST": "10.0.0.9", "REDSRV_SERVICE_PORT": "29600",
+        "REDSRV_SERVICE_PORT_DATA": "29600", "REDSRV_PORT": "tcp://10.0.0.9:29700"}
+    with caplog.at_level("WARNING", logger="redsrv.config"):
+        assert Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1", **links}).reducers == ("127.0.0.1:1",)
+        assert DaemonSettings.from_env(links).port == DaemonSettings().port  # not 29700, nor an error
+    assert "service-link" in caplog.text and "enableServiceLinks: false" in caplog.text
+    with pytest.raises(ConfigError, match="unknown variable"):  # a real typo still stops the pod
+        Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1", "REDSRV_CHUNK_BYTE": "4096"})
+    assert DaemonSettings.from_env({"REDSRV_PORT": "29700"}).port == 29700
