@@ -19,7 +19,8 @@ Events (methods) and the actions they return:
 - ``error_frame(channel, frame, now)``, ``safe(channel, frames)``: ERROR and SAFE frames.
 - ``connection_lost(channel, kind, detail, direction, now)``: :class:`Reconnect` (within the
   reconnect window) or :class:`Fail` for every operation and :class:`Broken`.
-- ``reconnected(reducer, channels, now)``: :class:`Retire` the old streams, SETTLED pushes of
+- ``connected(reducer, channels)``: the first connections, before any operation.
+- ``reconnected(reducer, channels)``: :class:`Retire` the old streams, SETTLED pushes of
   kept results to a restarted reducer, and the unanswered chunks again.
 - ``tick(now, channels, expire)``: :class:`Fail` for operations past their deadline, ACKs due.
 - ``acknowledge(channel)``, ``window_closed(reducer, now)``, ``fail_all(error)``, ``close(error)``.
