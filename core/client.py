@@ -178,9 +178,7 @@ class Client:
             recovering = set(self._machine.recovering)
             kept = {id(s): sum(k.data.nbytes for k in s.channel.copies.values()) for s in streams}
         for stream in streams:
-            loops = tuple(i for i, loop in enumerate(engine.loops)
-                          if loop.thread is None or loop.thread.is_alive()
-                          if _registered(loop.selector, stream.sock))
+            loops = tuple(i for i, loop in enumerate(engine.loops) if _registered(loop.selector, stream.sock))
             infos.append(ConnectionInfo(stream.reducer, stream.channel.index, engine.loops[stream.loop].name, loops,
                                         stream.sock, bool(stream.writer.out), stream.reader.lowat,
                                         kept[id(stream)], stream.reducer in recovering))
@@ -410,7 +408,7 @@ class ConnectionInfo:
 def _registered(selector: selectors.BaseSelector, sock: socket.socket) -> bool:
     try:
         return sock in selector.get_map()
-    except (KeyError, ValueError, RuntimeError):
+    except (KeyError, ValueError, TypeError, RuntimeError):  # a closed selector has no map
         return False
 
 

@@ -64,7 +64,7 @@ SKIP = "skip"  # read the payload and drop it (transport.SKIP)
 
 # --- actions ---
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per chunk, and a frozen dataclass costs more to make
 class SendFrame:
     """Write a frame on ``channel``'s connection, then report it with ``written(channel, kind, ok)``.
     ``views``: memoryviews, or a callable that makes them on the writing thread (a push converted

@@ -17,7 +17,10 @@ widening and mean of :meth:`Landing.finish_bytes`, writing a push). Beside it, e
 ``closing``) and its ``wants_write`` list, because callers' threads write too; a thread holds at
 most one lock at a time (the engine's, or one loop's), so there is no order to keep. Futures are
 settled and writers' ``done`` callbacks run with no lock held. Owned by one loop, no lock: its
-selector's registrations and each of its streams' ``FrameReader``.
+selector's registrations, each of its streams' ``FrameReader``, and the byte buffers of each of
+its streams' :class:`Channel` that the core handed out (``bitmap``, ``scratch``, the
+:class:`Landing` being received); a channel's ``push_scratch`` belongs to whichever thread writes
+the stream, under its loop's lock.
 """
 
 from __future__ import annotations
@@ -298,10 +301,11 @@ class ClientEngine:
                 if mine is None:
                     return
                 self.reconnected.remove(mine)
-                reducer, streams = mine
+            reducer, streams = mine
+            for stream in streams:
+                loop.set_events(stream, selectors.EVENT_READ)
+            with self.lock:
                 self.streams[reducer] = streams
-                for stream in streams:
-                    loop.set_events(stream, selectors.EVENT_READ)
                 actions = self.core.reconnected(reducer, [stream.channel for stream in streams])
             self.run(actions)
 
