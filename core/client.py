@@ -17,8 +17,8 @@ here is the facade (the public API, argument checks, keys) over:
 - :mod:`client_engine`: ``ClientEngine``, the ``redsrv-io`` thread or threads (selectors,
   sockets, readers and writers) that drive the core and execute its actions, under the one
   locking rule written in its docstring;
-- :mod:`client_connect`: ``Connector``, connecting, the handshake and the ``redsrv-reconnect``
-  thread;
+- :mod:`client_connect`: ``Connector``, connecting and the handshake (for the engine, which
+  also runs the ``redsrv-reconnect`` thread);
 - :mod:`client_ops`: the futures, the plain data of an operation, and the completion thread
   that runs futures' done-callbacks (``Completions``).
 
@@ -117,10 +117,10 @@ class Client:
         self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None
         self._completions = Completions("redsrv-done")
         self._machine = ClientCore(config, [0] * len(config.reducers), tracing=self._timeline is not None)
-        self._engine = ClientEngine(config, self._machine, self._timeline)
-        self._connector = self._engine.connector = Connector(config, self._engine)
+        self._connector = Connector(config)
+        self._engine = ClientEngine(config, self._machine, self._connector, self._timeline)
         try:
-            self._connector.connect_all()
+            self._engine.connect_all()
         except BaseException:
             self._teardown()
             raise
@@ -379,7 +379,7 @@ class Client:
         deadline = time.monotonic() + self.config.close_timeout
         self._engine.begin_close(deadline)  # first: the reconnect path and connection failures stand down
         self._engine.close(deadline)
-        self._connector.close(deadline)
+        self._engine.close_reconnector(deadline)
         self._engine.close_selectors()
         self._completions.close(max(0.0, deadline - time.monotonic()))
         if self._timeline is not None:

@@ -1,27 +1,24 @@
-"""The client's connections: connecting and the handshake (driving the sans-IO
-:class:`~handshake.ClientHandshake` on a blocking socket within one deadline), and the reconnect
-thread (``redsrv-reconnect``, only while a reducer is lost), which makes new streams within the
-reconnect window and hands them to the engine loop that owns the reducer. What is lost, until
-when, and what to resend are :class:`~client_core.ClientCore`'s decisions.
-
-See :mod:`client_engine` for the locking rule.
+"""The client's connections to reducers: connecting (the TCP connection with backoff within a
+deadline, its socket options, and the handshake, driving the sans-IO
+:class:`~handshake.ClientHandshake` on a blocking socket within one deadline for the whole
+exchange), a connection's socket, reader and writer (:class:`Stream`), and the goodbye a closing
+client says on it. Used by the engine (:mod:`client_engine`), which drives them; it knows
+nothing of operations.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import os
-import selectors
 import socket
-import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import auth, wire
 from . import constants as C
-from .client_core import Channel
-from .client_engine import ClientEngine, Stream, shutdown
+from .client_channel import Channel
 from .errors import (
     AuthenticationError,
     JobMismatchError,
@@ -33,46 +30,30 @@ from .errors import (
     RemoteProtocolError,
 )
 from .handshake import ClientHandshake, HandshakeFailure, HandshakeState
-from .transport import choose_congestion_control, configure_socket, peer_name, set_send_lowat
+from .transport import FrameReader, FrameWriter, choose_congestion_control, configure_socket, set_send_lowat
 
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["Connector"]
+__all__ = ["Connector", "Stream", "ReaderCallbacks", "say_goodbye", "run_callbacks", "close_streams", "shutdown"]
 
 log = logging.getLogger("redsrv.client")
 
 
 class Connector:
-    """Connections to every reducer and the reconnect thread. ``reconnector`` is guarded by the
-    engine's lock."""
+    """Opens connections to the reducers for one client session (:attr:`id`, the same in every
+    handshake: a reconnect is the same session)."""
 
-    def __init__(self, config: Config, engine: ClientEngine) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
-        self.engine = engine
         self.id = int.from_bytes(os.urandom(8), "little")
-        self.reconnector: threading.Thread | None = None
         self._congestion_warned = False
 
-    # --- connecting ---
-
-    def connect_all(self) -> None:
+    def connect(self, reducer: int, deadline: float) -> tuple[socket.socket, int, float]:
+        """A non-blocking socket to ``reducer`` past its handshake, its incarnation and the
+        heartbeat interval to use; typed errors naming the reducer on failure."""
         cfg = self.config
-        deadline = time.monotonic() + cfg.connect_timeout
-        for r, (host, port) in enumerate(cfg.addresses()):
-            streams: list[Stream] = []
-            self.engine.streams.append(streams)
-            for s in range(cfg.streams_per_reducer):
-                streams.append(self.connect_one(r, s, host, port, deadline))
-            incarnations = {st.channel.incarnation for st in streams}
-            if len(incarnations) != 1:
-                raise PeerLostError(f"reducer {cfg.reducers[r]} restarted while connecting", peer=cfg.reducers[r],
-                                    job=cfg.job, rank=cfg.rank, phase="connect")
-            self.engine.core.connected(r, [st.channel for st in streams])
-
-    def connect_one(self, reducer: int, index: int, host: str, port: int, deadline: float, *,
-                    register: bool = True) -> Stream:
-        cfg = self.config
+        host, port = cfg.addresses()[reducer]
         address = cfg.reducers[reducer]
         backoff = C.CONNECT_BACKOFF_INITIAL_S
         started = time.monotonic()
@@ -97,12 +78,7 @@ class Connector:
             incarnation, heartbeat = self._handshake(sock, address)
             set_send_lowat(sock, cfg.send_lowat_bytes)
             sock.setblocking(False)
-            owner = self.engine.owner(reducer)
-            channel = Channel(reducer, index, incarnation, peer_name(sock), loop=owner.index)
-            stream = Stream(self.engine, channel, sock, heartbeat, time.monotonic())
-            if register:
-                owner.set_events(stream, selectors.EVENT_READ)  # before the loop starts: no race
-            return stream
+            return sock, incarnation, heartbeat
         except BaseException:
             shutdown(sock)
             sock.close()
@@ -165,79 +141,93 @@ class Connector:
             return ReducerShutdownError(f"reducer {address} is shutting down: {failure.message}", **ctx)
         return PeerError(f"reducer {address} refused the connection: {failure.message}", **ctx)
 
-    # --- transparent recovery (RELIABILITY R22) ---
 
-    def start_reconnecting(self) -> None:
-        """A reducer was lost (the core decided): start the reconnect thread if it is not running."""
-        with self.engine.lock:
-            if self.reconnector is None and not self.engine.stop.is_set():
-                self.reconnector = threading.Thread(target=self._reconnect_loop, name="redsrv-reconnect", daemon=True)
-                self.reconnector.start()
+ReaderCallbacks = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]
 
-    def _reconnect_loop(self) -> None:
-        """The reconnect thread: runs only while some reducer is lost."""
-        cfg, engine = self.config, self.engine
-        stop = engine.stop
-        backoff = C.CONNECT_BACKOFF_INITIAL_S
-        while not stop.is_set():
-            with engine.lock:
-                if not engine.core.recovering or engine.core.broken is not None:
-                    self.reconnector = None
-                    return
-                handed = {done for done, _ in engine.reconnected}
-                lost = {r: d for r, d in engine.core.recovering.items() if r not in handed}
-            for reducer, deadline in lost.items():
-                address = cfg.reducers[reducer]
-                now = time.monotonic()
-                if now >= deadline:
-                    engine.call("window_closed", reducer, now)
-                    with engine.lock:
-                        self.reconnector = None
-                    return
-                host, port = cfg.addresses()[reducer]
-                streams: list[Stream] = []
-                try:
-                    attempt_deadline = min(deadline, now + cfg.connect_timeout)
-                    for index in range(cfg.streams_per_reducer):
-                        streams.append(self.connect_one(reducer, index, host, port, attempt_deadline, register=False))
-                    if len({st.channel.incarnation for st in streams}) != 1:
-                        raise PeerLostError(f"reducer {address} restarted while we reconnected", peer=address)
-                except (AuthenticationError, JobMismatchError) as exc:
-                    close_streams(streams)
-                    engine.fail(exc)  # reconnecting cannot fix these
-                    with engine.lock:
-                        self.reconnector = None
-                    return
-                except RedsrvError as exc:
-                    close_streams(streams)
-                    log.info("rank %d: reconnecting to %s: %s", cfg.rank, address, exc)
-                    continue
-                with engine.lock:
-                    if stop.is_set():
-                        close_streams(streams)
-                        return
-                    engine.reconnected.append((reducer, streams))
-                engine.owner(reducer).waker.wake()
-                backoff = C.CONNECT_BACKOFF_INITIAL_S
-            # Never sleep past a window: ranks that lost a reducer together give up together, and
-            # the error comes when the window closes, not up to a backoff later.
-            first_deadline = min(lost.values(), default=math.inf)
-            stop.wait(max(0.0, min(backoff, first_deadline - time.monotonic())))
-            backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
 
-    def close(self, deadline: float) -> None:
-        """After the loop stopped: wait for the reconnect thread (it sees the stop within a
-        connect attempt) and close the streams it made that the loop never installed."""
-        reconnector = self.reconnector
-        if reconnector is not None and reconnector is not threading.current_thread():
-            reconnector.join(max(0.0, deadline - time.monotonic()))
-        with self.engine.lock:
-            for _reducer, streams in self.engine.reconnected:
-                close_streams(streams)
-            self.engine.reconnected.clear()
+class Stream:
+    """One connection to one reducer: the core's :class:`Channel` for it, its socket, reader and
+    writer (driven by the engine loop that owns the reducer; callers' threads may write too, under
+    that loop's lock). ``reader``: the engine's four reader callbacks, each called with this
+    stream first."""
+
+    __slots__ = ("channel", "sock", "peer", "heartbeat", "reader", "writer", "events", "want_write", "dead", "closing")
+
+    def __init__(self, channel: Channel, sock: socket.socket, heartbeat: float, now: float, max_payload: int,
+                 reader: ReaderCallbacks) -> None:
+        self.channel = channel
+        channel.link = self
+        self.sock = sock
+        self.peer = channel.peer
+        self.heartbeat = heartbeat
+        on_header, on_payload, on_error, on_count = reader
+        self.reader = FrameReader(sock, max_payload=max_payload, now=now, data_frame=wire.FrameType.RESULT,
+                                  sender="a reducer", on_header=functools.partial(on_header, self),
+                                  on_payload=functools.partial(on_payload, self),
+                                  on_error=functools.partial(on_error, self),
+                                  on_count=functools.partial(on_count, self))
+        self.writer = FrameWriter(sock, now)
+        self.events = 0  # what the loop's selector watches
+        self.want_write = False  # the writer holds frames the socket did not take (under the loop's lock)
+        self.dead = False
+        self.closing = False  # the client is closing: nothing more is written after its goodbye
+
+    @property
+    def reducer(self) -> int:
+        return self.channel.reducer
+
+    @property
+    def loop(self) -> int:
+        return self.channel.loop
+
+
+_GOODBYE = wire.encode(wire.Error(wire.ErrorCode.CLOSED, True, "the client was closed"))
+
+
+def say_goodbye(stream: Stream, deadline: float) -> list[tuple[Any, bool]]:
+    """Tell the reducer this client is closing, so that it keeps no place for a reconnect (a new
+    client for the rank would otherwise look like a restarted worker and void what the job's
+    other new clients already sent). A goodbye goes between whole frames: the frame on the wire
+    is finished first (until ``deadline``) and the frames queued behind it are dropped. A
+    reducer that does not get it (the deadline passed, the connection broke) keeps the rank's
+    place for its rejoin grace instead. Returns the dropped and finished frames' callbacks with
+    their ``ok``, for the caller to run outside the loop's lock."""
+    if stream.dead:
+        return []
+    callbacks: list[tuple[Any, bool]] = []
+    try:
+        if stream.writer.out:
+            between, callbacks = stream.writer.finish_frame(deadline)
+            if not between:
+                return callbacks
+            stream.sock.settimeout(max(1e-3, deadline - time.monotonic()))
+            stream.sock.sendall(_GOODBYE)
+        else:
+            stream.sock.send(_GOODBYE, socket.MSG_DONTWAIT)
+    except OSError:
+        pass
+    finally:
+        try:
+            stream.sock.setblocking(False)
+        except OSError:
+            pass
+    return callbacks
+
+
+def run_callbacks(callbacks: list[tuple[Any, bool]]) -> None:
+    for done, ok in callbacks:
+        done(ok)
 
 
 def close_streams(streams: list[Stream]) -> None:
     for stream in streams:
         shutdown(stream.sock)
         stream.sock.close()
+
+
+def shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+

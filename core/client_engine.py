@@ -5,8 +5,9 @@
 belongs to loop ``r % k`` for the client's life, reconnects included): a loop writes what
 callers' threads could not write at once, reads result frames straight into the views the core
 names, keeps its streams' socket deadlines (send stalls, silent reducers), sends heartbeats, and
-installs the streams the reconnect thread (``redsrv-reconnect``, :mod:`client_connect`) made for
-its reducers. Every decision is the core's; this module executes its actions.
+installs the streams the reconnect thread (``redsrv-reconnect``, only while a reducer is lost)
+made for its reducers. Connecting itself is :mod:`client_connect`'s. Every decision is the
+core's; this module executes its actions.
 
 The locking rule. :attr:`ClientEngine.lock` guards the core, and is the only lock held while
 calling it: taken briefly around each core call (one per frame header, one per landed payload,
@@ -28,8 +29,8 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import selectors
-import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -37,29 +38,18 @@ from typing import TYPE_CHECKING, Any
 
 from . import constants as C
 from . import wire
-from .client_core import (
-    Action,
-    Broken,
-    Channel,
-    ClientCore,
-    Complete,
-    Fail,
-    Landing,
-    Reconnect,
-    Retire,
-    SendFrame,
-    TracePull,
-)
+from .client_channel import Channel, Landing
+from .client_connect import Connector, Stream, close_streams, run_callbacks, say_goodbye, shutdown
+from .client_core import Action, Broken, ClientCore, Complete, Fail, Reconnect, Retire, SendFrame, TracePull
 from .client_ops import label, set_exception
-from .errors import PeerError
+from .errors import AuthenticationError, JobMismatchError, PeerError, PeerLostError, RedsrvError
 from .timeline import Timeline
-from .transport import SKIP, ConnectionBroken, FrameReader, FrameWriter, HeaderStep, Waker, watch
+from .transport import SKIP, ConnectionBroken, HeaderStep, Waker, peer_name, watch
 
 if TYPE_CHECKING:
-    from .client_connect import Connector
     from .config import Config
 
-__all__ = ["Stream", "IOLoop", "ClientEngine", "shutdown"]
+__all__ = ["IOLoop", "ClientEngine"]
 
 log = logging.getLogger("redsrv.client")
 
@@ -68,47 +58,14 @@ _HEARTBEAT = wire.encode(wire.Heartbeat())
 _FRAMES_PER_TURN = 16
 
 
-class Stream:
-    """One connection to one reducer: the core's :class:`Channel` for it, its socket, reader and
-    writer (driven by the loop that owns the reducer; callers' threads may write too, under that
-    loop's :attr:`IOLoop.lock`)."""
-
-    __slots__ = ("channel", "sock", "peer", "heartbeat", "reader", "writer", "events", "want_write", "dead", "closing")
-
-    def __init__(self, engine: ClientEngine, channel: Channel, sock: socket.socket, heartbeat: float, now: float) -> None:
-        self.channel = channel
-        channel.link = self
-        self.sock = sock
-        self.peer = channel.peer
-        self.heartbeat = heartbeat
-        self.reader = FrameReader(sock, max_payload=engine.config.max_frame_payload, now=now,
-                                  data_frame=wire.FrameType.RESULT, sender="a reducer",
-                                  on_header=functools.partial(engine.on_header, self),
-                                  on_payload=functools.partial(engine.on_payload, self),
-                                  on_error=functools.partial(engine.on_error, self),
-                                  on_count=functools.partial(engine.on_count, self))
-        self.writer = FrameWriter(sock, now)
-        self.events = 0  # what the loop's selector watches
-        self.want_write = False  # the writer holds frames the socket did not take (under the loop's lock)
-        self.dead = False
-        self.closing = False  # the client is closing: nothing more is written after its goodbye
-
-    @property
-    def reducer(self) -> int:
-        return self.channel.reducer
-
-    @property
-    def loop(self) -> int:
-        return self.channel.loop
-
-
 class ClientEngine:
-    """The k loops, the streams they serve (``streams[reducer]``), the reconnect thread's
+    """The k loops, the streams they serve (``streams[reducer]``), the reconnect thread and its
     hand-over queue, and the one lock around the core (module docstring)."""
 
-    def __init__(self, config: Config, core: ClientCore, timeline: Timeline | None) -> None:
+    def __init__(self, config: Config, core: ClientCore, connector: Connector, timeline: Timeline | None) -> None:
         self.config = config
         self.core = core
+        self.connector = connector
         self.lock = threading.Lock()
         self.timeline = timeline
         self.pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
@@ -117,9 +74,9 @@ class ClientEngine:
         self.streams: list[list[Stream]] = []
         count = max(1, min(config.io_threads, len(config.reducers)))  # a loop serves whole reducers
         self.loops = [IOLoop(self, i, "redsrv-io" if count == 1 else f"redsrv-io-{i}") for i in range(count)]
-        # Streams the reconnect thread made, for the owning loop to install (under ``lock``).
+        # The reconnect thread, and the streams it made for the owning loop to install (both under ``lock``).
+        self.reconnector: threading.Thread | None = None
         self.reconnected: collections.deque[tuple[int, list[Stream]]] = collections.deque()
-        self.connector: Connector
         self._local = threading.local()
 
     def owner(self, reducer: int) -> IOLoop:
@@ -184,7 +141,7 @@ class ClientEngine:
         elif isinstance(action, Reconnect):
             log.warning("rank %d: %s; reconnecting (for up to %.0fs)", self.config.rank, action.why,
                         self.config.reconnect_window)
-            self.connector.start_reconnecting()
+            self._start_reconnecting()
             for stream in self.streams[action.reducer]:
                 shutdown(stream.sock)  # the loop sees it end and stops serving it
         elif isinstance(action, Retire):
@@ -280,6 +237,97 @@ class ClientEngine:
         with self.lock:
             self.core.safe(stream.channel, frames)
 
+    # --- connecting and reconnecting (RELIABILITY R22) ---
+
+    def connect_all(self) -> None:
+        """On the constructing thread, before the loops start: every reducer's streams."""
+        cfg = self.config
+        deadline = time.monotonic() + cfg.connect_timeout
+        for r in range(len(cfg.reducers)):
+            streams: list[Stream] = []
+            self.streams.append(streams)
+            for index in range(cfg.streams_per_reducer):
+                streams.append(self._new_stream(r, index, deadline))
+                self.owner(r).set_events(streams[-1], selectors.EVENT_READ)  # before the loop starts: no race
+            if len({st.channel.incarnation for st in streams}) != 1:
+                raise PeerLostError(f"reducer {cfg.reducers[r]} restarted while connecting", peer=cfg.reducers[r],
+                                    job=cfg.job, rank=cfg.rank, phase="connect")
+            self.core.connected(r, [st.channel for st in streams])
+
+    def _new_stream(self, reducer: int, index: int, deadline: float) -> Stream:
+        sock, incarnation, heartbeat = self.connector.connect(reducer, deadline)
+        channel = Channel(reducer, index, incarnation, peer_name(sock), loop=self.owner(reducer).index)
+        return Stream(channel, sock, heartbeat, time.monotonic(), self.config.max_frame_payload,
+                      (self.on_header, self.on_payload, self.on_error, self.on_count))
+
+    def _start_reconnecting(self) -> None:
+        """A reducer was lost (the core decided): start the reconnect thread if it is not running."""
+        with self.lock:
+            if self.reconnector is None and not self.stop.is_set():
+                self.reconnector = threading.Thread(target=self._reconnect_loop, name="redsrv-reconnect", daemon=True)
+                self.reconnector.start()
+
+    def _reconnect_loop(self) -> None:
+        """The reconnect thread: reconnects to each reducer the core lists as lost, with backoff,
+        until its window closes; runs only while some reducer is lost."""
+        cfg, stop = self.config, self.stop
+        backoff = C.CONNECT_BACKOFF_INITIAL_S
+        while not stop.is_set():
+            with self.lock:
+                if not self.core.recovering or self.core.broken is not None:
+                    self.reconnector = None
+                    return
+                handed = {done for done, _ in self.reconnected}
+                lost = {r: d for r, d in self.core.recovering.items() if r not in handed}
+            for reducer, deadline in lost.items():
+                address = cfg.reducers[reducer]
+                now = time.monotonic()
+                if now >= deadline:
+                    self.call("window_closed", reducer, now)
+                    with self.lock:
+                        self.reconnector = None
+                    return
+                streams: list[Stream] = []
+                try:
+                    attempt_deadline = min(deadline, now + cfg.connect_timeout)
+                    for index in range(cfg.streams_per_reducer):
+                        streams.append(self._new_stream(reducer, index, attempt_deadline))
+                    if len({st.channel.incarnation for st in streams}) != 1:
+                        raise PeerLostError(f"reducer {address} restarted while we reconnected", peer=address)
+                except (AuthenticationError, JobMismatchError) as exc:
+                    close_streams(streams)
+                    self.fail(exc)  # reconnecting cannot fix these
+                    with self.lock:
+                        self.reconnector = None
+                    return
+                except RedsrvError as exc:
+                    close_streams(streams)
+                    log.info("rank %d: reconnecting to %s: %s", cfg.rank, address, exc)
+                    continue
+                with self.lock:
+                    if stop.is_set():
+                        close_streams(streams)
+                        return
+                    self.reconnected.append((reducer, streams))
+                self.owner(reducer).waker.wake()
+                backoff = C.CONNECT_BACKOFF_INITIAL_S
+            # Never sleep past a window: ranks that lost a reducer together give up together, and
+            # the error comes when the window closes, not up to a backoff later.
+            first_deadline = min(lost.values(), default=math.inf)
+            stop.wait(max(0.0, min(backoff, first_deadline - time.monotonic())))
+            backoff = min(backoff * 2, C.CONNECT_BACKOFF_MAX_S)
+
+    def close_reconnector(self, deadline: float) -> None:
+        """After the loops stopped: wait for the reconnect thread (it sees the stop within a
+        connect attempt) and close the streams it made that no loop installed."""
+        reconnector = self.reconnector
+        if reconnector is not None and reconnector is not threading.current_thread():
+            reconnector.join(max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            for _reducer, streams in self.reconnected:
+                close_streams(streams)
+            self.reconnected.clear()
+
     # --- failures ---
 
     def fail(self, error: BaseException) -> None:
@@ -330,11 +378,11 @@ class ClientEngine:
             with loop.lock:  # one loop's lock at a time: a thread never holds two
                 for stream in loop.own_streams():
                     if not stream.closing:
-                        callbacks += _say_goodbye(stream, deadline)
+                        callbacks += say_goodbye(stream, deadline)
                     # The goodbye is the client's last frame: an ACK the loop was about to send
                     # is dropped (send_frame), not written after it.
                     stream.closing = True
-            _run_callbacks(callbacks)
+            run_callbacks(callbacks)
         self.shutdown_all()
         for loop in self.loops:
             loop.join(deadline)
@@ -411,9 +459,9 @@ class IOLoop:
                     # The client is closing (ClientEngine.close) and this loop saw it first: say
                     # the goodbye close() would have said, before the stream is dropped here.
                     with self.lock:
-                        callbacks = [] if stream.closing else _say_goodbye(stream, engine.goodbye_deadline)
+                        callbacks = [] if stream.closing else say_goodbye(stream, engine.goodbye_deadline)
                         stream.closing = True
-                    _run_callbacks(callbacks)
+                    run_callbacks(callbacks)
                 self.abandon(stream)
             if self.teardown_on_loop:  # close() ran on this thread: the selector was left to us
                 self.close_selector()
@@ -571,48 +619,3 @@ class IOLoop:
             return
         self.selector.close()
         self.waker.close()
-
-
-_GOODBYE = wire.encode(wire.Error(wire.ErrorCode.CLOSED, True, "the client was closed"))
-
-
-def _say_goodbye(stream: Stream, deadline: float) -> list[tuple[Any, bool]]:
-    """Tell the reducer this client is closing, so that it keeps no place for a reconnect (a new
-    client for the rank would otherwise look like a restarted worker and void what the job's
-    other new clients already sent). A goodbye goes between whole frames: the frame on the wire
-    is finished first (until ``deadline``) and the frames queued behind it are dropped. A
-    reducer that does not get it (the deadline passed, the connection broke) keeps the rank's
-    place for its rejoin grace instead. Returns the dropped and finished frames' callbacks with
-    their ``ok``, for the caller to run outside the loop's lock."""
-    if stream.dead:
-        return []
-    callbacks: list[tuple[Any, bool]] = []
-    try:
-        if stream.writer.out:
-            between, callbacks = stream.writer.finish_frame(deadline)
-            if not between:
-                return callbacks
-            stream.sock.settimeout(max(1e-3, deadline - time.monotonic()))
-            stream.sock.sendall(_GOODBYE)
-        else:
-            stream.sock.send(_GOODBYE, socket.MSG_DONTWAIT)
-    except OSError:
-        pass
-    finally:
-        try:
-            stream.sock.setblocking(False)
-        except OSError:
-            pass
-    return callbacks
-
-
-def _run_callbacks(callbacks: list[tuple[Any, bool]]) -> None:
-    for done, ok in callbacks:
-        done(ok)
-
-
-def shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

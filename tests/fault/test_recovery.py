@@ -413,7 +413,7 @@ def test_a_client_closed_with_pushes_queued_finishes_the_frame_on_the_wire_and_s
     """A goodbye goes between whole frames. A client closed while its writer still holds pushes
     (a reducer reading slower than the client sends) finishes the frame on the wire, drops the
     rest and says goodbye, within the close timeout: without it the reducer would keep the
-    rank's place as if the worker had crashed (client_engine._say_goodbye)."""
+    rank's place as if the worker had crashed (client_connect.say_goodbye)."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
     start_reading = threading.Event()
