@@ -216,7 +216,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
     per_reducer = min(r, loops, host_cpu)  # what one reducer host takes in per second
     # No more reducers than the workers can feed: a CPU-bound worker sends below its line rate.
     m = reducers if reducers is not None else max(1, math.ceil(workers * min(w, worker_path) / per_reducer - 1e-9))
-    # A client loop serves whole reducers (core/client_io.py): no more loops than reducer addresses.
+    # A client loop serves whole reducers (core/client_engine.py): no more loops than reducer addresses.
     t = min(t, m * p)
     worker_path = workers_per_host * _worker_path(t, worker_cores, gil_share, worker_io_gbps)
     limits = {WORKER_NIC: w, WORKER_IO: worker_path, REDUCER_NIC: m * r / workers, REDUCER_IO: m * loops / workers,

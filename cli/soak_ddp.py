@@ -9,7 +9,7 @@ is ridden through (RELIABILITY R22), nothing in the training loop knows about fa
 The oracle: a rank's batch is generated from a seed per (step, rank), so after ``backward()``
 every worker recomputes every rank's gradient on its own (plain autograd through the same module,
 the same parameters), sums them in rank order in float32 and divides by the world size with the
-same NumPy call the client makes for ``op="mean"`` (``Client._finish_result``), which is what the
+same NumPy call the client makes for ``op="mean"`` (``Landing.finish_bytes`` in ``core/client_core.py``), which is what the
 reducers and the hook compute (R14: rank-order float32 accumulation). The parameters' ``.grad``
 must equal that bit for bit; a step where any element differs is a wrong step. Every
 :data:`HASH_EVERY` steps each worker also reports a hash of its parameters and the driver checks
@@ -100,7 +100,7 @@ def _expected_grads(model: Any, params: list[Any], seed: int, step: int, world: 
     if world > 1:
         for acc in total:
             array = acc.numpy()
-            np.divide(array, world, out=array, casting="unsafe")  # the client's mean (Client._finish_result)
+            np.divide(array, world, out=array, casting="unsafe")  # the client's mean (client_core.Landing.finish_bytes)
     return total
 
 

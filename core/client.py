@@ -8,46 +8,25 @@ the rest as the sockets drain and pull finished chunks straight into the result 
 directions of the link stay busy. Operations are matched by key, never by arrival order; every
 one has a deadline, and the loops keep them all.
 
-The client is split by responsibility; :class:`Client` here is the facade (the public API,
-argument checks, keys) over:
+The client is split in two, as the reducer is (:mod:`reducer` and :mod:`daemon`); :class:`Client`
+here is the facade (the public API, argument checks, keys) over:
 
-- :mod:`client_ops`: the futures, the operations in flight (``OpTable``) and the completion
-  thread that runs futures' done-callbacks (``Completions``);
-- :mod:`client_dispatch`: ``Dispatcher``, operations -> PUSH frames within the push windows;
-- :mod:`client_receive`: ``Receiver``, RESULT and ERROR frames -> finished or failed operations;
-- :mod:`client_io`: ``IOLoops``, the ``redsrv-io`` thread or threads (``IOLoop``: selector,
-  streams, writers, deadlines, heartbeats and ACKs);
-- :mod:`client_session`: ``Session``, connections, the handshake and recovery (the
-  ``redsrv-reconnect`` thread).
+- :mod:`client_core`: ``ClientCore``, every decision as one sans-IO state machine (operations,
+  push windows, where results land, ACK/SAFE bookkeeping, reconnect and resend decisions,
+  deadlines), fed events and returning actions; no socket, thread, lock or clock;
+- :mod:`client_engine`: ``ClientEngine``, the ``redsrv-io`` thread or threads (selectors,
+  sockets, readers and writers) that drive the core and execute its actions, under the one
+  locking rule written in its docstring;
+- :mod:`client_connect`: ``Connector``, connecting and the handshake (for the engine, which
+  also runs the ``redsrv-reconnect`` thread);
+- :mod:`client_ops`: the futures, the plain data of an operation, and the completion thread
+  that runs futures' done-callbacks (``Completions``).
 
 Threads: callers' threads submit and write what the sockets take at once; ``redsrv-io`` (with k
 loops ``redsrv-io-0`` .. ``redsrv-io-{k-1}``) does all reading and the rest of the writing, each
 loop for its own reducers; ``redsrv-reconnect`` runs only while a reducer is lost;
 ``redsrv-done`` (started at the first done-callback) runs done-callbacks, so no user code runs on
 an I/O loop.
-
-The locking rule. Locks are taken only in this order, and a thread holding one never takes one
-listed before it::
-
-    Dispatcher.lock  ->  IOLoop.lock  ->  OpTable.lock | Op.lock | Completions' condition
-
-- ``Dispatcher.lock`` (re-entrant, one per client, shared by the loops): the pending chunks,
-  every stream's push-window count (``Stream.queued``), and the session's recovery state
-  (``recovering``, ``reconnector``, ``reconnected``, swaps of ``IOLoops.streams[r]``).
-- ``IOLoop.lock`` (one per loop; a thread holds at most one loop's lock at a time, so the
-  loops' locks need no order among themselves): each of its streams' ``FrameWriter``,
-  ``want_write`` and ``dead``, the loop's ``wants_write`` list, and unregistering a stream from
-  its selector.
-- The last three are leaves, held briefly, never two at once and never while calling out:
-  ``OpTable.lock`` the op table (key -> ``Op``), ``closed``, ``broken``, the completed and failure
-  counts; ``Op.lock`` one operation's outstanding chunks and contributor counts; the condition
-  of ``Completions`` its callback queue.
-
-Futures are settled and writers' ``done`` callbacks run with no lock held, except the
-dispatcher's (a chunk written inline re-enters it). Owned by one loop, no lock: its selector's
-registrations, each of its streams' ``FrameReader``, ``result`` and frame counts, the places
-``(reducer, chunk)`` of its reducers in ``Op.received``, ``PendingPush.saved``, its slot of the
-pulled-bytes counter. Other byte counters are updated without a lock (metrics only).
 """
 
 from __future__ import annotations
@@ -57,21 +36,24 @@ import concurrent.futures
 import hashlib
 import itertools
 import logging
+import selectors
+import socket
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import chunker, wire
 from . import constants as C
-from .client_dispatch import Dispatcher
-from .client_io import IOLoops
-from .client_ops import Completions, Contributors, Op, OpTable, PendingPush, ReduceFuture, label
-from .client_receive import Receiver
-from .client_session import Session
+from .client_connect import Connector
+from .client_core import ClientCore
+from .client_engine import ClientEngine
+from .client_ops import Completions, Contributors, Op, PendingPush, ReduceFuture, label
 from .config import WIRE_DTYPES, Config
 from .errors import ClientClosedError, ConfigError, LocalProtocolError, PeerTimeoutError
 from .timeline import Timeline
@@ -133,22 +115,16 @@ class Client:
         self.config = config
         self._auto_keys = itertools.count()
         self._timeline = Timeline(config.timeline, rank=config.rank, job=config.job) if config.timeline else None
-        pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
-        self._ops = OpTable()
         self._completions = Completions("redsrv-done")
-        self._io = IOLoops(config, self._ops)
-        self._dispatcher = Dispatcher(config, self._io, self._timeline, pushed_at)
-        self._receiver = Receiver(config, self._ops, self._timeline, pushed_at)
-        self._session = Session(config, self._ops, self._io, self._dispatcher, self._receiver)
-        self._io.receiver = self._receiver
-        self._io.session = self._dispatcher.session = self._receiver.session = self._session
-        self._streams = self._io.streams  # the same list: one per reducer, of its streams
+        self._machine = ClientCore(config, [0] * len(config.reducers), tracing=self._timeline is not None)
+        self._connector = Connector(config)
+        self._engine = ClientEngine(config, self._machine, self._connector, self._timeline)
         try:
-            self._session.connect_all()
+            self._engine.connect_all()
         except BaseException:
             self._teardown()
             raise
-        self._io.start()
+        self._engine.start()
         _open_clients.add(self)
 
     # --- public API ---
@@ -167,29 +143,51 @@ class Client:
 
     @property
     def _closed(self) -> bool:
-        return self._ops.closed
+        return self._machine.closed
 
     @property
     def session(self) -> int:
         """This client's session id, sent in every handshake: a reconnect is the same session."""
-        return self._session.id
+        return self._connector.id
 
     @property
     def bytes_pushed(self) -> int:
-        return self._dispatcher.bytes_pushed
+        return self._machine.bytes_pushed
 
     @property
     def bytes_pulled(self) -> int:
-        return self._receiver.bytes_pulled
+        return self._machine.bytes_pulled
 
     @property
     def ops_completed(self) -> int:
-        return self._ops.completed
+        return self._machine.completed
 
     @property
     def ops_failed(self) -> dict[str, int]:
         """Failed operations by error type, for metrics."""
-        return self._ops.failed
+        with self._engine.lock:
+            return dict(self._machine.failed)
+
+    def connections(self) -> list[ConnectionInfo]:
+        """What each connection to the reducers is doing, for diagnostics and tests (a snapshot;
+        the sockets are the client's: read their options, never write or close them)."""
+        engine = self._engine
+        infos = []
+        with engine.lock:
+            streams = engine.all_streams()
+            recovering = set(self._machine.recovering)
+            kept = {id(s): sum(k.data.nbytes for k in s.channel.copies.values()) for s in streams}
+        for stream in streams:
+            loops = tuple(i for i, loop in enumerate(engine.loops) if _registered(loop.selector, stream.sock))
+            infos.append(ConnectionInfo(stream.reducer, stream.channel.index, engine.loops[stream.loop].name, loops,
+                                        stream.sock, bool(stream.writer.out), stream.reader.lowat,
+                                        kept[id(stream)], stream.reducer in recovering))
+        return infos
+
+    @property
+    def io_threads(self) -> list[threading.Thread]:
+        """The client's I/O loop threads (``redsrv-io``, or ``redsrv-io-0`` .. with several)."""
+        return self._engine.threads
 
     def allreduce(self, x: np.ndarray, *, op: str = "sum", key: Any = None, wire_dtype: str | None = None,
                   timeout: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
@@ -262,17 +260,20 @@ class Client:
 
     def check(self) -> None:
         """Raise the error that broke this client, if any."""
-        if self._ops.closed:
+        if self._machine.closed:
             raise ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} is closed")
-        if self._ops.broken is not None:
-            raise self._ops.broken
+        if self._machine.broken is not None:
+            raise self._machine.broken
 
     def close(self) -> None:
         """Idempotent and bounded by ``close_timeout``. Pending operations fail with
         :class:`ClientClosedError`."""
         error = ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} was closed with the operation pending")
         _open_clients.discard(self)
-        if self._ops.close(error):
+        with self._engine.lock:
+            actions = self._machine.close(error)
+        if actions is not None:
+            self._engine.run(actions)
             self._teardown()
 
     def __enter__(self) -> Client:
@@ -284,8 +285,8 @@ class Client:
     def __del__(self) -> None:
         if sys.is_finalizing():
             return  # the atexit hook closed every open client; threads may be gone by now (see _open_clients)
-        ops = self.__dict__.get("_ops")
-        if ops is not None and not ops.closed:
+        machine = self.__dict__.get("_machine")
+        if machine is not None and not machine.closed:
             try:
                 self.close()
             except Exception:
@@ -346,18 +347,17 @@ class Client:
         timeout = self.config.op_timeout if timeout is None else timeout
         op = Op(key_u64, key, out, wire_dt, mean, {(c.reducer, c.index): c for c in plan}, future, now + timeout, now,
                  shape, given_out, in_place=given_out is not None and np.shares_memory(out, arr))
-        with self._ops.lock:
-            if self._ops.closed:
-                raise ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} is closed")
-            if not self._ops.add(op):
-                raise LocalProtocolError(f"operation key {key!r} is already in flight on this client")
         sends_payload = op_code is not wire.ReduceOp.BROADCAST or self.rank == root
         # Round-robin across reducers (chunk 0 of every reducer, then chunk 1, ...): with the push
         # window this keeps every reducer's flows in step (see DEFAULT_PUSH_WINDOW_CHUNKS).
         pushes = [PendingPush(op, c, arr, wire_dt, wire_code, op_code, root, sends_payload)
                   for c in sorted(plan, key=lambda c: (c.index, c.reducer))]
-        op.pushes = {(p.chunk.reducer, p.chunk.index): p for p in pushes}
-        self._dispatcher.submit(pushes)
+        engine = self._engine
+        with engine.lock:
+            actions = self._machine.submit(op, pushes)
+        # The calling thread writes what the sockets take at once (a small operation then leaves
+        # without waking a loop); the loops write the rest as the sockets drain.
+        engine.run(actions)
         return future
 
     def _chunks_per_span(self, op_code: wire.ReduceOp) -> int:
@@ -374,24 +374,13 @@ class Client:
         cut_through = self.config.straggler_mode == "all" and op_code is not wire.ReduceOp.BROADCAST
         return 1 if cut_through else C.CHUNKS_PER_SPAN
 
-    # --- the result path, reachable from the facade so that a test can inject a bug into the loop ---
-
-    @property
-    def _finish_result(self) -> Any:
-        return self._receiver.finish_result
-
-    @_finish_result.setter
-    def _finish_result(self, finish: Any) -> None:
-        self._receiver.finish_result = finish  # type: ignore[method-assign]
-
     def _teardown(self) -> None:
         """Stop the loop, the reconnect thread and the completion thread, each within the close timeout."""
         deadline = time.monotonic() + self.config.close_timeout
-        self._io.begin_close(deadline)  # first: the reconnect path and connection failures stand down
-        self._dispatcher.clear()
-        self._io.close(deadline)
-        self._session.close(deadline)
-        self._io.close_selectors()
+        self._engine.begin_close(deadline)  # first: the reconnect path and connection failures stand down
+        self._engine.close(deadline)
+        self._engine.close_reconnector(deadline)
+        self._engine.close_selectors()
         self._completions.close(max(0.0, deadline - time.monotonic()))
         if self._timeline is not None:
             try:
@@ -399,6 +388,28 @@ class Client:
             except OSError as exc:
                 log.warning("could not write the timeline to %s: %s", self._timeline.path, exc)
 
+
+
+@dataclass(frozen=True)
+class ConnectionInfo:
+    """One connection to a reducer, as :meth:`Client.connections` sees it."""
+
+    reducer: int
+    index: int  # the stream's number among its reducer's
+    loop: str  # the name of the I/O loop thread that serves it
+    registered: tuple[int, ...]  # the loops whose selectors watch its socket (its own, unless it was dropped)
+    sock: socket.socket
+    queued: bool  # frames wait in its writer for the socket to drain
+    receive_lowat: int  # the reader's low-water mark: above 1 while waiting for the rest of a result
+    kept_bytes: int  # whole results kept for recovery until the reducer's SAFE
+    recovering: bool  # its reducer was lost and the client is reconnecting to it
+
+
+def _registered(selector: selectors.BaseSelector, sock: socket.socket) -> bool:
+    try:
+        return sock in selector.get_map()
+    except (KeyError, ValueError, TypeError, RuntimeError):  # a closed selector has no map
+        return False
 
 
 def resolve_config(reducers: Sequence[str] | str | None, rank: int | None, world_size: int | None, job: str | None,

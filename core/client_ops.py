@@ -1,7 +1,7 @@
 """Operations in flight on a client: the futures callers hold, what each operation still waits
-for, the table of them (key -> :class:`Op`), and the thread that runs futures' done-callbacks.
-
-See :mod:`client` for the locking rule these classes follow.
+for (:class:`Op`, :class:`PendingPush`, :class:`Copy`: plain data, owned by
+:class:`~client_core.ClientCore`, which the engine calls under its one lock), and the thread
+that runs futures' done-callbacks (:class:`Completions`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from . import chunker, wire
 
-__all__ = ["Contributors", "ReduceFuture", "Op", "Copy", "PendingPush", "OpTable", "Completions", "label", "set_exception"]
+__all__ = ["Contributors", "ReduceFuture", "Op", "Copy", "PendingPush", "Completions", "label", "set_exception"]
 
 log = logging.getLogger("redsrv.client")
 
@@ -133,12 +133,9 @@ class Copy:
 
     def own(self) -> np.ndarray:
         """``data`` in a buffer of its own: copied out of the lender's ``out`` first if it is
-        still lent (under the lender's lock, so not after ``out`` went back to the caller)."""
-        lender = self.lender
-        if lender is not None:
-            with lender.lock:
-                if self.lender is not None:
-                    self.data, self.lender = self.data.copy(), None
+        still lent (by the core, so not after ``out`` went back to the caller)."""
+        if self.lender is not None:
+            self.data, self.lender = self.data.copy(), None
         return self.data
 
 
@@ -160,41 +157,37 @@ class Op:
     min_count: int = 1 << 30
     max_count: int = 0
     all_ranks: int = -1  # intersection of contributor bitmaps
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    # Chunks whose result is arriving in pieces (cut-through), each place touched only on the
-    # I/O loop that owns its reducer: (reducer, index) -> elements received so far, and when
-    # the first piece arrived.
+    # Chunks whose result is arriving in pieces (cut-through): (reducer, index) -> elements
+    # received so far, and when the first piece arrived.
     received: dict[tuple[int, int], tuple[int, float]] = field(default_factory=dict)
     # What it takes to send each outstanding chunk again after a reconnect (R22).
     pushes: dict[tuple[int, int], PendingPush] = field(default_factory=dict)
     in_place: bool = False  # results land in the input: keep a chunk's input before its result lands
     # Results kept for recovery as views of ``out`` (see Copy), until ``out`` goes back to the
-    # caller; ``returned`` (under ``lock``) once it has, after which nothing more is lent.
+    # caller; ``returned`` once it has, after which nothing more is lent.
     lent: list[Copy] = field(default_factory=list)
     returned: bool = False
 
     def lend(self, kept: Copy) -> bool:
         """Keep ``kept`` as a view of ``out`` until ``out`` goes back to the caller; False if it
         already has (the caller then makes a copy of its own)."""
-        with self.lock:
-            if self.returned:
-                return False
-            kept.lender = self
-            self.lent.append(kept)
-            return True
+        if self.returned:
+            return False
+        kept.lender = self
+        self.lent.append(kept)
+        return True
 
     def take_back_lent(self) -> None:
         """Before the caller gets ``out`` back (the operation completes or fails): each result
         still lent that some rank may lack gets a copy of its own, since the caller may now
         overwrite ``out``."""
-        with self.lock:
-            self.returned = True
-            for kept in self.lent:
-                if kept.lender is self:
-                    if not kept.settled:
-                        kept.data = kept.data.copy()
-                    kept.lender = None
-            self.lent.clear()
+        self.returned = True
+        for kept in self.lent:
+            if kept.lender is self:
+                if not kept.settled:
+                    kept.data = kept.data.copy()
+                kept.lender = None
+        self.lent.clear()
 
 
 @dataclass
@@ -211,80 +204,6 @@ class PendingPush:
     sends_payload: bool
     # The chunk's input, copied before an in-place result overwrote it, for a resend (R22).
     saved: np.ndarray | None = None
-
-
-class OpTable:
-    """The operations in flight by key, and whether the client is closed or broken. Every
-    method holds :attr:`lock` briefly and settles futures only after releasing it."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ops: dict[int, Op] = {}
-        self.closed = False
-        self.broken: BaseException | None = None
-        self.failed: dict[str, int] = {}  # operations failed, by error type, for metrics
-        self.completed = 0  # operations that finished with a result
-
-    def get(self, key: int) -> Op | None:
-        with self.lock:
-            return self.ops.get(key)
-
-    def snapshot(self) -> list[Op]:
-        with self.lock:
-            return list(self.ops.values())
-
-    def add(self, op: Op) -> bool:
-        """Register ``op``, with :attr:`lock` held (the caller checks ``closed`` under it too);
-        False when its key is already in flight."""
-        if op.key in self.ops:
-            return False
-        self.ops[op.key] = op
-        return True
-
-    def remove(self, op: Op) -> bool:
-        """Take ``op`` out of the table as completed: True if it was still there (it has not
-        failed meanwhile)."""
-        with self.lock:
-            if self.ops.get(op.key) is not op:
-                return False
-            del self.ops[op.key]
-            self.completed += 1
-            return True
-
-    def fail(self, op: Op, error: BaseException) -> None:
-        with self.lock:
-            if self.ops.get(op.key) is not op:
-                return
-            del self.ops[op.key]
-            self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + 1
-        op.take_back_lent()
-        set_exception(op.future, error)
-
-    def fail_all(self, error: BaseException) -> None:
-        """The client is broken: remember why, and fail everything in flight with it."""
-        with self.lock:
-            if self.broken is None:
-                self.broken = error
-            ops = list(self.ops.values())
-            self.ops.clear()
-            if ops:
-                self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + len(ops)
-        for op in ops:
-            op.take_back_lent()
-            set_exception(op.future, error)
-
-    def close(self, error: BaseException) -> bool:
-        """Mark the client closed and fail what is in flight; False if it already was."""
-        with self.lock:
-            if self.closed:
-                return False
-            self.closed = True
-            ops = list(self.ops.values())
-            self.ops.clear()
-        for op in ops:
-            op.take_back_lent()
-            set_exception(op.future, error)
-        return True
 
 
 def label(key: Any) -> Any:

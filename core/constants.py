@@ -196,7 +196,7 @@ CONNECT_BACKOFF_INITIAL_S = 0.1
 CONNECT_BACKOFF_MAX_S = 5.0
 
 #: Results a client has received unacknowledged, in bytes, that make it acknowledge at once
-#: rather than at the next tick (client_io.IOLoop._serve). An ACK costs the client a frame and
+#: rather than at the next tick (client_engine.IOLoop._serve). An ACK costs the client a frame and
 #: the reducer a SAFE back, a quarter of the CPU of a 4 KiB all-reduce (docs/performance.md,
 #: "Small operations"); what it spares is the copy of results still unsettled when their
 #: operation ends (client_ops.Op.take_back_lent), which costs as much at a few hundred KiB.

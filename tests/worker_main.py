@@ -97,8 +97,8 @@ def main() -> int:
         client = redsrv.Client(spec["reducers"], rank=spec["rank"], world_size=spec["world_size"], job=spec["job"], **config)
         report["connected_at"] = time.time()
         report["client"] = type(client).__name__
-        io = getattr(client, "_io", None)  # the flat client's I/O loops
-        report["io_threads"] = sorted(t.name for t in io.threads) if io is not None else []
+        io_threads = getattr(client, "io_threads", None)  # the flat client's I/O loops
+        report["io_threads"] = sorted(t.name for t in io_threads) if io_threads is not None else []
         if spec.get("loop_until_error"):
             x = make_input(1, spec["rank"], spec.get("loop_size", 1000), "float32")
             original = x.copy()

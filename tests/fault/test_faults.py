@@ -415,8 +415,8 @@ def test_an_error_instead_of_the_rest_of_a_chunk_in_pieces_is_seen_within_a_tick
     clients: list[redsrv.Client] = []
 
     def waiting_for_the_rest() -> bool:
-        (stream,) = clients[0]._io.all_streams()
-        return stream.reader.lowat > 1  # the piece was read and the loop now sleeps until the rest is in
+        (conn,) = clients[0].connections()
+        return conn.receive_lowat > 1  # the piece was read and the loop now sleeps until the rest is in
 
     def answer(pushes: list[wire.Push]) -> Iterator[bytes]:
         largest = max(pushes, key=lambda p: p.count)

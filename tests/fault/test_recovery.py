@@ -20,6 +20,7 @@ import pytest
 
 import redsrv
 from redsrv.core import wire
+from redsrv.core.client_engine import ClientEngine
 
 from tests_support import poll, read_one_operation, scripted_handshake
 
@@ -256,7 +257,7 @@ def test_results_are_acknowledged_as_they_arrive_not_at_the_next_tick(monkeypatc
                     conn.sendall(wire.encode(wire.Safe(frame.results)))
 
     def unsettled(client: redsrv.Client) -> int:
-        return sum(kept.data.nbytes for stream in client._io.all_streams() for kept in stream.copies.values())
+        return sum(conn.kept_bytes for conn in client.connections())
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -327,19 +328,25 @@ def test_small_results_wait_for_the_tick_to_be_acknowledged(monkeypatch) -> None
         thread.join(10)
 
 
-def test_a_client_whose_loop_saw_the_close_first_still_says_goodbye(procs) -> None:  # type: ignore[no-untyped-def]
+def test_a_client_whose_loop_saw_the_close_first_still_says_goodbye(procs, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """close() sets the loops' stop flag, then says goodbye on every stream; a loop that wakes
     in between (a SAFE or a result arriving) ends and drops its streams first. It must say the
     goodbye itself then, or the reducer keeps the rank's place as if the worker had crashed."""
+    close = ClientEngine.close
+
+    def close_once_the_loops_ended(engine: ClientEngine, deadline: float) -> None:
+        engine.begin_close(deadline)  # as close() does first; the loop ends before close() gets to the goodbye
+        for loop in engine.loops:
+            loop.waker.wake()
+            assert loop.thread is not None
+            loop.thread.join(10)
+            assert not loop.thread.is_alive()
+        close(engine, deadline)
+
+    monkeypatch.setattr(ClientEngine, "close", close_once_the_loops_ended)
     reducer = procs.start_reducer()
     with redsrv.Client([reducer.address], rank=0, world_size=1, job="bye", **RECOVERING) as client:
         assert client.allreduce(np.ones(10, np.float32)).tolist() == [1.0] * 10
-        loop = client._io.loops[0]
-        client._io.stop.set()  # as close() does first; the loop ends before close() gets to the goodbye
-        loop.waker.wake()
-        assert loop.thread is not None
-        loop.thread.join(10)
-        assert not loop.thread.is_alive()
     poll(lambda: any("(job 'bye' rank 0) ended: the worker closed its client" in line for line in list(reducer.log)),
          10, "the reducer logging the client's goodbye")
 
@@ -385,7 +392,8 @@ def test_a_peer_lost_error_while_reconnecting_names_the_reducer_this_rank_lost_t
         config = {**RECOVERING, "heartbeat_interval": 4.0}
         with redsrv.Client(addresses, rank=0, world_size=2, job="lost", **config) as client:
             pending = client.allreduce_async(np.ones(600_000, np.float32), key="step")
-            poll(lambda: bool(client._session.recovering), 10, "the client reconnecting to the crashed reducer")
+            poll(lambda: any(conn.recovering for conn in client.connections()), 10,
+                 "the client reconnecting to the crashed reducer")
             recovering.set()
             with pytest.raises(redsrv.PeerLostError) as raised:
                 client.wait(pending, timeout=10)
@@ -405,7 +413,7 @@ def test_a_client_closed_with_pushes_queued_finishes_the_frame_on_the_wire_and_s
     """A goodbye goes between whole frames. A client closed while its writer still holds pushes
     (a reducer reading slower than the client sends) finishes the frame on the wire, drops the
     rest and says goodbye, within the close timeout: without it the reducer would keep the
-    rank's place as if the worker had crashed (client_io._say_goodbye)."""
+    rank's place as if the worker had crashed (client_connect.say_goodbye)."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
     start_reading = threading.Event()
@@ -428,7 +436,7 @@ def test_a_client_closed_with_pushes_queued_finishes_the_frame_on_the_wire_and_s
     try:
         client = redsrv.Client([address], rank=0, world_size=2, job="queued", **config)
         pending = client.allreduce_async(np.ones(16 << 20, np.float32), key="big")  # 64 MiB: more than a socket holds
-        poll(lambda: any(stream.writer.out for stream in client._io.all_streams()), 10, "pushes queued in the writer")
+        poll(lambda: any(conn.queued for conn in client.connections()), 10, "pushes queued in the writer")
         start_reading.set()
         client.close()
         with pytest.raises(redsrv.ClientClosedError):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import redsrv
+from redsrv.core.client_core import ClientCore
 
 from conftest import child_env
 from tests_support import poll
@@ -58,10 +59,11 @@ def test_k_io_threads_each_serve_their_reducers_and_close_ends_them_all(io_threa
              redsrv.Client(addresses, rank=1, world_size=2, job="k-loops", streams_per_reducer=2, io_threads=io_threads) as b:
             assert _client_threads() == sorted(names * 2)
             for client in (a, b):  # reducer r's streams are registered with loop r % k and no other
-                for r, streams in enumerate(client._streams):
-                    for i, loop in enumerate(client._io.loops):
-                        registered = {key.fileobj for key in loop.selector.get_map().values()}
-                        assert all((s.sock in registered) == (i == r % io_threads) for s in streams), (r, i)
+                connections = client.connections()
+                assert len(connections) == 4 * 2
+                for conn in connections:
+                    assert conn.registered == (conn.reducer % io_threads,), conn
+                    assert conn.loop == f"redsrv-io-{conn.reducer % io_threads}", conn
             for step in range(3):
                 x = np.arange(2_000_000, dtype=np.float32) + step
                 fa, fb = a.allreduce_async(x, key=step), b.allreduce_async(x * 2, key=step)
@@ -80,7 +82,7 @@ def test_k_io_threads_each_serve_their_reducers_and_close_ends_them_all(io_threa
             d.stop()
 
 
-def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error() -> None:
+def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
     host, port = daemon.start()
     try:
@@ -88,10 +90,11 @@ def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error() -> No
             x = np.arange(1000, dtype=np.float32)
             assert np.array_equal(client.allreduce(x, key=1), x)
 
-            def broken(stream, incoming):  # type: ignore[no-untyped-def]
+            def broken(self, channel):  # type: ignore[no-untyped-def]
                 raise RuntimeError("injected bug")
 
-            client._finish_result = broken  # type: ignore[method-assign]
+            # The bug goes into the core's handling of a landed result, which the loop calls.
+            monkeypatch.setattr(ClientCore, "payload_landed", broken)
             started = time.monotonic()
             with pytest.raises(redsrv.PeerLostError, match="internal error"):
                 client.allreduce(x, key=2, timeout=30)
@@ -146,7 +149,7 @@ def test_done_callbacks_run_in_completion_order_on_a_thread_that_is_not_the_io_l
                 assert np.array_equal(partner.allreduce(x, key=step, timeout=10), x * 2)
                 assert np.array_equal(client.wait(future, timeout=10), x * 2)
             assert all_ran.wait(10), f"callbacks ran for {[s for s, _ in ran]} only"
-            [loop] = client._io.threads
+            [loop] = client.io_threads
             assert loop.name == "redsrv-io"
             assert [step for step, _ in ran] == list(range(5))
             assert all(thread is not loop for _, thread in ran), [thread.name for _, thread in ran]

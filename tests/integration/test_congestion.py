@@ -43,7 +43,7 @@ def _reduced_on_two_ranks(tcp_congestion: str = "reno", **reducer_settings: int)
 def test_worker_and_reducer_sockets_use_the_configured_algorithm() -> None:
     # reno: built into every Linux kernel and allowed to every user
     with _reduced_on_two_ranks("reno") as (daemon, clients):
-        worker_side = [congestion_control(s.sock) for c in clients for streams in c._streams for s in streams]
+        worker_side = [congestion_control(conn.sock) for c in clients for conn in c.connections()]
         reducer_side = [congestion_control(conn.sock) for conn in list(daemon._conns.values())]
     assert worker_side and set(worker_side) == {"reno"}
     assert reducer_side and set(reducer_side) == {"reno"}
