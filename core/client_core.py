@@ -56,7 +56,7 @@ from .errors import (
 )
 
 __all__ = ["ClientCore", "Channel", "Landing", "SendFrame", "Complete", "Fail", "Reconnect", "Retire", "Broken",
-           "TracePull", "Action", "SKIP"]
+           "TracePull", "Action", "SKIP", "EVENTS", "QUERIES"]
 
 log = logging.getLogger("redsrv.client")
 
@@ -127,6 +127,13 @@ class TracePull:
 
 
 Action = SendFrame | Complete | Fail | Reconnect | Retire | Broken | TracePull
+
+#: ClientCore's public methods: the events the engine feeds it (each returns actions), in the
+#: order docs/architecture.md lists them, and the queries that change nothing
+#: (tests/unit/test_architecture_docs.py holds the document to both).
+EVENTS = ("connected", "submit", "written", "frame_header", "payload_landed", "error_frame", "safe", "connection_lost",
+          "reconnected", "window_closed", "tick", "acknowledge", "fail_all", "close")
+QUERIES = ("reconnecting_to",)
 
 
 class ClientCore:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from redsrv.core import reducer
+from redsrv.core import client_core, reducer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
@@ -41,6 +41,8 @@ class CoreDocs:
 CORES = [
     CoreDocs("reducer", "## The reducer's state machine", reducer.ReducerCore, reducer.EVENTS, reducer.QUERIES,
              typing.get_args(reducer.Action), reducer.CHUNK_TRANSITIONS),
+    CoreDocs("client", "## The client's state machine", client_core.ClientCore, client_core.EVENTS, client_core.QUERIES,
+             typing.get_args(client_core.Action), None),
 ]
 
 
