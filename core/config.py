@@ -196,7 +196,7 @@ def _parse_cluster(variable: str, raw: str, pools: Mapping[str, str]) -> Cluster
             raise ConfigError(f"{variable}: task index must be a non-negative integer, got {number!r}")
         if kind in (pools["chief"], pools["master"]):
             worker_index, count = number, len(chiefs)
-        elif kind in pools["bystanders"]:
+        elif isinstance(kind, str) and kind in pools["bystanders"]:
             count = len(cluster.get(kind, [])) if isinstance(cluster.get(kind), list) else 0  # not a worker: no rank
         elif kind == pools["worker"]:
             worker_index, count = len(chiefs) + number, len(chiefs) + len(workers)
