@@ -104,4 +104,26 @@ def test_a_command_that_cannot_start_is_reported() -> None:
     result = subprocess.run([*RUN, "-np", "2", "/nonexistent/trainer"], env=child_env(), capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 127
-    assert "cannot start '/nonexistent/trainer'" in result.stdout
+    assert "cannot start '/nonexistent/trainer'" in result.stderr
+
+
+RENDEZVOUS_WORKER = """
+import os, sys
+env = os.environ
+print(env["RANK"], env["MASTER_ADDR"], env["MASTER_PORT"], *(env[f"HOROVOD_{name}"] for name in
+      ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")), flush=True)
+print("complaint from", env["RANK"], file=sys.stderr, flush=True)
+"""
+
+
+def test_workers_get_a_torch_rendezvous_and_horovodruns_variables_and_keep_stderr_apart() -> None:
+    inherited = child_env({"MASTER_PORT": "1", "HOROVOD_RANK": "7"})  # a launcher's leftovers never reach a worker
+    result = subprocess.run([*RUN, "-np", "2", sys.executable, "-c", RENDEZVOUS_WORKER], env=inherited,
+                            capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = sorted(line.split()[1:] for line in result.stdout.splitlines())
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert len({(row[1], row[2]) for row in rows}) == 1 and rows[0][1] == "127.0.0.1" and int(rows[0][2]) > 1
+    assert [row[3:] for row in rows] == [["0", "2", "0", "2", "0", "1"], ["1", "2", "1", "2", "0", "1"]]
+    assert sorted(result.stderr.splitlines()) == ["[0] complaint from 0", "[1] complaint from 1"]
+    assert "complaint" not in result.stdout
