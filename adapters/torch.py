@@ -989,9 +989,15 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
 
     def create(spec: _torch_c10d.GroupSpec) -> RedsrvProcessGroup:
         base = Config.from_env(reducers=reducers, job=job, rank=spec.rank, world_size=spec.size, **config)
-        launched = Config.from_env(reducers=reducers, job=job, **config)
-        if (launched.rank, launched.world_size) != (spec.rank, spec.size) and "host_reduce" not in config:
-            # A subgroup: the launcher's local ranks describe the whole job, not this group.
+        launched: tuple[int, int] | None
+        try:
+            probe = Config.from_env(reducers=reducers, job=job, **config)
+            launched = (probe.rank, probe.world_size)
+        except ConfigError:
+            launched = None  # the environment names a world size but no rank (c10d gave this group its ranks)
+        if launched != (spec.rank, spec.size) and "host_reduce" not in config:
+            # A subgroup, or a launch we cannot place: the launcher's local ranks describe the whole
+            # job, not this group, so the host-level path cannot trust them.
             base = base.replace(host_reduce="flat")
         op_timeout = base.op_timeout
         if spec.timeout is not None and spec.timeout.total_seconds() > 0:
