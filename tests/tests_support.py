@@ -19,7 +19,35 @@ from redsrv.core import wire
 from worker_main import make_input
 
 __all__ = ["make_input", "poll", "rank_order_sum", "read_frames", "read_one_operation", "rss_bytes", "scripted_handshake",
-           "wait_for_open_operations", "why_no_namespaces"]
+           "wait_for_open_operations", "why_no_namespaces", "wait_all", "worker_results"]
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> None:  # type: ignore[type-arg]
+    """Wait for every process within one deadline; any still running then is left to the
+    caller's tracker, which ends it (a test names the missing results instead of hanging)."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def worker_results(prefix: str, *, arrays: bool = True) -> tuple[dict[str, np.ndarray], dict]:  # type: ignore[type-arg]
+    """What a worker process left at ``prefix``: its arrays (``.npz``, unless ``arrays`` is
+    False) and its report (``.json``); the tail of its ``.log`` in the error when it left none."""
+    import json
+
+    try:
+        results: dict[str, np.ndarray] = {}
+        if arrays:
+            with np.load(prefix + ".npz") as data:
+                results = {k: data[k] for k in data.files}
+        with open(prefix + ".json") as f:
+            return results, json.load(f)
+    except OSError:
+        with open(prefix + ".log") as f:
+            raise AssertionError(f"worker {prefix} wrote no results:\n{f.read()[-4000:]}") from None
+
 
 _STALL_WARNING = re.compile(r"key (0x[0-9a-f]+) chunk \d+ open for")
 

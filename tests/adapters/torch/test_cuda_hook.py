@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -33,6 +32,7 @@ SHAPE = {"width": 1024, "layers": 6, "steps": 12}  # ~24 MiB of float32 gradient
 
 def launch(procs, path: str, tmp: str, reducers: list[str]) -> list[dict]:  # type: ignore[no-untyped-def,type-arg]
     from conftest import child_env
+    from tests_support import wait_all, worker_results
 
     os.makedirs(tmp)
     prefixes, workers = [], []
@@ -45,20 +45,10 @@ def launch(procs, path: str, tmp: str, reducers: list[str]) -> list[dict]:  # ty
         workers.append(procs.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(
             {"REDSRV_HEARTBEAT_INTERVAL": "0.5", "REDSRV_HEARTBEAT_MISSES": "20"}), stdout=log, stderr=subprocess.STDOUT))
         prefixes.append(prefix)
-    deadline = time.monotonic() + RUN_TIMEOUT
-    for proc in workers:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass  # reported below; the fixture ends it
+    wait_all(workers, RUN_TIMEOUT)
     reports = []
     for prefix in prefixes:
-        try:
-            with open(prefix + ".json") as f:
-                report = json.load(f)
-        except OSError:
-            with open(prefix + ".log") as f:
-                raise AssertionError(f"{path} worker {prefix} wrote no report:\n{f.read()[-4000:]}") from None
+        _, report = worker_results(prefix, arrays=False)
         if report["error"] is None:
             with np.load(prefix + ".npz") as data:
                 report["params"] = data["params"]

@@ -81,6 +81,7 @@ RELAXED = {"REDSRV_HEARTBEAT_INTERVAL": "0.5", "REDSRV_HEARTBEAT_MISSES": "20"}
 def run_workers(world_size: int, configs: list[str], tmp: str, env_of: Callable[[int], dict[str, str]] | None = None) -> Run:
     """``env_of(rank)``: variables a launcher would give that rank besides the usual ones."""
     from conftest import ProcessTracker, child_env
+    from tests_support import wait_all, worker_results
 
     tracker = ProcessTracker()
     try:
@@ -97,25 +98,11 @@ def run_workers(world_size: int, configs: list[str], tmp: str, env_of: Callable[
             workers.append(tracker.popen([sys.executable, WORKER, json.dumps(spec), prefix], env=child_env(env),
                                          stdout=log, stderr=subprocess.STDOUT))
             prefixes.append(prefix)
-        deadline = time.monotonic() + RUN_TIMEOUT
-        for proc in workers:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass  # reported below; cleanup() ends it
+        wait_all(workers, RUN_TIMEOUT)
         exit_codes = [p.poll() for p in workers]
         seconds = time.monotonic() - started
-        results, reports = [], []
-        for prefix in prefixes:
-            try:
-                with np.load(prefix + ".npz") as data:
-                    results.append({k: data[k] for k in data.files})
-                with open(prefix + ".json") as f:
-                    reports.append(json.load(f))
-            except OSError:
-                with open(prefix + ".log") as f:
-                    raise AssertionError(f"worker {prefix} wrote no results:\n{f.read()[-4000:]}") from None
-        return Run(world_size, results, reports, exit_codes, seconds)
+        results, reports = zip(*(worker_results(prefix) for prefix in prefixes), strict=True)
+        return Run(world_size, list(results), list(reports), exit_codes, seconds)
     finally:
         tracker.cleanup()
 

@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -41,6 +40,7 @@ RESULTS = {"functional": "funcol/", "redistribute": "redistribute/", "tensor_par
 
 def launch(backend: str, tmp: str) -> tuple[list[dict[str, np.ndarray]], list[dict]]:  # type: ignore[type-arg]
     from conftest import ProcessTracker, child_env
+    from tests_support import wait_all, worker_results
 
     tracker = ProcessTracker()
     try:
@@ -59,23 +59,9 @@ def launch(backend: str, tmp: str) -> tuple[list[dict[str, np.ndarray]], list[di
                                          env=child_env({**env, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor")}),
                                          stdout=log, stderr=subprocess.STDOUT))
             prefixes.append(prefix)
-        deadline = time.monotonic() + RUN_TIMEOUT
-        for proc in workers:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass  # the missing results say so below; cleanup() ends it
-        results, reports = [], []
-        for prefix in prefixes:
-            try:
-                with np.load(prefix + ".npz") as data:
-                    results.append({k: data[k] for k in data.files})
-                with open(prefix + ".json") as f:
-                    reports.append(json.load(f))
-            except OSError:
-                with open(prefix + ".log") as f:
-                    raise AssertionError(f"{backend} worker {prefix} wrote no results:\n{f.read()[-4000:]}") from None
-        return results, reports
+        wait_all(workers, RUN_TIMEOUT)
+        results, reports = zip(*(worker_results(prefix) for prefix in prefixes), strict=True)
+        return list(results), list(reports)
     finally:
         tracker.cleanup()
 
