@@ -1,0 +1,102 @@
+"""The containers of examples/k8s/ run as Kubernetes would run them: the reducer container's own
+arguments (the image's ENTRYPOINT is ``redsrv``) and the workers' own environment, beside the
+variables Kubernetes adds to every pod (service links of a namespace that holds a Service named
+"redsrv-metrics" and one named "redsrv", the API server's), and what the training operators add
+(a PyTorchJob's RANK / WORLD_SIZE / MASTER_ADDR, a TFJob's TF_CONFIG without reducers). Only
+what this machine must differ in is replaced: loopback, free ports, the secret's file."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from redsrv.cli.fleet import readline_within
+
+from conftest import _drain, child_env
+
+yaml = pytest.importorskip("yaml")
+K8S = Path(__file__).resolve().parents[2] / "examples" / "k8s"
+
+SERVICE_LINKS = {
+    "KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443", "KUBERNETES_PORT": "tcp://10.96.0.1:443",
+    "REDSRV_METRICS_SERVICE_HOST": "10.96.4.7", "REDSRV_METRICS_SERVICE_PORT": "9400",
+    "REDSRV_METRICS_PORT": "tcp://10.96.4.7:9400", "REDSRV_METRICS_PORT_9400_TCP": "tcp://10.96.4.7:9400",
+    "REDSRV_METRICS_PORT_9400_TCP_ADDR": "10.96.4.7", "REDSRV_METRICS_PORT_9400_TCP_PORT": "9400",
+    "REDSRV_METRICS_PORT_9400_TCP_PROTO": "tcp", "REDSRV_SERVICE_HOST": "10.96.4.9", "REDSRV_SERVICE_PORT": "29600",
+    "REDSRV_PORT": "tcp://10.96.4.9:29600", "REDSRV_PORT_29600_TCP": "tcp://10.96.4.9:29600",
+}
+
+WORKER = """
+import numpy as np, redsrv
+with redsrv.Client() as client:
+    total = client.allreduce(np.full(1000, client.rank + 1.0, np.float32))
+    print(client.rank, client.world_size, float(total.sum()), flush=True)
+"""
+
+
+def _free_port_pair() -> int:
+    """A port P such that P and P+1 are free now (the reducer's two processes bind both)."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return int(port)
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _replaced(args: list[str], values: dict[str, str]) -> list[str]:
+    out = list(args)
+    for flag, value in values.items():
+        out[out.index(flag) + 1] = value
+    return out
+
+
+def test_the_reducer_and_worker_containers_run_with_a_pods_environment(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    _service, sts, _pdb, _policy = [d for d in yaml.safe_load_all((K8S / "reducers.yaml").read_text()) if d]
+    (job,) = [d for d in yaml.safe_load_all((K8S / "pytorchjob.yaml").read_text()) if d]
+    secret = tmp_path / "secret"
+    secret.write_text("a-secret-of-32-hex-chars-0123456789abcdef\n")
+    port, metrics = _free_port_pair(), _free_port_pair()
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    args = _replaced(container["args"], {"--host": "127.0.0.1", "--port": str(port), "--metrics-port": str(metrics),
+                                         "--secret-file": str(secret)})
+    reducer = procs.popen([sys.executable, "-m", "redsrv", *args], env=child_env(SERVICE_LINKS), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    deadline = time.monotonic() + 30
+    while not any("list them as" in line for line in seen):
+        line = readline_within(reducer, max(0.1, deadline - time.monotonic()))
+        assert line, f"the reducer container did not start:\n{''.join(seen)}"
+        seen.append(line)
+    procs.pumps += _drain(reducer, seen)
+    assert f"127.0.0.1:{port}-{port + 1}" in seen[-1]
+
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in pod["env"]}
+    env |= {"REDSRV_REDUCERS": f"127.0.0.1:{port}-{port + 1}", "REDSRV_SECRET_FILE": str(secret)}
+    operators = {  # what each training operator adds for rank r of 2
+        "PyTorchJob": lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "redsrv-ddp-master-0", "MASTER_PORT": "23456"},
+        "TFJob": lambda r: {"TF_CONFIG": json.dumps({"cluster": {"master": ["m:2222"], "worker": ["w:2222"], "ps": ["p:2222"]},
+                                                     "task": {"type": ["master", "worker"][r], "index": 0}})},
+    }
+    for operator, placement in operators.items():
+        workers = [procs.popen([sys.executable, "-c", WORKER], env=child_env({**SERVICE_LINKS, **env, **placement(r),
+                                                                               "REDSRV_JOB": f"k8s-{operator}"}),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outputs = []
+        for proc in workers:
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, f"{operator} worker failed:\n{out}"
+            outputs.append(out.split("\n")[-2] if out.endswith("\n") else out)
+        assert sorted(outputs) == ["0 2 3000.0", "1 2 3000.0"], (operator, outputs)
