@@ -713,7 +713,9 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return _torch_c10d.WorkList([self.reduce_scatter_single(out, tensor, opts)
                                      for out, tensor in zip(outputs, inputs, strict=True)])
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]  # torch 2.13's second name
+    # torch 2.13 looks these names up second
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
         if self._peers is None:
@@ -780,7 +782,6 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
         """gloo's barrier that names the ranks that did not arrive. ``dist.monitored_barrier``

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from redsrv.cli.fleet import _Fleet, start_reducers, stop_processes
+from redsrv.cli.fleet import _Fleet, free_port, start_reducers, stop_processes
 from redsrv.cli.units import size_in
 
 OPS = ("send_recv", "broadcast", "gather", "scatter", "all_to_all_single", "all_gather_into_tensor",
@@ -60,11 +59,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
                                       rounds=a.rounds, json_path=a.json, verify=a.verify))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def run(*, workers: int, reducers: int, sizes_kib: list[int], ops: list[str], rounds: int, json_path: str | None,
         verify: bool = False, fleet: _Fleet | None = None) -> int:
@@ -76,7 +70,7 @@ def run(*, workers: int, reducers: int, sizes_kib: list[int], ops: list[str], ro
     procs: list[subprocess.Popen[bytes]] = []
     out_path = json_path or os.path.join(os.getcwd(), f".torch-ops-{os.getpid()}.json")
     try:
-        spec = {"reducers": fleet.addresses, "world_size": workers, "store": f"tcp://127.0.0.1:{_free_port()}",
+        spec = {"reducers": fleet.addresses, "world_size": workers, "store": f"tcp://127.0.0.1:{free_port()}",
                 "sizes_kib": sizes_kib, "ops": ops, "rounds": rounds, "out": out_path, "verify": verify}
         for rank in range(workers):
             procs.append(subprocess.Popen([sys.executable, "-m", "redsrv.bench.torch_ops", json.dumps({**spec, "rank": rank})]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -43,6 +44,13 @@ def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None
         stop_processes(fleet.procs)
         raise
     return fleet
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (for a rendezvous or a store that cannot take port 0)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def readline_within(proc: subprocess.Popen, timeout: float) -> str:  # type: ignore[type-arg]

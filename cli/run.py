@@ -11,7 +11,6 @@ import os
 import queue
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from typing import IO, Any
 
-from redsrv.cli.fleet import start_reducers, stop_processes
+from redsrv.cli.fleet import free_port, start_reducers, stop_processes
 from redsrv.core.config import Config, DaemonSettings
 
 __all__ = ["add_parser", "run"]
@@ -77,7 +76,7 @@ def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | 
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
     write_lock = threading.Lock()
     pumps = []
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     try:
         for rank in range(num_proc):
             env = {**base, **rendezvous, "REDSRV_REDUCERS": ",".join(fleet.addresses), "REDSRV_JOB": job,
@@ -118,11 +117,6 @@ def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | 
 def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pump(rank: int, proc: subprocess.Popen[bytes], stream: IO[bytes] | None, sink: IO[bytes], lock: threading.Lock,

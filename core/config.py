@@ -129,8 +129,8 @@ class ClusterSpec:
 # Vertex AI names its pools: 0 the primary replica, 1 the other workers, 2 the reduction servers.
 # Tasks that are neither workers nor reducers take no rank: Keras runs parameter servers and the
 # evaluator beside the workers' collectives, not in them.
-_VERTEX_POOLS: dict[str, Any] = {"chief": "workerpool0", "master": "workerpool0", "worker": "workerpool1",
-                                 "reducer": "workerpool2", "bystanders": ("workerpool3",)}
+_VERTEX_POOLS: dict[str, Any] = {"chief": "workerpool0", "worker": "workerpool1", "reducer": "workerpool2",
+                                 "bystanders": ("workerpool3",)}
 _TF_CONFIG_POOLS: dict[str, Any] = {"chief": "chief", "master": "master", "worker": "worker", "reducer": "reducer",
                                     "bystanders": ("ps", "evaluator")}
 
@@ -183,7 +183,7 @@ def _parse_cluster(variable: str, raw: str, pools: Mapping[str, str]) -> Cluster
                 raise ConfigError(f"{variable}: {exc}") from None
         return entries
 
-    chiefs = tasks("chief") + (tasks("master") if pools["master"] != pools["chief"] else [])
+    chiefs = tasks("chief") + (tasks("master") if "master" in pools else [])
     workers, reducers = tasks("worker"), tasks("reducer")
     if len(chiefs) > 1:
         raise ConfigError(f"{variable} lists {len(chiefs)} chiefs (chief and master together): a cluster has one")
@@ -194,18 +194,18 @@ def _parse_cluster(variable: str, raw: str, pools: Mapping[str, str]) -> Cluster
         kind, number = task.get("type"), task.get("index", 0)
         if not isinstance(number, int) or number < 0:
             raise ConfigError(f"{variable}: task index must be a non-negative integer, got {number!r}")
-        if kind in (pools["chief"], pools["master"]):
+        if kind in (pools["chief"], pools.get("master")):
             worker_index, count = number, len(chiefs)
         elif isinstance(kind, str) and kind in pools["bystanders"]:
-            count = len(cluster.get(kind, [])) if isinstance(cluster.get(kind), list) else 0  # not a worker: no rank
+            count = len(cluster.get(kind) or [])  # not a worker: no rank
         elif kind == pools["worker"]:
             worker_index, count = len(chiefs) + number, len(chiefs) + len(workers)
         elif kind == pools["reducer"]:
             reducer_index, count = number, len(reducers)
         else:
-            raise ConfigError(f"{variable}: task type {kind!r} is neither a worker ({pools['chief']!r}, "
-                              f"{pools['master']!r}, {pools['worker']!r}), a reducer ({pools['reducer']!r}) nor one of "
-                              f"{', '.join(repr(b) for b in pools['bystanders'])}")
+            workers_named = ", ".join(repr(pools[k]) for k in ("chief", "master", "worker") if k in pools)
+            raise ConfigError(f"{variable}: task type {kind!r} is neither a worker ({workers_named}), a reducer "
+                              f"({pools['reducer']!r}) nor one of {', '.join(repr(b) for b in pools['bystanders'])}")
         if (worker_index if worker_index is not None else number) >= count:
             raise ConfigError(f"{variable}: task {kind}:{number} is out of range ({count} listed)")
     return ClusterSpec(tuple(reducers), num_workers or None, worker_index, reducer_index, variable)
@@ -535,14 +535,13 @@ def _no_guessed_rank(values: Mapping[str, Any], sources: _Sources, overrides: Ma
     train alone: refuse, naming what was looked for."""
     if values.get("rank") is not None:
         return
-    several = [(what, source) for what, field_name in (("a world size", "world_size"), ("a local size", "local_size"))
-               if (values.get(field_name) or 1) > 1
-               for source in [overrides.get(field_name) is not None and "an argument" or sources.found[field_name][1]]]
-    if several:
-        looked_for = ", ".join([_env_name("rank"), *(pair[0] for pair in _LAUNCHERS), _SLURM[0], "TF_CONFIG"])
-        what, source = several[0]
-        raise ConfigError(f"{what} of {values.get('world_size' if what == 'a world size' else 'local_size')} (from "
-                          f"{source}) but no rank: pass rank=, or launch with a launcher that sets one of {looked_for}")
+    for what, field_name in (("a world size", "world_size"), ("a local size", "local_size")):
+        count = values.get(field_name) or 1
+        if count > 1:
+            source = "an argument" if overrides.get(field_name) is not None else sources.found[field_name][1]
+            looked_for = ", ".join([_env_name("rank"), *(pair[0] for pair in _LAUNCHERS), _SLURM[0], "TF_CONFIG"])
+            raise ConfigError(f"{what} of {count} (from {source}) but no rank: pass rank=, or launch with a launcher "
+                              f"that sets one of {looked_for}")
 
 
 @dataclass(frozen=True)
