@@ -12,6 +12,7 @@ import numpy as np
 
 from . import chunker
 from .client_ops import Copy, Op, PendingPush
+from .plane import Kernels, kernels_for
 
 __all__ = ["Channel", "Landing", "ConvertedFrame", "SKIP"]
 
@@ -24,9 +25,10 @@ class Channel:
 
     __slots__ = ("reducer", "index", "incarnation", "peer", "loop", "queued", "frames_received", "frames_acked",
                  "bytes_unacked", "ack_queued", "copies", "partial_copies", "result", "bitmap", "scratch",
-                 "push_scratch", "gone", "link")
+                 "push_scratch", "gone", "link", "kernels")
 
-    def __init__(self, reducer: int, index: int, incarnation: int, peer: str, loop: int = 0) -> None:
+    def __init__(self, reducer: int, index: int, incarnation: int, peer: str, loop: int = 0,
+                 kernels: Kernels | None = None) -> None:
         self.reducer = reducer
         self.index = index
         self.incarnation = incarnation
@@ -47,6 +49,7 @@ class Channel:
         self.push_scratch = np.empty(0, dtype=np.uint8)  # for compressing pushes (on the writing thread)
         self.gone = False  # lost or replaced: the core sends nothing more on it
         self.link: Any = None
+        self.kernels = kernels or kernels_for("auto")  # the data plane's widening, narrowing and mean (core/plane.py)
 
     def take_scratch(self, nbytes: int, push: bool = False) -> np.ndarray:
         buf = self.push_scratch if push else self.scratch
@@ -93,13 +96,13 @@ class Landing:
             assert self.kept is not None
             as_came = self.kept.data[self.start - chunk.start : self.stop - chunk.start]
             if contributors > 1:
-                np.divide(as_came, contributors, out=target, casting="unsafe")
+                channel.kernels.divide(target, as_came, contributors)
             else:
                 np.copyto(target, as_came)
             return
         widened = op.wire_dtype != op.out.dtype
         if widened:
-            np.copyto(target, channel.take_scratch(self.data_len).view(op.wire_dtype), casting="unsafe")
+            channel.kernels.cast(target, channel.take_scratch(self.data_len).view(op.wire_dtype))
         kept = self.kept
         if kept is not None and kept.lender is None:  # a lent copy views ``out``, where the piece already is
             piece = kept.data[self.start - chunk.start : self.stop - chunk.start]
@@ -108,7 +111,7 @@ class Landing:
             else:
                 np.copyto(piece, target)
         if op.mean and contributors > 1:
-            np.divide(target, contributors, out=target, casting="unsafe")
+            channel.kernels.divide(target, target, contributors)
 
 
 class ConvertedFrame:
@@ -124,5 +127,5 @@ class ConvertedFrame:
     def __call__(self) -> list[memoryview]:
         count = self.stop - self.start
         buf = self.channel.take_scratch(count * self.dtype.itemsize, push=True).view(self.dtype)
-        np.copyto(buf, self.arr[self.start : self.stop], casting="unsafe")
+        self.channel.kernels.cast(buf, self.arr[self.start : self.stop])
         return [memoryview(self.header), buf.view(np.uint8).data]

@@ -43,6 +43,7 @@ from .client_connect import Connector, Stream, close_streams, run_callbacks, say
 from .client_core import Action, Broken, ClientCore, Complete, Fail, Reconnect, Retire, SendFrame, TracePull
 from .client_ops import label, set_exception
 from .errors import AuthenticationError, JobMismatchError, PeerError, PeerLostError, RedsrvError
+from .plane import kernels_for
 from .timeline import Timeline
 from .transport import SKIP, ConnectionBroken, HeaderStep, Waker, peer_name, watch
 
@@ -67,6 +68,7 @@ class ClientEngine:
         self.core = core
         self.connector = connector
         self.lock = threading.Lock()
+        self.kernels = kernels_for(config.data_plane)  # every channel's byte work (core/plane.py)
         self.timeline = timeline
         self.pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
         self.stop = threading.Event()  # one for every loop: the client is closing
@@ -256,7 +258,8 @@ class ClientEngine:
 
     def _new_stream(self, reducer: int, index: int, deadline: float) -> Stream:
         sock, incarnation, heartbeat = self.connector.connect(reducer, deadline)
-        channel = Channel(reducer, index, incarnation, peer_name(sock), loop=self.owner(reducer).index)
+        channel = Channel(reducer, index, incarnation, peer_name(sock), loop=self.owner(reducer).index,
+                          kernels=self.kernels)
         return Stream(channel, sock, heartbeat, time.monotonic(), self.config.max_frame_payload,
                       (self.on_header, self.on_payload, self.on_error, self.on_count))
 

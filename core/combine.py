@@ -7,25 +7,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from .plane import ACCUMULATION_DTYPES, UFUNCS, Kernels, kernels_for
 from .wire import DType, ReduceOp, numpy_dtype
 
 __all__ = ["ACCUMULATION_DTYPES", "UFUNCS", "Combiner"]
-
-#: Accumulation dtype per wire dtype: 16-bit floats are combined in float32 (RELIABILITY R14).
-ACCUMULATION_DTYPES = {DType.FLOAT16: np.dtype("<f4"), DType.BFLOAT16: np.dtype("<f4")}
-
-#: The element-wise NumPy function of each combining op. Every op is applied in ascending rank
-#: order, so even the non-associative ones (float sums and products) give the same bytes on
-#: every rank and in every run.
-UFUNCS: dict[ReduceOp, np.ufunc] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PRODUCT: np.multiply,
-    ReduceOp.BAND: np.bitwise_and,
-    ReduceOp.BOR: np.bitwise_or,
-    ReduceOp.BXOR: np.bitwise_xor,
-}
 
 
 class Combiner:
@@ -38,7 +23,8 @@ class Combiner:
     array([4.5, 6. ], dtype=float32)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: Kernels | None = None) -> None:
+        self.kernels = kernels or kernels_for("auto")  # which data plane does the arithmetic (core/plane.py)
         self._widened = np.empty(0, dtype=np.uint8)
 
     def combine_into_first(self, pieces: list[np.ndarray], dtype: DType, op: ReduceOp) -> None:
@@ -46,18 +32,18 @@ class Combiner:
         through a float32 scratch, rounded once): the same operations, in the same order, as
         combining whole payloads. ``pieces`` are byte views of equal length."""
         wire = numpy_dtype(dtype)
-        ufunc = UFUNCS[op]
+        kernels = self.kernels
         out = pieces[0].view(wire)
         acc_dtype = ACCUMULATION_DTYPES.get(dtype, wire)
         if acc_dtype == wire:
             for piece in pieces[1:]:
-                ufunc(out, piece.view(wire), out=out)
+                kernels.combine(op, out, piece.view(wire))
             return
         nbytes = out.size * acc_dtype.itemsize
         if self._widened.nbytes < nbytes:
             self._widened = np.empty(nbytes, dtype=np.uint8)
         acc = self._widened[:nbytes].view(acc_dtype)
-        np.copyto(acc, out, casting="unsafe")
+        kernels.cast(acc, out)
         for piece in pieces[1:]:
-            ufunc(acc, piece.view(wire), out=acc, casting="unsafe")
-        np.copyto(out, acc, casting="unsafe")
+            kernels.combine(op, acc, piece.view(wire))
+        kernels.cast(out, acc)

@@ -20,6 +20,7 @@ from typing import Any
 
 from . import constants as C
 from .errors import ConfigError
+from .plane import PLANES, native_unavailable
 from .wire import StragglerMode
 
 __all__ = ["Config", "DaemonSettings", "ClusterSpec", "cluster_from_env", "reducer_bind_address", "parse_address",
@@ -227,6 +228,15 @@ def require_positive(settings: object, names: tuple[str, ...]) -> None:
             raise ConfigError(f"{name} must be positive, got {getattr(settings, name)}")
 
 
+def check_data_plane(plane: str) -> None:
+    """``REDSRV_DATA_PLANE``: one of core/plane.py's ``PLANES``; ``native`` only where it was built."""
+    if plane not in PLANES:
+        raise ConfigError(f"data_plane (REDSRV_DATA_PLANE) must be one of {', '.join(PLANES)}, got {plane!r}")
+    why = native_unavailable() if plane == "native" else None
+    if why is not None:
+        raise ConfigError(f"data_plane (REDSRV_DATA_PLANE) is native, but {why}")
+
+
 def congestion_setting(name: str) -> str | None:
     """A TCP congestion control name as the kernel spells them (``cubic``, ``bbr``, ``dctcp``),
     or ``None`` for ``"system"`` (keep the system default)."""
@@ -386,6 +396,8 @@ class Config:
     # torch backend keys its peer links' rendezvous by it, so the processes of a restarted group
     # never read the addresses the killed ones left in torchrun's store.
     restart_count: int = 0
+    # Which data plane does the byte work (core/plane.py): auto, native or python.
+    data_plane: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reducers", expand_reducers(self.reducers))
@@ -428,6 +440,7 @@ class Config:
             raise ConfigError(f"streams_per_reducer must be <= 64, got {self.streams_per_reducer}")
         if not 1 <= self.io_threads <= C.MAX_IO_THREADS:
             raise ConfigError(f"io_threads (REDSRV_IO_THREADS) must be in 1..{C.MAX_IO_THREADS}, got {self.io_threads}")
+        check_data_plane(self.data_plane)
         self._check_host_settings()
 
     def _check_host_settings(self) -> None:
@@ -573,11 +586,13 @@ class DaemonSettings:
     max_connections: int = C.DEFAULT_MAX_CONNECTIONS
     max_pending_handshakes: int = C.DEFAULT_MAX_PENDING_HANDSHAKES
     tcp_congestion: str | None = C.DEFAULT_TCP_CONGESTION  # None or "system": the system default
+    data_plane: str = "auto"  # which data plane combines (core/plane.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.secret, str):
             object.__setattr__(self, "secret", self.secret.encode("utf-8"))
         check_secret(self.secret)
+        check_data_plane(self.data_plane)
         if self.tcp_congestion is not None:
             object.__setattr__(self, "tcp_congestion", congestion_setting(self.tcp_congestion))
         require_positive(self, ("handshake_timeout", "heartbeat_interval", "send_stall_timeout", "budget_wait_timeout",

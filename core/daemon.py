@@ -49,6 +49,7 @@ from . import wire
 from .config import DaemonSettings
 from .errors import ConfigError
 from .handshake import HandshakeState, ServerHandshake
+from .plane import kernels_for
 from .reducer import (
     DISCARD,
     WAIT_FOR_MEMORY,
@@ -139,7 +140,7 @@ class ReducerDaemon:
             memory_budget_bytes=self.settings.memory_budget_bytes, stall_warning=self.settings.stall_warning,
             piece_bytes=self.settings.result_piece_bytes, rejoin_grace=self.settings.rejoin_grace,
             budget_wait_timeout=self.settings.budget_wait_timeout, min_push_rate=self.settings.min_push_rate,
-            slow_push_grace=self.settings.slow_push_grace,
+            slow_push_grace=self.settings.slow_push_grace, kernels=kernels_for(self.settings.data_plane),
         )
         # Guards the state machine against snapshot() from the metrics thread; the loop is its
         # only other user, so it is never contended on the data path.

@@ -53,6 +53,7 @@ from .errors import (
     RedsrvError,
     RemoteProtocolError,
 )
+from .plane import Kernels
 
 __all__ = ["HostCore", "HostOp", "Placement", "share_reducers", "Hello", "Input", "Done", "Released", "Fail", "Bye", "Message",
            "SubmitShare", "SendToPeers", "Settle", "Action", "encode", "decode", "MAX_MESSAGE_BYTES"]
@@ -393,11 +394,11 @@ class HostCore:
     messages. ``all_mode``: every host contributes to every chunk (straggler mode "all"), so a mean
     divides by the world size once. ``weights``: how much of each piece each local worker owns
     (default: equal shares), in proportion to the reducers its cross-host client reaches
-    (:func:`share_reducers`)."""
+    (:func:`share_reducers`). ``kernels``: the data plane that combines (core/plane.py)."""
 
     def __init__(self, *, local_rank: int, placement: Placement, host: int, slots: Sequence[np.ndarray],
                  frame_bytes: int, job: str, rank: int, peers: dict[int, str], all_mode: bool,
-                 weights: Sequence[int] | None = None) -> None:
+                 weights: Sequence[int] | None = None, kernels: Kernels | None = None) -> None:
         self.local_rank = local_rank
         self.local_size = placement.local_size
         self.placement = placement
@@ -414,7 +415,7 @@ class HostCore:
         self.early: dict[int, list[tuple[int, Message]]] = {}  # messages for keys not submitted here yet
         self.retired: collections.OrderedDict[int, None] = collections.OrderedDict()  # keys whose late messages are dropped
         self.broken: RedsrvError | None = None
-        self._combiner = Combiner()
+        self._combiner = Combiner(kernels)
 
     # --- events ---
 
@@ -585,7 +586,7 @@ class HostCore:
             # already divided each chunk by its own contributing hosts.
             divisor = contributors.max_count * self.local_size if self.all_mode else self.local_size
             if divisor > 1:
-                np.divide(result, divisor, out=result, casting="unsafe")
+                self._combiner.kernels.divide(result, result, divisor)
         hosts = 0
         for h in contributors.ranks:
             hosts |= 1 << h

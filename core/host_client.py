@@ -56,6 +56,7 @@ from .errors import (
     RemoteProtocolError,
     StaleContributionError,
 )
+from .plane import kernels_for
 from .transport import Waker
 
 __all__ = ["HostClient", "LocalGroup", "host_identity", "cross_host_config"]
@@ -302,7 +303,8 @@ class HostClient(Client):
                 slots=self._group.slots(), frame_bytes=self._group.frame_bytes, job=config.job, rank=config.rank,
                 peers={r: self._group.describe(r) for r in range(placement.local_size)},
                 all_mode=config.straggler_mode == "all",
-                weights=[len(r) for r in host.share_reducers(len(config.reducers), placement.local_size)])
+                weights=[len(r) for r in host.share_reducers(len(config.reducers), placement.local_size)],
+                kernels=kernels_for(config.data_plane))
             self._outgoing: dict[int, collections.deque[bytes]] = {r: collections.deque() for r in self._group.links}
             self._dead_writers: set[int] = set()
             self._leave_when_idle = False

@@ -42,6 +42,7 @@ from collections import OrderedDict
 
 from . import constants as C
 from .combine import ACCUMULATION_DTYPES, Combiner
+from .plane import Kernels
 from .reducer_actions import (
     DISCARD,
     WAIT_FOR_MEMORY,
@@ -141,6 +142,7 @@ class ReducerCore(_MembershipRules):
         min_push_rate: int = C.DEFAULT_MIN_PUSH_RATE,
         slow_push_grace: float = C.DEFAULT_SLOW_PUSH_GRACE_S,
         pool: BufferPool | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
         self.incarnation = incarnation
         self.job_budget_bytes = job_budget_bytes
@@ -158,7 +160,7 @@ class ReducerCore(_MembershipRules):
         self.piece_bytes = piece_bytes  # 0: forward whole chunks only
         self.rejoin_grace = rejoin_grace  # the longest a rank's place is kept for its reconnect
         self.pool = pool or BufferPool(max_free_bytes=memory_budget_bytes)
-        self._combiner = Combiner()  # its float32 scratch sums 16-bit pieces
+        self._combiner = Combiner(kernels)  # the data plane's arithmetic; its float32 scratch sums 16-bit pieces
         self._jobs = {}
         self._conns = {}
         self.job_stats = OrderedDict()  # survives the job's state, bounded

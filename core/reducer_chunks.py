@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .combine import ACCUMULATION_DTYPES, UFUNCS
+from .combine import ACCUMULATION_DTYPES
 from .reducer_buffers import _SharedBuffer
 from .wire import DType, Error, ReduceOp, numpy_dtype
 
@@ -181,9 +181,9 @@ class _RankOrderChunk(_OpenChunk):
             self.acc_raw = funds._take(job, self.shape.count * acc_dtype.itemsize)
             assert self.acc_raw is not None
             self.acc = self.acc_raw.view(acc_dtype)
-            np.copyto(self.acc, data, casting="unsafe")
+            funds._combiner.kernels.cast(self.acc, data)
         else:
-            UFUNCS[self.shape.op](self.acc, data, out=self.acc, casting="unsafe")
+            funds._combiner.kernels.combine(self.shape.op, self.acc, data)
         funds._give(job, raw)
 
     def outcome(self, funds: _MemoryRules, job: _Job) -> np.ndarray | None:
@@ -197,7 +197,7 @@ class _RankOrderChunk(_OpenChunk):
             return acc_raw
         rounded = funds._take(job, self.shape.count * wire.itemsize)
         assert rounded is not None
-        np.copyto(rounded.view(wire), acc, casting="unsafe")
+        funds._combiner.kernels.cast(rounded.view(wire), acc)
         funds._give(job, acc_raw)
         return rounded
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import constants as C
+from .combine import Combiner
 from .reducer_actions import Action, Log, SendError
 from .reducer_buffers import BufferPool
 from .reducer_jobs import JobStats, MemoryState, PushTicket, _Conn, _Job, _Wait
@@ -45,6 +46,7 @@ class _MemoryRules:
     _next_contention_log: float
     _jobs: dict[str, _Job]
     _conns: dict[int, _Conn]
+    _combiner: Combiner  # its kernels (the data plane) and its float32 scratch for 16-bit pieces
 
     def stats(self, job: str) -> JobStats:
         """The counters of ``job`` (created on first use; the 1,000 most recent jobs are kept)."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import constants as C
-from .combine import Combiner
 from .reducer_actions import Action, Log, SendError, SendResult, SendSafe
 from .reducer_buffers import _SharedBuffer
 from .reducer_chunks import _Closed, _CutThroughChunk, _OpenChunk
@@ -28,7 +27,6 @@ class _ResultRules(_MemoryRules):
     """Results and failures, and the records kept of them, for ``ReducerCore``."""
 
     piece_bytes: int  # 0: forward whole chunks only
-    _combiner: Combiner  # its float32 scratch sums 16-bit pieces
 
     def ack(self, conn: int, frames: int) -> list[Action]:
         """The worker on ``conn`` has the first ``frames`` RESULT frames sent on it: the whole
