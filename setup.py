@@ -35,6 +35,12 @@ if SANITIZE:
 class OptionalBuildExt(build_ext):
     """Builds the plane where it can; elsewhere warns once and installs the Python plane."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        # Always compile (one file, a second): a sanitized build and a plain one share build/,
+        # and setuptools would otherwise take the other's library as up to date.
+        self.force = True
+
     def run(self):
         try:
             super().run()

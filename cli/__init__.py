@@ -72,7 +72,8 @@ def _reducer(args: argparse.Namespace) -> int:
 
         serve_reducer_metrics(daemon, args.metrics_port, host=args.metrics_host or host)
     shown = f"[{host}]" if ":" in host else host
-    print(f"redsrv reducer listening on {shown}:{port} incarnation={daemon.incarnation:#x}", flush=True)
+    print(f"redsrv reducer listening on {shown}:{port} incarnation={daemon.incarnation:#x} plane={daemon.plane}",
+          flush=True)
     while not stop.wait(0.5):
         if daemon.failure is not None:
             print(f"redsrv reducer: stopped serving after an internal error: {daemon.failure!r}", file=sys.stderr,

@@ -192,8 +192,8 @@ class ReducerDaemon:
         self._selector.register(self._waker.read_end, selectors.EVENT_READ, self._waker.drain)
         self._loop = threading.Thread(target=self._run, name="redsrv-loop", daemon=True)
         self._loop.start()
-        log.info("listening on %s:%d incarnation=%#x auth=%s", self.address[0], self.address[1], self.incarnation,
-                 "on" if s.secret else "off")
+        log.info("listening on %s:%d incarnation=%#x auth=%s plane=%s", self.address[0], self.address[1],
+                 self.incarnation, "on" if s.secret else "off", self.plane)
         return self.address
 
     def stop(self, reason: str = "reducer shutting down") -> None:
@@ -384,6 +384,11 @@ class ReducerDaemon:
             self._pending[pending.id] = pending
             assert self._selector is not None
             pending.events = watch(self._selector, sock, pending, 0, selectors.EVENT_READ)
+
+    @property
+    def plane(self) -> str:
+        """Which data plane combines here (core/plane.py): ``native`` or ``python``."""
+        return self.core._combiner.kernels.name
 
     def _set_listening(self, on: bool) -> None:
         assert self._selector is not None and self._listener is not None

@@ -42,7 +42,9 @@ FAST_ENV = {
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSRV_")}
+    # The plane under test (tox -e core-python-plane, native-asan) reaches every child; no other
+    # REDSRV_* setting of the test run's own does.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSRV_") or k == "REDSRV_DATA_PLANE"}
     env.update(FAST_ENV)
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("RANK", None)
@@ -95,6 +97,7 @@ class ProcessTracker:
             _, err = proc.communicate(timeout=10)
             raise RuntimeError(f"reducer did not start: {line!r}\n{err}")
         reducer = Reducer(proc, match.group(1), int(match.group(2)), int(match.group(3), 16), args, full_env)
+        reducer.log.append(line)
         self.pumps += _drain(proc, reducer.log)
         return reducer
 
