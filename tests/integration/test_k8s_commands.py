@@ -63,7 +63,8 @@ def _replaced(args: list[str], values: dict[str, str]) -> list[str]:
 
 
 def test_the_reducer_and_worker_containers_run_with_a_pods_environment(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    _service, sts, _pdb, _policy = [d for d in yaml.safe_load_all((K8S / "reducers.yaml").read_text()) if d]
+    fleet = {d["kind"]: d for d in yaml.safe_load_all((K8S / "base" / "reducers.yaml").read_text()) if d}
+    sts, config_map = fleet["StatefulSet"], fleet["ConfigMap"]
     (job,) = [d for d in yaml.safe_load_all((K8S / "pytorchjob.yaml").read_text()) if d]
     secret = tmp_path / "secret"
     secret.write_text("a-secret-of-32-hex-chars-0123456789abcdef\n")
@@ -83,7 +84,7 @@ def test_the_reducer_and_worker_containers_run_with_a_pods_environment(procs, tm
     assert f"127.0.0.1:{port}-{port + 1}" in seen[-1]
 
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-    env = {e["name"]: e["value"] for e in pod["env"]}
+    env = {**config_map["data"], **{e["name"]: e["value"] for e in pod["env"]}}  # envFrom the fleet's ConfigMap, then env
     env |= {"REDSRV_REDUCERS": f"127.0.0.1:{port}-{port + 1}", "REDSRV_SECRET_FILE": str(secret)}
     operators = {  # what each training operator adds for rank r of 2
         "PyTorchJob": lambda r: {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "redsrv-ddp-master-0", "MASTER_PORT": "23456"},
