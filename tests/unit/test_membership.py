@@ -84,3 +84,15 @@ def test_the_rendezvous_answers_only_its_own_workers() -> None:
         server.close()
     with pytest.raises(PeerLostError, match="driver .* is gone"):
         RendezvousClient(server.address, "w0", SECRET, connect_timeout=1).hosts_updated(0)
+
+
+def test_an_elastic_worker_needs_its_id_and_the_jobs_secret() -> None:
+    from redsrv.core.config import Config
+    from redsrv.core.errors import ConfigError
+
+    env = {"REDSRV_RENDEZVOUS": "127.0.0.1:9", "REDSRV_SECRET": "s" * 32}
+    assert Config.from_env({**env, "REDSRV_WORKER_ID": "w1"}).worker_id == "w1"
+    with pytest.raises(ConfigError, match="REDSRV_WORKER_ID"):
+        Config.from_env(env)
+    with pytest.raises(ConfigError, match="secret"):
+        Config.from_env({"REDSRV_RENDEZVOUS": "127.0.0.1:9", "REDSRV_WORKER_ID": "w1"})
