@@ -62,7 +62,7 @@ class RendezvousServer:
     @property
     def address(self) -> str:
         host, port = self._http.server_address[:2]
-        return f"{host}:{port}"
+        return f"{host!s}:{port}"  # an IPv4 bind: host is a str
 
     def exited(self, worker: str, status: int) -> None:
         """The driver saw ``worker``'s process end."""
