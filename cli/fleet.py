@@ -25,13 +25,14 @@ class _Fleet:
     addresses: list[str]
 
 
-def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None = None) -> _Fleet:
-    """Start ``count`` reducers on free loopback ports; returns once every one listens."""
+def start_reducers(count: int, timeout: float = 30.0, env: dict[str, str] | None = None, host: str = "127.0.0.1") -> _Fleet:
+    """Start ``count`` reducers on free ports of ``host`` (loopback unless workers on other hosts
+    need them); returns once every one listens."""
     fleet = _Fleet([], [])
     try:
         for _ in range(count):
             proc = subprocess.Popen(
-                [sys.executable, "-m", "redsrv", "reducer", "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+                [sys.executable, "-m", "redsrv", "reducer", "--host", host, "--port", "0", "--log-level", "warning"],
                 stdout=subprocess.PIPE, stderr=None, text=True, env=env,
             )
             fleet.procs.append(proc)

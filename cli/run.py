@@ -2,7 +2,14 @@
 machine. Starts M reducers on free loopback ports and N workers running the command with their
 rank, world size, reducers, job and a fresh shared secret in the environment; streams every
 worker's output with a ``[rank]`` prefix; stops everything when the workers end, one fails, or
-on Ctrl-C / SIGTERM. Exits with the first failing worker's status (0 when all succeed)."""
+on Ctrl-C / SIGTERM. Exits with the first failing worker's status (0 when all succeed).
+
+With ``-H host:slots,...`` or ``--hostfile`` naming other machines, the reducers start here on
+an address those hosts reach, and the workers start through ``mpirun`` (Open MPI or MPICH),
+an engine that already knows how to reach the hosts; without one, the ``srun`` and ``torchrun``
+lines to run by hand are printed instead (cli/hosts.py builds every line). With ``--min-np`` /
+``--max-np`` the workers run elastic (cli/elastic.py).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,10 @@ import argparse
 import os
 import queue
 import secrets
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,8 +28,11 @@ import uuid
 from collections.abc import Sequence
 from typing import IO, Any
 
+from redsrv.cli import hosts as host_lists
 from redsrv.cli.fleet import free_port, start_reducers, stop_processes
+from redsrv.core import constants as C
 from redsrv.core.config import Config, DaemonSettings
+from redsrv.core.errors import ConfigError
 
 __all__ = ["add_parser", "run"]
 
@@ -44,32 +57,76 @@ def add_parser(sub: Any) -> None:
     p.add_argument("-np", "--num-proc", dest="num_proc", type=int, required=True, help="worker processes")
     p.add_argument("--reducers", type=int, default=1, help="reducer processes (default 1)")
     p.add_argument("--job", default=None, help="job id (default: a fresh one)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", default=None,
+                       help="hosts and their slots, host:slots,host:slots (Horovod's -H); ranks fill the first host's "
+                            "slots first. Hosts other than this one are started through mpirun")
+    where.add_argument("--hostfile", default=None, help="a file of 'host slots=N' lines (Horovod's and Open MPI's format)")
+    p.add_argument("--output-filename", "--log-dir", dest="output_dir", default=None,
+                   help="also write each rank's stdout and stderr to DIR/rank.<rank>/stdout and stderr (horovodrun's "
+                        "--output-filename; --log-dir is torchrun's name for it). Under mpirun, mpirun writes them")
+    p.add_argument("--reducer-host", default=None,
+                   help="with other hosts: the address the reducers bind and the workers dial (default: this machine's "
+                        "address on the route to the first other host)")
+    p.add_argument("--mpi-args", default="", help="extra mpirun arguments, e.g. --mpi-args='--mca btl_tcp_if_include eth0'")
+    p.add_argument("--min-np", "--min-num-proc", dest="min_np", type=int, default=None,
+                   help="elastic: keep training while at least this many workers live (Horovod elastic)")
+    p.add_argument("--max-np", "--max-num-proc", dest="max_np", type=int, default=None,
+                   help="elastic: never run more workers than this (default -np)")
+    p.add_argument("--reset-limit", type=int, default=None,
+                   help=f"elastic: give up after this many re-formations of the world (default "
+                        f"{C.DEFAULT_ELASTIC_RESET_LIMIT})")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command each worker runs, e.g. python train.py")
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return run(command, num_proc=args.num_proc, reducers=args.reducers, job=args.job)
+    host_list = (host_lists.parse_hosts(args.hosts) if args.hosts else
+                 host_lists.read_hostfile(args.hostfile) if args.hostfile else None)
+    if args.min_np is not None or args.max_np is not None:
+        from redsrv.cli.elastic import run_elastic
+
+        if host_list is not None and not host_lists.is_local(host_list, _own_names()):
+            raise ConfigError("elastic runs (--min-np/--max-np) start their workers on this machine only: drop -H/--hostfile")
+        return run_elastic(command, num_proc=args.num_proc, min_np=args.min_np, max_np=args.max_np,
+                           reset_limit=args.reset_limit, reducers=args.reducers, job=args.job, output_dir=args.output_dir)
+    if host_list is not None and not host_lists.is_local(host_list, _own_names()):
+        return run_on_hosts(command, host_list, num_proc=args.num_proc, reducers=args.reducers, job=args.job,
+                            output_dir=args.output_dir, reducer_host=args.reducer_host, mpi_args=shlex.split(args.mpi_args))
+    if host_list is not None:
+        host_lists.assign_ranks(host_list, args.num_proc)  # -np must fit the slots listed, here too
+    return run(command, num_proc=args.num_proc, reducers=args.reducers, job=args.job, output_dir=args.output_dir)
+
+
+def _own_names() -> list[str]:
+    return [socket.gethostname(), socket.getfqdn()]
+
+
+def worker_base_env(num_proc: int, job: str) -> dict[str, str]:
+    """Our environment less any placement a launcher above us left, with a fresh secret; checked
+    once here, so a bad ``REDSRV_*`` (the workers' or the reducers') fails before anything starts."""
+    base = {k: v for k, v in os.environ.items() if k not in _INHERITED_PLACEMENT}
+    base["REDSRV_SECRET"] = secrets.token_hex(32)  # reducers and workers of this run only
+    Config.from_env(base, rank=0, world_size=num_proc, reducers=("127.0.0.1:1",), job=job)
+    DaemonSettings.from_env(base)
+    return base
 
 
 def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | None = None,
-        output: IO[bytes] | None = None, errors: IO[bytes] | None = None) -> int:
+        output: IO[bytes] | None = None, errors: IO[bytes] | None = None, output_dir: str | None = None) -> int:
     """Run ``command`` as ``num_proc`` workers through ``reducers`` local reducers; the exit
     status: 0, or the first failing worker's (128 + signal number when killed by one). The
-    workers' stdout goes to ``output`` and their stderr to ``errors`` (default: ours)."""
+    workers' stdout goes to ``output`` and their stderr to ``errors`` (default: ours), and with
+    ``output_dir`` also to ``output_dir/rank.<rank>/stdout`` and ``stderr``."""
     if not command:
         raise SystemExit("redsrv run: no command given (e.g. redsrv run -np 2 python train.py)")
     if num_proc < 1 or reducers < 1:
         raise SystemExit("redsrv run: -np and --reducers must be at least 1")
     sink = output if output is not None else sys.stdout.buffer
     error_sink = errors if errors is not None else sys.stderr.buffer
-    base = {k: v for k, v in os.environ.items() if k not in _INHERITED_PLACEMENT}
-    base["REDSRV_SECRET"] = secrets.token_hex(32)  # reducers and workers of this run only
     job = job or f"run-{uuid.uuid4().hex[:8]}"
-    # Bad REDSRV_* fail here, once: the workers' settings and the reducers' own (REDSRV_STALL_WARNING...).
-    Config.from_env(base, rank=0, world_size=num_proc, reducers=("127.0.0.1:1",), job=job)
-    DaemonSettings.from_env(base)
+    base = worker_base_env(num_proc, job)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     fleet = start_reducers(reducers, env=base)
     workers: list[subprocess.Popen[bytes]] = []
@@ -91,8 +148,9 @@ def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | 
                 _note(error_sink, write_lock, f"redsrv run: cannot start {command[0]!r}: {exc.strerror}")
                 return 127
             workers.append(proc)
-            for stream, target, report in ((proc.stdout, sink, exits), (proc.stderr, error_sink, None)):
-                pump = threading.Thread(target=_pump, args=(rank, proc, stream, target, write_lock, report),
+            files = rank_files(output_dir, rank, num_proc)
+            for stream, target, copy, report in ((proc.stdout, sink, files[0], exits), (proc.stderr, error_sink, files[1], None)):
+                pump = threading.Thread(target=_pump, args=(rank, proc, stream, target, write_lock, report, copy),
                                         name=f"redsrv-run-{rank}", daemon=True)
                 pump.start()
                 pumps.append(pump)
@@ -119,17 +177,33 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 
 
+def rank_files(output_dir: str | None, rank: int, num_proc: int) -> tuple[IO[bytes] | None, IO[bytes] | None]:
+    """``output_dir/rank.<rank>/stdout`` and ``stderr`` opened for writing (horovodrun's layout:
+    the rank padded with zeros so the folders sort in rank order), or none without a folder."""
+    if output_dir is None:
+        return None, None
+    folder = os.path.join(output_dir, f"rank.{rank:0{len(str(max(num_proc - 1, 0)))}d}")
+    os.makedirs(folder, exist_ok=True)
+    return open(os.path.join(folder, "stdout"), "wb"), open(os.path.join(folder, "stderr"), "wb")
+
+
 def _pump(rank: int, proc: subprocess.Popen[bytes], stream: IO[bytes] | None, sink: IO[bytes], lock: threading.Lock,
-          exits: queue.Queue[tuple[int, int]] | None) -> None:
-    """Copy one of the worker's streams line by line with its rank in front; the stdout pump
-    reports the worker's exit once its output is drained."""
+          exits: queue.Queue[tuple[int, int]] | None, copy: IO[bytes] | None = None) -> None:
+    """Copy one of the worker's streams line by line with its rank in front (and as it is to
+    ``copy``, the rank's own file); the stdout pump reports the worker's exit once its output is
+    drained."""
     prefix = f"[{rank}] ".encode()
     assert stream is not None
     for line in stream:
         with lock:
             sink.write(prefix + line)
             sink.flush()
+        if copy is not None:
+            copy.write(line)
+            copy.flush()
     stream.close()
+    if copy is not None:
+        copy.close()
     if exits is not None:
         exits.put((rank, proc.wait()))
 
@@ -138,3 +212,97 @@ def _note(sink: IO[bytes], lock: threading.Lock, text: str) -> None:
     with lock:
         sink.write(text.encode() + b"\n")
         sink.flush()
+
+
+def run_on_hosts(command: Sequence[str], hosts: Sequence[host_lists.HostSlots], *, num_proc: int, reducers: int = 1,
+                 job: str | None = None, output_dir: str | None = None, reducer_host: str | None = None,
+                 mpi_args: Sequence[str] = (), mpirun: str | None = None) -> int:
+    """Run ``command`` as ``num_proc`` workers placed on ``hosts`` through ``mpirun``, with
+    ``reducers`` reducers started here on ``reducer_host``; mpirun's exit status. Without an
+    mpirun we can drive, print the lines to start the workers by hand and return 2."""
+    if not command:
+        raise SystemExit("redsrv run: no command given (e.g. redsrv run -np 4 -H a:2,b:2 python train.py)")
+    placed = host_lists.assign_ranks(hosts, num_proc)
+    job = job or f"run-{uuid.uuid4().hex[:8]}"
+    base = worker_base_env(num_proc, job)
+    bind = reducer_host or _address_towards(next(h for h, _ in placed if h not in _own_names()))
+    mpirun = mpirun or shutil.which("mpirun")
+    flavour = _mpi_flavour(mpirun) if mpirun else None
+    rendezvous = {"MASTER_ADDR": placed[0][0], "MASTER_PORT": str(free_port())}
+    if flavour is None:
+        return _print_manual_launch(placed, command, job=job, bind=bind, mpirun=mpirun, rendezvous=rendezvous)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    fleet = start_reducers(reducers, env=base, host=bind)
+    env = {**base, **rendezvous, "REDSRV_REDUCERS": ",".join(fleet.addresses), "REDSRV_JOB": job, "PYTHONUNBUFFERED": "1"}
+    line = host_lists.mpirun_command(flavour, placed, command, exported=host_lists.exported_names(env),
+                                     output_dir=output_dir, as_root=os.geteuid() == 0, mpi_args=mpi_args)
+    line[0] = mpirun
+    lock = threading.Lock()
+    proc: subprocess.Popen[bytes] | None = None
+    pumps = []
+    try:
+        proc = subprocess.Popen(line, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for stream, sink in ((proc.stdout, sys.stdout.buffer), (proc.stderr, sys.stderr.buffer)):
+            pump = threading.Thread(target=_retag, args=(stream, sink, lock), name="redsrv-run-mpirun", daemon=True)
+            pump.start()
+            pumps.append(pump)
+        code = proc.wait()
+        for pump in pumps:
+            pump.join(C.DEFAULT_CLOSE_TIMEOUT_S)
+        if code != 0:
+            _note(sys.stderr.buffer, lock, f"redsrv run: mpirun exited with status {code}")
+        return 128 - code if code < 0 else code
+    except KeyboardInterrupt:
+        _note(sys.stderr.buffer, lock, "redsrv run: interrupted; stopping mpirun and the reducers")
+        return 130
+    finally:
+        stop_processes([proc] if proc is not None else [], timeout=C.DEFAULT_CLOSE_TIMEOUT_S)
+        stop_processes(fleet.procs)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _mpi_flavour(mpirun: str) -> str | None:
+    try:
+        shown = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=C.DEFAULT_CONNECT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return host_lists.mpi_flavour(shown.stdout + shown.stderr)
+
+
+def _address_towards(host: str) -> str:
+    """This machine's address on the route to ``host``: connecting a UDP socket picks the
+    source address and sends nothing."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise ConfigError(f"cannot find this machine's address towards {host!r} ({exc}); give it with --reducer-host") from None
+
+
+def _retag(stream: IO[bytes] | None, sink: IO[bytes], lock: threading.Lock) -> None:
+    assert stream is not None
+    output = host_lists.MpiOutput()
+    for text in stream:  # whole lines of mpirun's output: a tag never spans one
+        lines = output.feed(text)
+        with lock:
+            sink.writelines(lines)
+            sink.flush()
+    with lock:
+        sink.writelines(output.close())
+        sink.flush()
+    stream.close()
+
+
+def _print_manual_launch(placed: Sequence[tuple[str, int]], command: Sequence[str], *, job: str, bind: str,
+                         mpirun: str | None, rendezvous: dict[str, str]) -> int:
+    reducer = f"{bind}:{C.DEFAULT_PORT}"
+    variables = {"REDSRV_REDUCERS": reducer, "REDSRV_JOB": job, "REDSRV_SECRET_FILE": "<a file holding the secret>"}
+    why = f"{mpirun} is neither Open MPI nor MPICH" if mpirun else "no mpirun on PATH"
+    print(f"redsrv run: {why}, so the workers on other hosts are not started from here. Start a reducer:\n"
+          f"  redsrv reducer --host {bind} --port {C.DEFAULT_PORT} --secret-file <a file holding the secret>\n"
+          "then the workers, with one of:", file=sys.stderr)
+    for where, line in host_lists.manual_commands(placed, command, variables=variables,
+                                                  master_port=int(rendezvous["MASTER_PORT"])):
+        print(f"  # {where}\n  {line}", file=sys.stderr)
+    return 2

@@ -407,6 +407,11 @@ class Config:
     restart_count: int = 0
     # Which data plane does the byte work (core/plane.py): auto, native or python.
     data_plane: str = "auto"
+    # Elastic training (``redsrv run --min-np``): the driver's rendezvous (host:port), this
+    # worker's id there, and how long a worker waits at it for its world to form.
+    rendezvous: str | None = None
+    worker_id: str | None = None
+    elastic_timeout: float = C.DEFAULT_ELASTIC_TIMEOUT_S
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reducers", expand_reducers(self.reducers))
@@ -432,7 +437,9 @@ class Config:
             if self.wire_dtype not in WIRE_DTYPES:
                 raise ConfigError(f"wire_dtype must be one of {sorted(WIRE_DTYPES)} or None, got {self.wire_dtype!r}")
             object.__setattr__(self, "wire_dtype", WIRE_DTYPES[self.wire_dtype])
-        require_positive(self, ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout"))
+        require_positive(self, ("connect_timeout", "handshake_timeout", "op_timeout", "heartbeat_interval", "close_timeout",
+                                "elastic_timeout"))
+        self._check_elastic_settings()
         for name in ("chunk_bytes", "chunks_per_span", "streams_per_reducer", "heartbeat_misses", "max_frame_payload"):
             if name == "chunks_per_span" and self.chunks_per_span is None:
                 continue
@@ -451,6 +458,17 @@ class Config:
             raise ConfigError(f"io_threads (REDSRV_IO_THREADS) must be in 1..{C.MAX_IO_THREADS}, got {self.io_threads}")
         check_data_plane(self.data_plane)
         self._check_host_settings()
+
+    def _check_elastic_settings(self) -> None:
+        if self.rendezvous is None:
+            return
+        parse_address(self.rendezvous)
+        if not self.worker_id:
+            raise ConfigError(f"rendezvous {self.rendezvous!r} (REDSRV_RENDEZVOUS) needs this worker's id there "
+                              "(REDSRV_WORKER_ID): redsrv run --min-np sets both")
+        if self.secret is None:
+            raise ConfigError("an elastic rendezvous (REDSRV_RENDEZVOUS) needs the job's secret (REDSRV_SECRET or "
+                              "REDSRV_SECRET_FILE): redsrv run sets one")
 
     def _check_host_settings(self) -> None:
         if self.host_reduce not in HOST_REDUCE_MODES:

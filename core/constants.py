@@ -313,3 +313,16 @@ DEFAULT_HOST_SLOT_BYTES = 64 * 1024 * 1024
 HOST_PIECES_IN_SLOT = 4
 #: A piece smaller than this costs more in messages between the local workers than it overlaps.
 MIN_HOST_PIECE_BYTES = 64 * 1024
+
+#: How long an elastic worker waits at the rendezvous for its world to form (Horovod's
+#: HOROVOD_ELASTIC_TIMEOUT default): room for a replacement worker to start on a busy host.
+DEFAULT_ELASTIC_TIMEOUT_S = 600.0
+
+#: How many times ``redsrv run --min-np`` re-forms the world before it gives up: a script that
+#: fails on start would otherwise be restarted forever.
+DEFAULT_ELASTIC_RESET_LIMIT = 100
+
+#: How long the elastic rendezvous holds one request for a world that has not formed yet before
+#: it answers "not yet" (the worker then asks again, within its own elastic timeout): short enough
+#: that a worker whose driver died notices within this, long enough to cost nothing.
+RENDEZVOUS_POLL_S = 5.0

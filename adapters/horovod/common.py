@@ -296,6 +296,10 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
         if _runtime is not None:
             return
         config = Config.from_env()
+        if config.rendezvous is not None:  # elastic (redsrv run --min-np): the driver places us
+            from .elastic import assigned_config
+
+            config = assigned_config(config)
         if not config.reducers and config.world_size > 1:
             raise ConfigError(f"{config.world_size} ranks but no reducers: set REDSRV_REDUCERS (redsrv run does), "
                               "or start the script with `redsrv run -np N`")
