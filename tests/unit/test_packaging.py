@@ -96,3 +96,33 @@ def test_every_source_package_is_listed_so_the_wheel_installs_it() -> None:
             found.add(".".join((package, *parts)))
     assert found == listed, f"missing from packages: {sorted(found - listed)}; listed without a folder: {sorted(listed - found)}"
     assert {"redsrv.horovod.torch", "redsrv.adapters.horovod", "redsrv.adapters.horovod.keras"} <= listed
+
+
+def test_release_wheels_hold_the_compiled_plane_on_both_linux_architectures() -> None:
+    wheels = PYPROJECT["tool"]["cibuildwheel"]
+    assert set(wheels["linux"]["archs"]) == {"x86_64", "aarch64"}
+    # A release wheel without the plane would install silently slower: there the build must fail.
+    assert wheels["environment"]["REDSRV_NATIVE_STRICT"] == "1"
+    assert wheels["environment"]["REDSRV_TEST_REQUIRE_NATIVE"] == "1"
+    assert "tests/unit/test_plane.py" in wheels["test-command"]
+
+
+def test_without_a_compiler_the_build_warns_once_and_goes_on(tmp_path: Path) -> None:
+    pytest.importorskip("setuptools")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REDSRV_NATIVE_")}
+    env["CC"] = str(tmp_path / "no-such-compiler")
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                           "--build-temp", str(tmp_path / "temp")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("WARNING: redsrv's compiled data plane was not built") == 1, done.stderr
+    assert not list((tmp_path / "lib").rglob("_plane*"))
+    env["REDSRV_NATIVE_STRICT"] = "1"  # CI's and the release wheels' setting: the same failure stops the build
+    strict = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                             "--build-temp", str(tmp_path / "temp")], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert strict.returncode != 0
