@@ -194,6 +194,8 @@ def test_the_image_is_multi_stage_non_root_and_runs_redsrv(manifests) -> None:  
     assert 'ENTRYPOINT ["redsrv"]' in lines
     assert {template["spec"]["securityContext"]["runAsUser"] for template in pods(manifests)} == {int(user)}
     assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in dockerfile  # never the CUDA wheels by default
+    # The compiled plane is built in the build stage, which fails rather than fall back without it.
+    assert "COPY native native" in lines and "ENV REDSRV_NATIVE_STRICT=1" in lines
 
 
 def test_the_readme_creates_the_secret_rather_than_applying_the_placeholder() -> None:
