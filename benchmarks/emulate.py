@@ -79,6 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     b.add_argument("--dtype", choices=_DTYPES, default="float32", help="data type of the buffer (default float32)")
     b.add_argument("--wire-dtype", choices=["bf16", "fp16"], default=None,
                    help="redsrv compresses float32 to this on the wire (gloo keeps --dtype)")
+    b.add_argument("--data-plane", choices=["native", "python"], default=None,
+                   help="redsrv's data plane in every worker and reducer (REDSRV_DATA_PLANE; default: native where "
+                        "built): compare the compiled plane with the Python reference")
     b.add_argument("--chunk-kib", type=size_in("KiB", whole=True), default=None,
                    help="redsrv pipeline chunk size in KiB (default: the client's)")
     b.add_argument("--chunks-per-span", type=int, default=None, metavar="N",
@@ -141,6 +144,7 @@ class Options:
     rounds: int = 3
     dtype: str = "float32"
     wire_dtype: str | None = None
+    data_plane: str | None = None  # REDSRV_DATA_PLANE of every redsrv process; None: their default
     chunk_bytes: int | None = None
     chunks_per_span: int | None = None
     streams: int | None = None
@@ -262,7 +266,8 @@ def _main(a: argparse.Namespace) -> int:
             compare_flat=a.compare_flat, reducers=a.reducers,
             rate_bps=parse_rate(a.rate),
             sizes_bytes=tuple(int(s * 2**20) for s in a.sizes), reps=a.reps, warmup=a.warmup, rounds=a.rounds,
-            dtype=a.dtype, wire_dtype=a.wire_dtype, chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
+            dtype=a.dtype, wire_dtype=a.wire_dtype, data_plane=a.data_plane,
+            chunk_bytes=a.chunk_kib * 1024 if a.chunk_kib else None,
             chunks_per_span=a.chunks_per_span, streams=a.streams,
             host_piece_bytes=None if a.host_piece_kib is None else a.host_piece_kib * 1024,
             send_lowat_bytes=None if a.send_lowat_kib is None else a.send_lowat_kib * 1024,
@@ -384,6 +389,7 @@ def run_emulate(opts: Options) -> dict[str, Any]:
                f"MTU {opts.mtu}, packets up to {cluster.gso_bytes} bytes"
                + (f", {opts.delay_us} us one-way delay" if opts.delay_us else "")
                + f"; {opts.dtype}" + (f", {opts.wire_dtype} on the redsrv wire" if opts.wire_dtype else "")
+               + (f"; redsrv's {opts.data_plane} data plane" if opts.data_plane else "")
                + f"; {' vs '.join(impls)}; {opts.rounds} round(s)"
                + ("; reducers colocated with workers" if opts.colocate else "")
                + "".join(f"; redsrv {name}={value}" for name, value in opts.client_options().items())
@@ -479,6 +485,8 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
     per_host = opts.workers_per_host
     ranks = n * per_host  # rank r on host r // per_host: the block placement of torchrun and mpirun
     env = harness.child_env(secret)
+    if opts.data_plane is not None:
+        env["REDSRV_DATA_PLANE"] = opts.data_plane
     if opts.tcp_congestion is not None:
         env["REDSRV_TCP_CONGESTION"] = opts.tcp_congestion
     if opts.result_piece_bytes is not None:
@@ -497,7 +505,7 @@ def _run_config(cluster: Cluster, opts: Options, n: int, impls: list[str], goodp
             "world": ranks, "per_host": per_host, "host_level": opts.host_level, "impls": impls, "sizes": list(opts.sizes_bytes),
             "reps": [opts.reps_for(s) for s in opts.sizes_bytes],
             "warmup": opts.warmup, "rounds": opts.rounds, "dtype": opts.dtype, "wire_dtype": opts.wire_dtype,
-            "client_options": opts.client_options(), "reducers": addresses,
+            "data_plane": opts.data_plane, "client_options": opts.client_options(), "reducers": addresses,
             "master": f"{cluster.hosts[0].ip}:{harness.GLOO_PORT}", "job": f"bench-emulate-n{n}-{uuid.uuid4().hex[:8]}",
         }
         specs = [dict(spec_base, rank=rank, reducer_pids=[p.pid for p in reducers] if rank == 0 else [])
