@@ -680,7 +680,8 @@ class _Handle:
 def start_named(process_set: ProcessSet, kind: str, name: str | None,
                 start: Callable[[], tuple[concurrent.futures.Future[Any], Callable[[Any], Any], Any]]) -> int:
     """Start an asynchronous operation (``start()`` gives its future, how to finish its result
-    and what to keep alive) and return its handle, once its ``name`` is known to be free.
+    and what to keep alive) once its ``name`` is known to be free, and return Horovod's integer
+    handle for ``poll``/``synchronize``.
 
     As in Horovod, a name belongs to one operation of a kind at a time: asking for a second
     ``kind`` operation called ``name`` in the same process set while the first is in flight is a
@@ -704,12 +705,6 @@ def start_named(process_set: ProcessSet, kind: str, name: str | None,
         handle = next(runtime.handle_ids)
         runtime.handles[handle] = _Handle(future, finish, process_set._client, keep, claim)
     return handle
-
-
-def add_handle(future: concurrent.futures.Future[Any], finish: Callable[[Any], Any], process_set: ProcessSet,
-               keep: Any = None) -> int:
-    """Register an operation in flight (unnamed); Horovod's integer handle for ``poll``/``synchronize``."""
-    return start_named(process_set, "operation", None, lambda: (future, finish, keep))
 
 
 def _release_name(runtime: _Runtime, claim: tuple[Any, ...] | None) -> None:

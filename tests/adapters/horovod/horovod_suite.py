@@ -102,7 +102,7 @@ def temppath():
 RANK_MAIN = '''import os, sys
 import pytest
 rank = os.environ.get("HOROVOD_RANK", "0")
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore", "--junitxml", f"{sys.argv[2]}.{rank}.xml",
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--junitxml", f"{sys.argv[2]}.{rank}.xml",
                       "test_torch.py::TorchTests::" + sys.argv[1]]))
 '''
 
