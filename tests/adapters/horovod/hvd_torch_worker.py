@@ -207,6 +207,11 @@ def gaps(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
     facts["dup.other_kind_ok"] = hvd.synchronize(hvd.broadcast_async(x, 0, name="dup")).tolist()
     hvd.synchronize(first)
     facts["dup.after_sync"] = hvd.synchronize(hvd.allreduce_async(x, name="dup", op=hvd.Sum)).tolist()
+    polled = hvd.allreduce_async(x, name="polled", op=hvd.Sum)
+    while not hvd.poll(polled):  # seen finished: the name is free before synchronize
+        pass
+    again = hvd.allreduce_async(x * 2, name="polled", op=hvd.Sum)
+    facts["dup.after_poll"] = [hvd.synchronize(polled).tolist(), hvd.synchronize(again).tolist()]
     # gradients as Horovod defines them
     ones = torch.ones(4, 2, dtype=torch.float64)
     b = make(r, 31, (4, 2), torch.float64).requires_grad_()

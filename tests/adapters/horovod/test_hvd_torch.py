@@ -178,6 +178,7 @@ def test_a_name_in_flight_cannot_be_reused_until_synchronized(api_run) -> None: 
         assert f["dup.second_raises"].startswith("ValueError") and "'dup'" in f["dup.second_raises"]
         assert f["dup.other_kind_ok"] == [1.0] * 3  # names are per kind of operation, as Horovod's
         assert f["dup.after_sync"] == [float(N)] * 3
+        assert f["dup.after_poll"] == [[float(N)] * 3, [2.0 * N] * 3]
 
 
 def test_gradients_are_horovods(api_run) -> None:  # type: ignore[no-untyped-def]
