@@ -494,7 +494,9 @@ def allreduce_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, *, n
 
     if integer_average or postscale_factor != 1.0:
         result = _then(result, finish)
-    return result if shapes is None else _agreeing(result, shapes, arr.shape, client, key)  # type: ignore[arg-type]
+    if shapes is None or client is None:
+        return result
+    return _agreeing(result, shapes, arr.shape, client, key)
 
 
 def _shape_bounds_async(client: Client, shape: tuple[int, ...], key: Any) -> concurrent.futures.Future[np.ndarray]:
@@ -506,7 +508,9 @@ def _shape_bounds_async(client: Client, shape: tuple[int, ...], key: Any) -> con
     described = np.zeros(1 + collectives.MAX_DIMS, dtype=np.int64)
     described[0], described[1 : 1 + len(shape)] = len(shape), shape
     with _submitting():
-        return client.allreduce_async(np.concatenate([described, -described]), op="min", key=(key, "shape"))
+        bounds: concurrent.futures.Future[np.ndarray] = client.allreduce_async(
+            np.concatenate([described, -described]), op="min", key=(key, "shape"))
+    return bounds
 
 
 def _agreeing(result: concurrent.futures.Future[np.ndarray], shapes: concurrent.futures.Future[np.ndarray],
@@ -551,6 +555,7 @@ def _scaled(arr: np.ndarray, factor: float) -> np.ndarray:
     """``arr * factor`` in ``arr``'s dtype, computed as Horovod does on the CPU: 16-bit floats
     in float32 (rounded once, at the end), other floats in their own precision, integers in
     float64 (then truncated)."""
+    compute: np.dtype[Any]
     if arr.dtype.itemsize == 2 and (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"):
         compute = np.dtype(np.float32)
     else:

@@ -307,7 +307,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
     def result() -> torch.Tensor:
         gathered_values, gathered_indices = synchronize(values), synchronize(indices)
         if chosen is common.Average:
-            gathered_values = gathered_values / process_set.size()
+            gathered_values = gathered_values / process_set._set_size()
         return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.size())
 
     return result
@@ -525,7 +525,7 @@ def _reducescatter_grad(grad: torch.Tensor, op: common.ReduceOp, scale: float, p
     """Horovod's reducescatter gradient before its allgather: Sum multiplies the output gradient
     by the set's size, Average leaves it, and both apply the pre- and post-scale factors."""
     if op is common.Sum:
-        grad = grad * process_set.size()
+        grad = grad * process_set._set_size()
     return (grad * scale if scale != 1.0 else grad).contiguous()
 
 
