@@ -18,6 +18,7 @@ collective is started from the first round's completion callback.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -80,19 +81,22 @@ def allgather_async(client: Client, x: np.ndarray, *, key: Any,
                     timeout: float | None = None) -> concurrent.futures.Future[list[np.ndarray]]:
     """Every rank's ``x``, in rank order, on every rank. First dimensions may differ per rank;
     the dtype and the other dimensions must agree (else :class:`ContributionMismatchError` on
-    every rank). ``key`` must be the same on every rank and unique among operations in flight."""
+    every rank). Any fixed-size dtype works, the wire's or not (int16, complex, ...): the data
+    travels as its bytes. ``key`` must be the same on every rank and unique among operations in
+    flight."""
     arr = _contiguous(x)
     if arr.ndim > MAX_DIMS:
         raise ValueError(f"allgather supports at most {MAX_DIMS} dimensions, got {arr.ndim}")
-    code = wire.dtype_code(arr.dtype)
+    if arr.dtype.hasobject or arr.dtype.itemsize == 0:
+        raise TypeError(f"allgather needs a fixed-size dtype, got {arr.dtype}")
     result: concurrent.futures.Future[list[np.ndarray]] = concurrent.futures.Future()
     table = np.zeros((client.world_size, _SHAPE_WIDTH), dtype=np.int64)
-    table[client.rank, :2] = (int(code), arr.ndim)
+    table[client.rank, :2] = (_dtype_tag(arr.dtype), arr.ndim)
     table[client.rank, 2 : 2 + arr.ndim] = arr.shape
 
     def shapes_known(done: concurrent.futures.Future[np.ndarray]) -> None:
         try:
-            shapes = _shapes(done.result(), client, key)
+            shapes = _shapes(done.result(), client, key, arr.dtype)
             parts = _gather_bytes(client, arr, shapes, key, timeout)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
             _settle(result, exc=exc)
@@ -226,7 +230,22 @@ def _on_wire(dtype: np.dtype) -> bool:
     return code is not None and dtype == wire.numpy_dtype(code)
 
 
-def _shapes(table: np.ndarray, client: Client, key: Any) -> list[tuple[int, ...]]:
+def _dtype_tag(dtype: np.dtype) -> int:
+    """What a rank writes in the shape table for its dtype: the wire code of a wire dtype, else
+    a negative number derived from the dtype's description (``'<i2'``), the same on every rank."""
+    if _on_wire(dtype):
+        return int(wire.dtype_code(dtype))
+    return -1 - int.from_bytes(hashlib.blake2b(dtype.str.encode(), digest_size=6).digest(), "little")
+
+
+def _dtype_label(tag: int, own: np.dtype) -> str:
+    """The dtype a shape table's tag stands for, as far as this rank can tell."""
+    if tag == _dtype_tag(own):
+        return str(own)
+    return str(wire.numpy_dtype(wire.DType(tag))) if tag >= 0 else "a dtype the wire does not carry"
+
+
+def _shapes(table: np.ndarray, client: Client, key: Any, own: np.dtype) -> list[tuple[int, ...]]:
     """Each rank's shape from the gathered table, after checking that the ranks agree on the
     dtype and on every dimension but the first."""
     shapes = []
@@ -235,8 +254,8 @@ def _shapes(table: np.ndarray, client: Client, key: Any) -> list[tuple[int, ...]
         shapes.append(tuple(int(d) for d in table[r, 2 : 2 + ndim]))
     for r in range(1, client.world_size):
         if table[r, 0] != table[0, 0] or shapes[r][1:] != shapes[0][1:] or (len(shapes[r]) == 0) != (len(shapes[0]) == 0):
-            theirs = f"{wire.numpy_dtype(wire.DType(int(table[r, 0])))}{list(shapes[r])}"
-            first = f"{wire.numpy_dtype(wire.DType(int(table[0, 0])))}{list(shapes[0])}"
+            theirs = f"{_dtype_label(int(table[r, 0]), own)}{list(shapes[r])}"
+            first = f"{_dtype_label(int(table[0, 0]), own)}{list(shapes[0])}"
             raise ContributionMismatchError(
                 f"allgather: rank 0 has {first}, rank {r} has {theirs}; ranks may differ in the first dimension only",
                 job=client.config.job, rank=client.rank, key=key)

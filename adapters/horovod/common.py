@@ -40,7 +40,7 @@ import numpy as np
 from redsrv.core import collectives, commons
 from redsrv.core.client import Client
 from redsrv.core.config import Config
-from redsrv.core.errors import ConfigError, LocalProtocolError, PeerTimeoutError, RedsrvError
+from redsrv.core.errors import ConfigError, ContributionMismatchError, LocalProtocolError, PeerTimeoutError, RedsrvError
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -262,6 +262,7 @@ class _Runtime:
         self.set_ids = itertools.count(1)
         self.handles: dict[int, _Handle] = {}
         self.handle_ids = itertools.count(1)
+        self.names_in_flight: set[tuple[Any, ...]] = set()  # see start_named
         self.lock = threading.Lock()
         self.topology = Topology(self.rank, self.size, 0, 1, 0, 1, True)
 
@@ -465,12 +466,17 @@ def _then(future: concurrent.futures.Future[Any], transform: Callable[[Any], Any
 
 
 def allreduce_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, *, name: str | None = None, kind: str = "allreduce",
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    out: np.ndarray | None = None) -> concurrent.futures.Future[np.ndarray]:
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0, out: np.ndarray | None = None,
+                    check_shape: bool = False) -> concurrent.futures.Future[np.ndarray]:
     """``op`` of ``arr`` over the set's ranks, scaled before and after as Horovod does. Average
-    divides the rank-order sum by the set's size (integers: floor division, as Horovod)."""
+    divides the rank-order sum by the set's size (integers: floor division, as Horovod).
+
+    The reducers compare lengths and dtypes; ``check_shape`` also compares ``arr.shape`` (one
+    more small message, sent concurrently), so that ranks whose shapes differ with the same
+    number of elements fail as under Horovod instead of adding unrelated elements."""
     key = process_set.next_key(kind, name)
     client = process_set.client()
+    shapes = _shape_bounds_async(client, arr.shape, key) if check_shape and client is not None else None
     if prescale_factor != 1.0:
         arr = _scaled(arr, prescale_factor)
     is_float = arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"
@@ -490,11 +496,75 @@ def allreduce_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, *, n
             total[...] = _scaled(total, postscale_factor)
         return total
 
-    return _then(result, finish) if integer_average or postscale_factor != 1.0 else result
+    if integer_average or postscale_factor != 1.0:
+        result = _then(result, finish)
+    if shapes is None or client is None:
+        return result
+    return _agreeing(result, shapes, arr.shape, client, key)
+
+
+def _shape_bounds_async(client: Client, shape: tuple[int, ...], key: Any) -> concurrent.futures.Future[np.ndarray]:
+    """The element-wise minimum over the ranks of ``[ndim, *dims, -ndim, *-dims]`` (dims padded
+    to :data:`collectives.MAX_DIMS`): every rank had this shape exactly when the first half
+    equals minus the second, and on a mismatch the two halves bound the shapes that were sent."""
+    if len(shape) > collectives.MAX_DIMS:
+        raise ValueError(f"at most {collectives.MAX_DIMS} dimensions are supported, got {len(shape)}")
+    described = np.zeros(1 + collectives.MAX_DIMS, dtype=np.int64)
+    described[0], described[1 : 1 + len(shape)] = len(shape), shape
+    with _submitting():
+        bounds: concurrent.futures.Future[np.ndarray] = client.allreduce_async(
+            np.concatenate([described, -described]), op="min", key=(key, "shape"))
+    return bounds
+
+
+def _agreeing(result: concurrent.futures.Future[np.ndarray], shapes: concurrent.futures.Future[np.ndarray],
+              shape: tuple[int, ...], client: Client, key: Any) -> concurrent.futures.Future[np.ndarray]:
+    """``result`` once the ranks' shapes are known to agree; a :class:`ContributionMismatchError`
+    (on every rank: they all see the same bounds) when they do not. An error of the data itself
+    (a length or dtype the reducers refused) comes first."""
+    checked: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
+    remaining = [2]
+    lock = threading.Lock()
+
+    def arrived(_done: concurrent.futures.Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        try:
+            value = result.result()
+            bounds = shapes.result()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            checked.set_exception(exc)
+            return
+        width = bounds.size // 2
+        low, high = bounds[:width], -bounds[width:]
+        if not np.array_equal(low, high):
+            def described(row: np.ndarray) -> list[int]:
+                return [int(d) for d in row[1 : 1 + int(row[0])]]
+
+            checked.set_exception(ContributionMismatchError(
+                f"Mismatched shapes: rank {client.rank} sent {list(shape)}, but the ranks' shapes range over "
+                f"{described(low)} .. {described(high)} (element-wise); every rank must pass the same shape",
+                job=client.config.job, rank=client.rank, key=key))
+            return
+        checked.set_result(value)
+
+    result.add_done_callback(arrived)
+    shapes.add_done_callback(arrived)
+    return checked
 
 
 def _scaled(arr: np.ndarray, factor: float) -> np.ndarray:
-    return np.asarray(arr * np.asarray(factor, dtype=arr.dtype if arr.dtype.kind == "f" else np.float64)).astype(arr.dtype)
+    """``arr * factor`` in ``arr``'s dtype, computed as Horovod does on the CPU: 16-bit floats
+    in float32 (rounded once, at the end), other floats in their own precision, integers in
+    float64 (then truncated)."""
+    compute: np.dtype[Any]
+    if arr.dtype.itemsize == 2 and (arr.dtype.kind == "f" or arr.dtype.name == "bfloat16"):
+        compute = np.dtype(np.float32)
+    else:
+        compute = arr.dtype if arr.dtype.kind == "f" else np.dtype(np.float64)
+    return np.asarray(arr.astype(compute) * np.asarray(factor, dtype=compute)).astype(arr.dtype)
 
 
 def _copy_into(out: np.ndarray, arr: np.ndarray) -> np.ndarray:
@@ -540,7 +610,8 @@ def alltoall_async(process_set: ProcessSet, arr: np.ndarray, splits: Sequence[in
 
 
 def reducescatter_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, *, name: str | None = None,
-                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> concurrent.futures.Future[np.ndarray]:
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                        check_shape: bool = False) -> concurrent.futures.Future[np.ndarray]:
     """The reduction of ``arr``, of which each member keeps its rows: the first ``rows % size``
     members one more than the others (Horovod's split)."""
     process_set.client()  # a clear error for a set this rank is not in
@@ -551,7 +622,7 @@ def reducescatter_async(process_set: ProcessSet, arr: np.ndarray, op: ReduceOp, 
     counts = collectives.split_sizes(arr.shape[0], set_size)
     start = sum(counts[:index])
     reduced = allreduce_async(process_set, arr, op, name=name, kind="reducescatter", prescale_factor=prescale_factor,
-                              postscale_factor=postscale_factor)
+                              postscale_factor=postscale_factor, check_shape=check_shape)
     return _then(reduced, lambda total: np.array(total.reshape(arr.shape)[start : start + counts[index]]))
 
 
@@ -612,24 +683,55 @@ class _Handle:
     finish: Callable[[Any], Any]
     client: Client | None
     keep: Any  # inputs that must outlive the operation (their memory is being sent)
+    name: tuple[Any, ...] | None = None  # (process set id, kind, name) while the name is in use
 
 
-def add_handle(future: concurrent.futures.Future[Any], finish: Callable[[Any], Any], process_set: ProcessSet,
-               keep: Any = None) -> int:
-    """Register an operation in flight; Horovod's integer handle for ``poll``/``synchronize``."""
+def start_named(process_set: ProcessSet, kind: str, name: str | None,
+                start: Callable[[], tuple[concurrent.futures.Future[Any], Callable[[Any], Any], Any]]) -> int:
+    """Start an asynchronous operation (``start()`` gives its future, how to finish its result
+    and what to keep alive) once its ``name`` is known to be free, and return Horovod's integer
+    handle for ``poll``/``synchronize``.
+
+    As in Horovod, a name belongs to one operation of a kind at a time: asking for a second
+    ``kind`` operation called ``name`` in the same process set while the first is in flight is a
+    ``ValueError``, raised before anything is sent (so the ranks' keys stay aligned). The name is
+    free again once this rank has seen the first one finish (``synchronize``, or ``poll``
+    returning ``True``): a rule every rank applies the same way, unlike "the reply has arrived"."""
     runtime = _require()
+    claim = None if name is None else (process_set.process_set_id, kind, str(name))
+    with runtime.lock:
+        if claim is not None and claim in runtime.names_in_flight:
+            raise ValueError(f"Requested to {kind} a tensor named {name!r} while another {kind} of that name is still in "
+                             "flight: use a different name, or synchronize the first operation before reusing its name.")
+        if claim is not None:
+            runtime.names_in_flight.add(claim)
+    try:
+        future, finish, keep = start()
+    except BaseException:
+        _release_name(runtime, claim)
+        raise
     with runtime.lock:
         handle = next(runtime.handle_ids)
-        runtime.handles[handle] = _Handle(future, finish, process_set._client, keep)
+        runtime.handles[handle] = _Handle(future, finish, process_set._client, keep, claim)
     return handle
+
+
+def _release_name(runtime: _Runtime, claim: tuple[Any, ...] | None) -> None:
+    if claim is not None:
+        with runtime.lock:
+            runtime.names_in_flight.discard(claim)
 
 
 def poll(handle: int) -> bool:
     """Whether the operation finished (``synchronize`` will then not block)."""
-    entry = _require().handles.get(handle)
+    runtime = _require()
+    entry = runtime.handles.get(handle)
     if entry is None:
         raise ValueError(f"unknown handle {handle!r} (already synchronized?)")
-    return entry.future.done()
+    done = entry.future.done()
+    if done:
+        _release_name(runtime, entry.name)
+    return done
 
 
 def synchronize(handle: int) -> Any:
@@ -639,7 +741,10 @@ def synchronize(handle: int) -> Any:
         entry = runtime.handles.pop(handle, None)
     if entry is None:
         return None  # Horovod returns nothing for an unknown (already synchronized) handle
-    return entry.finish(wait_future(entry.future, entry.client))
+    try:
+        return entry.finish(wait_future(entry.future, entry.client))
+    finally:
+        _release_name(runtime, entry.name)
 
 
 def wait_future(future: concurrent.futures.Future[Any], client: Client | None) -> Any:

@@ -38,7 +38,8 @@ def on_every_rank(reducers: list[str], n: int, body: Callable[[redsrv.Client], A
             c.close()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.int64, ml_dtypes.bfloat16, np.bool_, np.uint8])
+@pytest.mark.parametrize("dtype", [np.float32, np.int64, ml_dtypes.bfloat16, np.bool_, np.uint8,
+                                   np.int16, np.complex64])  # the last two are not wire dtypes: they travel as bytes
 def test_allgather_with_different_first_dimensions_is_exact(reducers: list[str], dtype: Any) -> None:
     n = 3
     inputs = [(np.random.default_rng(r).standard_normal((r * 7 + 1, 3)) * 100).astype(dtype) for r in range(n)]
@@ -67,6 +68,20 @@ def test_ranks_that_disagree_on_dtype_or_trailing_dimensions_fail_on_every_rank(
         return "raised"
 
     assert on_every_rank(reducers, 2, body, "ag-mismatch") == ["raised", "raised"]
+
+
+def test_a_dtype_off_the_wire_against_another_dtype_fails_on_every_rank(reducers: list[str]) -> None:
+    """int16 is not a wire dtype; a rank with float16 (same item size) is still a mismatch."""
+    inputs = [np.zeros((2, 3), np.int16), np.zeros((2, 3), np.float16)]
+
+    def body(c: redsrv.Client) -> str:
+        # rank 1 knows rank 0's dtype only as "not float16, not a wire dtype"
+        first = "int16" if c.rank == 0 else "a dtype the wire does not carry"
+        with pytest.raises(redsrv.ContributionMismatchError, match=rf"rank 0 has {first}\[2, 3\], rank 1 has float16\[2, 3\]"):
+            collectives.allgather(c, inputs[c.rank], key="bad")
+        return "raised"
+
+    assert on_every_rank(reducers, 2, body, "ag-off-wire-mismatch") == ["raised", "raised"]
 
 
 def test_allgather_into_lands_every_slot(reducers: list[str]) -> None:

@@ -106,3 +106,8 @@ def test_exact_broadcast_argument_misuse_before_anything_is_sent() -> None:
     raises_exactly(TypeError, lambda: collectives.broadcast_exact_async(client, np.array([object()]), key=0), "fixed-size")
     raises_exactly(ValueError, lambda: collectives.broadcast_exact_async(client, np.zeros(3), key=0, out=np.zeros(2)),
                    "out must be")
+
+
+def test_allgather_of_objects_is_a_type_error_before_anything_is_sent() -> None:
+    client: Any = None  # the checks run before the client is touched
+    raises_exactly(TypeError, lambda: collectives.allgather_async(client, np.array([object()]), key=0), "fixed-size")

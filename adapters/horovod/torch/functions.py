@@ -49,7 +49,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     The state's structure and scalars travel as one pickled object; its tensors travel as raw
     bytes (exact), then every other rank loads the result with ``load_state_dict``. Ranks whose
     optimizer has not stepped yet receive the full state; unlike Horovod, no optimizer step is
-    taken to create it. ``model`` is accepted for Horovod's signature and not needed."""
+    taken to create it. As under Horovod, when the optimizer has no state yet, every parameter
+    that requires a gradient and has none gets a zero gradient (sparse for ``SparseAdam`` and
+    for a ``model``'s sparse embeddings), so code that reads ``p.grad`` afterwards finds what
+    Horovod leaves there."""
+    if not optimizer.state_dict()["state"]:
+        _zero_missing_grads(optimizer, model)
     is_root = common.rank() == root_rank
     tensors: list[torch.Tensor] = []
     structure: Any = None
@@ -67,6 +72,18 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         state = {pid: {name: received[v.index] if isinstance(v, _TensorSlot) else v for name, v in entry.items()}
                  for pid, entry in structure["state"].items()}
         optimizer.load_state_dict({"state": state, "param_groups": structure["param_groups"]})
+
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer, model: Any) -> None:
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zero = torch.zeros_like(p)
+                takes_sparse = isinstance(optimizer, torch.optim.SparseAdam) or (
+                    isinstance(optimizer, torch.optim.SGD) and id(p) in sparse)
+                p.grad = zero.to_sparse() if takes_sparse else zero
 
 
 def _slot(value: Any, tensors: list[torch.Tensor]) -> Any:

@@ -20,7 +20,7 @@ import torch
 from .. import common
 from ..common import ProcessSet, global_process_set
 from .compression import Compression
-from .mpi_ops import allreduce_async_, grouped_allreduce_async_, synchronize
+from .mpi_ops import gradient_allreduce_async_, gradient_grouped_allreduce_async_, sparse_allreduce_async, synchronize
 
 __all__ = ["DistributedOptimizer"]
 
@@ -53,14 +53,14 @@ class _DistributedOptimizer:
         self._predivide = gradient_predivide_factor
         self._sparse_as_dense = sparse_as_dense
         self._process_set = process_set
-        self._names = {p: name for name, p in named}
+        self._parameter_names = {p: name for name, p in named}
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in params}
         self._handles: dict[Any, tuple[int | None, Any]] = {}
         self._requires_update = [p for p in params if p.requires_grad]
         self._synchronized = False
         self._should_synchronize = True
-        self._groups = _form_groups(groups, self._requires_update, self._names)
+        self._groups = _form_groups(groups, self._requires_update, self._parameter_names)
         self._group_of = {p: group for group in self._groups for p in group}
         self._group_ready: dict[tuple[torch.Tensor, ...], int] = {group: 0 for group in self._groups}
         self._hook_handles = []
@@ -95,7 +95,7 @@ class _DistributedOptimizer:
                         self._write_grad(p, output, part_ctx)
                     self._group_ready[key] = 0
                 else:
-                    self._write_grad(key, synchronize(handle), ctx)
+                    self._write_grad(key, handle() if callable(handle) else synchronize(handle), ctx)
         finally:
             self._handles.clear()
         self._synchronized = True
@@ -169,31 +169,28 @@ class _DistributedOptimizer:
         if p.grad is None:
             # Not computed here this step, perhaps elsewhere: every rank must still contribute.
             p.grad = torch.zeros_like(p)
-        grad = p.grad
-        if grad.is_sparse:
-            if not self._sparse_as_dense:
-                raise NotImplementedError("sparse gradients are not supported: pass sparse_as_dense=True")
-            grad = grad.to_dense()
-        return grad
+        return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
-    def _start(self, key: Any) -> tuple[int, Any]:
+    def _start(self, key: Any) -> tuple[Any, Any]:
         prescale, postscale = self._scales()
         if isinstance(key, tuple):
             compressed = [self._compression.compress(self._grad(p)) for p in key]
-            handle = grouped_allreduce_async_([c for c, _ in compressed], name=self._names[key[0]], op=self._op,
-                                              prescale_factor=prescale, postscale_factor=postscale,
-                                              process_set=self._process_set)
+            handle = gradient_grouped_allreduce_async_([c for c, _ in compressed], self._parameter_names[key[0]], self._op,
+                                                       prescale, postscale, self._process_set)
             return handle, [ctx for _, ctx in compressed]
+        if key.grad is not None and key.grad.is_sparse and not self._sparse_as_dense:
+            # Horovod's sparse path: every rank's entries gathered, a function to call for the result.
+            return sparse_allreduce_async(key.grad, self._parameter_names[key], self._op, self._process_set), None
         compressed, ctx = self._compression.compress(self._grad(key))
-        handle = allreduce_async_(compressed, name=self._names[key], op=self._op, prescale_factor=prescale,
-                                  postscale_factor=postscale, process_set=self._process_set)
+        handle = gradient_allreduce_async_(compressed, self._parameter_names[key], self._op, prescale, postscale,
+                                           self._process_set)
         return handle, ctx
 
     def _write_grad(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
         self._delay[p] = self.backward_passes_per_step
-        reduced = self._compression.decompress(output, ctx)
+        reduced = output if output.is_sparse else self._compression.decompress(output, ctx)
         if p.grad is not None and p.grad.is_sparse:
-            p.grad.zero_().add_(reduced.to_sparse())
+            p.grad.zero_().add_(reduced if reduced.is_sparse else reduced.to_sparse())
         elif reduced.data_ptr() != p.grad.data_ptr() or reduced.dtype != p.grad.dtype:  # type: ignore[union-attr]
             p.grad.copy_(reduced)  # type: ignore[union-attr]
 

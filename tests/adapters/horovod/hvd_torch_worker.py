@@ -180,10 +180,82 @@ def api(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
     facts["allgather_object"] = hvd.allgather_object(("rank", r))
     hvd.barrier()
     facts["join"] = hvd.join()
+    gaps(out, facts)
     process_sets(out, facts)
     optimizers(out, facts)
     misuse(facts)
     errors(facts)
+
+
+def gaps(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
+    """What Horovod's own tests found missing: int16, duplicate names, Horovod's gradients for
+    broadcast/allgather/reducescatter and the grouped ops, float16 scaling, sparse tensors."""
+    r, n = hvd.rank(), hvd.size()
+    # int16: reduced (in int32 on the wire), gathered, broadcast and exchanged as itself
+    i16 = make(r, 30, (n * 2, 3), torch.int16) * 10000  # sums of three ranks overflow int16: they wrap
+    out["in.i16"] = i16
+    out["i16.sum"] = hvd.allreduce(i16, op=hvd.Sum)
+    out["i16.max"] = hvd.allreduce(i16, op=hvd.Max)
+    out["i16.allgather"] = hvd.allgather(i16[: r + 1])
+    out["i16.broadcast"] = hvd.broadcast(i16, root_rank=2)
+    out["i16.alltoall"] = hvd.alltoall(i16)
+    out["i16.reducescatter"] = hvd.reducescatter(i16, op=hvd.Sum)
+    # a name in flight is taken until this rank synchronized it
+    x = torch.ones(3)
+    first = hvd.allreduce_async(x, name="dup", op=hvd.Sum)
+    facts["dup.second_raises"] = _raises(lambda: hvd.allreduce_async(x, name="dup", op=hvd.Sum), ValueError)
+    facts["dup.other_kind_ok"] = hvd.synchronize(hvd.broadcast_async(x, 0, name="dup")).tolist()
+    hvd.synchronize(first)
+    facts["dup.after_sync"] = hvd.synchronize(hvd.allreduce_async(x, name="dup", op=hvd.Sum)).tolist()
+    polled = hvd.allreduce_async(x, name="polled", op=hvd.Sum)
+    while not hvd.poll(polled):  # seen finished: the name is free before synchronize
+        pass
+    again = hvd.allreduce_async(x * 2, name="polled", op=hvd.Sum)
+    facts["dup.after_poll"] = [hvd.synchronize(polled).tolist(), hvd.synchronize(again).tolist()]
+    # gradients as Horovod defines them
+    ones = torch.ones(4, 2, dtype=torch.float64)
+    b = make(r, 31, (4, 2), torch.float64).requires_grad_()
+    hvd.broadcast(b, root_rank=1).backward(ones * (r + 1))
+    out["grad.broadcast"] = b.grad
+    for label, op in (("sum", hvd.Sum), ("avg", hvd.Average)):
+        s = make(r, 32, (2 * n, 2), torch.float64).requires_grad_()
+        hvd.reducescatter(s, op=op, prescale_factor=0.5).backward(torch.full((2, 2), float(r + 1), dtype=torch.float64))
+        out[f"grad.reducescatter.{label}"] = s.grad
+    g0, g1 = (make(r, 33, (3,), torch.float64).requires_grad_(), make(r, 34, (r + 1, 2), torch.float64).requires_grad_())
+    a0, a1 = hvd.grouped_allreduce([g0, g0 * 2], op=hvd.Sum)
+    (a0 * (r + 1) + a1).sum().backward()
+    out["grad.grouped_allreduce"] = g0.grad
+    (gathered,) = hvd.grouped_allgather([g1])
+    (gathered * (r + 1)).sum().backward()
+    out["grad.grouped_allgather"] = g1.grad
+    h = make(r, 35, (2 * n,), torch.float64).requires_grad_()
+    (part,) = hvd.grouped_reducescatter([h], op=hvd.Sum)
+    (part * (r + 1)).sum().backward()
+    out["grad.grouped_reducescatter"] = h.grad
+    # float16 scaled in float32, rounded once
+    half = make(r, 36, (16,), torch.float16)
+    out["in.half"] = half
+    out["half.prescaled"] = hvd.allreduce(half, op=hvd.Sum, prescale_factor=0.37)
+    out["half.postscaled"] = hvd.allreduce(half, op=hvd.Sum, postscale_factor=0.37)
+    # sparse: Horovod's sparse_allreduce_async, and sparse gradients through the optimizer
+    dense = make(r, 37, (6, 3), torch.float32) * (torch.rand(6, 1, generator=torch.Generator().manual_seed(r)) > 0.5)
+    out["in.sparse"] = dense
+    out["sparse.sum"] = hvd.sparse_allreduce_async(dense.to_sparse(), name="sp", op=hvd.Sum)().to_dense()
+    out["sparse.avg"] = hvd.sparse_allreduce_async(dense.to_sparse(), name="sp", op=hvd.Average)().to_dense()
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 3, sparse=True)
+    out["embedding.before"] = embedding.weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1))
+    facts["embedding.names"] = sorted(opt._parameter_names.values())  # what Horovod's test reads
+    embedding(torch.tensor([r, r + 1, 9, 9])).sum().backward()
+    opt.step()
+    out["embedding.after"] = embedding.weight.detach().clone()
+    # broadcast_optimizer_state of a fresh optimizer over a parameter without a gradient
+    fixed, free = torch.nn.Parameter(torch.ones(2), requires_grad=False), torch.nn.Parameter(torch.ones(2))
+    sgd = hvd.DistributedOptimizer(torch.optim.SGD([fixed, free], lr=0.1, momentum=0.9),
+                                   named_parameters=[("fixed", fixed), ("free", free)])
+    hvd.broadcast_optimizer_state(sgd, root_rank=0)
+    facts["no_grad.grads"] = [fixed.grad is None, None if free.grad is None else free.grad.tolist()]
 
 
 def process_sets(out: dict[str, torch.Tensor], facts: dict[str, object]) -> None:
@@ -281,7 +353,7 @@ def misuse(facts: dict[str, object]) -> None:
     facts["misuse"] = {
         "adasum": _raises(lambda: hvd.allreduce(x, op=hvd.Adasum), NotImplementedError),
         "op_and_average": _raises(lambda: hvd.allreduce(x, average=True, op=hvd.Sum), ValueError),
-        "int16": _raises(lambda: hvd.allreduce(torch.ones(3, dtype=torch.int16)), ValueError),
+        "complex": _raises(lambda: hvd.allreduce(torch.ones(3, dtype=torch.complex64)), ValueError),
         "predivide_with_sum": _raises(lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(x)], lr=1),
                                                                        op=hvd.Sum, gradient_predivide_factor=2.0), ValueError),
     }
@@ -292,10 +364,14 @@ def errors(facts: dict[str, object]) -> None:
     r = hvd.rank()
     for label, tensor in (("shape", torch.ones(r + 2)),
                           ("dtype", torch.ones(3, dtype=torch.float32 if r == 0 else torch.float64)),
-                          ("gather_dims", torch.ones(2, r + 1))):
+                          ("gather_dims", torch.ones(2, r + 1)),
+                          ("same_size", torch.ones(6) if r == 0 else torch.ones(3, 2)),  # as many elements, other shape
+                          ("reducescatter_same_size", torch.ones(6, 2) if r == 0 else torch.ones(3, 4))):
         try:
             if label == "gather_dims":
                 hvd.allgather(tensor, name=label)
+            elif label.startswith("reducescatter"):
+                hvd.reducescatter(tensor, name=label)
             else:
                 hvd.allreduce(tensor, name=label)
             facts[f"error.{label}"] = None

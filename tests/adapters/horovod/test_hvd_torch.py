@@ -155,7 +155,79 @@ def test_autograd(api_run) -> None:  # type: ignore[no-untyped-def]
     for r, t in enumerate(tensors):
         assert torch.equal(t["grad.allreduce"], weights * N)  # every rank's weights, summed
         own = torch.arange(12, dtype=torch.float64).reshape(6, 2)[offsets[r] : offsets[r] + r + 1]
-        assert torch.equal(t["grad.allgather"], own * N)
+        assert torch.equal(t["grad.allgather"], own)  # Horovod's: the gradients averaged over the ranks, own rows
+
+
+def test_int16_is_reduced_gathered_broadcast_and_exchanged_as_horovod_does(api_run) -> None:  # type: ignore[no-untyped-def]
+    tensors, _ = api_run
+    inputs = [t["in.i16"] for t in tensors]
+    total = rank_order(inputs, "sum")  # int16 arithmetic: the sums that overflow wrap, as Horovod's
+    assert not torch.equal(total.to(torch.int32), rank_order([x.to(torch.int32) for x in inputs], "sum"))
+    for r, t in enumerate(tensors):
+        assert all(t[k].dtype == torch.int16 for k in t if k.startswith("i16."))
+        assert torch.equal(t["i16.sum"], total) and torch.equal(t["i16.max"], rank_order(inputs, "max"))
+        assert torch.equal(t["i16.allgather"], torch.cat([x[: s + 1] for s, x in enumerate(inputs)]))
+        assert torch.equal(t["i16.broadcast"], inputs[2])
+        assert torch.equal(t["i16.alltoall"], torch.cat([x[2 * r : 2 * r + 2] for x in inputs]))
+        assert torch.equal(t["i16.reducescatter"], total[2 * r : 2 * r + 2])
+
+
+def test_a_name_in_flight_cannot_be_reused_until_synchronized(api_run) -> None:  # type: ignore[no-untyped-def]
+    _, facts = api_run
+    for f in facts:
+        assert f["dup.second_raises"].startswith("ValueError") and "'dup'" in f["dup.second_raises"]
+        assert f["dup.other_kind_ok"] == [1.0] * 3  # names are per kind of operation, as Horovod's
+        assert f["dup.after_sync"] == [float(N)] * 3
+        assert f["dup.after_poll"] == [[float(N)] * 3, [2.0 * N] * 3]
+
+
+def test_gradients_are_horovods(api_run) -> None:  # type: ignore[no-untyped-def]
+    """Horovod's definitions (horovod/torch/mpi_ops.py, checked by its test_torch.py): rank r's
+    output gradient is r + 1 times ones in each case below."""
+    tensors, _ = api_run
+    mean_weight = sum(range(1, N + 1)) / N
+    f64 = torch.float64
+    for r, t in enumerate(tensors):
+        # broadcast: the root gets the output gradients averaged over the ranks, the others zeros
+        assert torch.equal(t["grad.broadcast"], torch.full((4, 2), mean_weight if r == 1 else 0.0, dtype=f64))
+        # reducescatter: every rank's output gradient gathered, times size for Sum, times the scales
+        for label, factor in (("sum", N * 0.5), ("avg", 0.5)):
+            expected = torch.cat([torch.full((2, 2), (s + 1) * factor, dtype=f64) for s in range(N)])
+            assert torch.equal(t[f"grad.reducescatter.{label}"], expected), label
+        # grouped ops differentiate as their single forms: a grouped Sum allreduce of [g, 2g] ...
+        assert torch.equal(t["grad.grouped_allreduce"], torch.full((3,), N * mean_weight + 2.0 * N, dtype=f64))
+        assert torch.equal(t["grad.grouped_allgather"], torch.full((r + 1, 2), mean_weight, dtype=f64))
+        expected = torch.cat([torch.full((2,), (s + 1.0) * N, dtype=f64) for s in range(N)])
+        assert torch.equal(t["grad.grouped_reducescatter"], expected)
+
+
+def test_float16_is_scaled_in_float32_and_rounded_once(api_run) -> None:  # type: ignore[no-untyped-def]
+    tensors, _ = api_run
+    factor = torch.tensor(0.37, dtype=torch.float32)
+    halves = [t["in.half"] for t in tensors]
+    prescaled = rank_order([(h.float() * factor).half() for h in halves], "sum")
+    postscaled = (rank_order(halves, "sum").float() * factor).half()
+    for t in tensors:
+        assert torch.equal(t["half.prescaled"], prescaled)
+        assert torch.equal(t["half.postscaled"], postscaled)
+
+
+def test_sparse_allreduce_and_sparse_gradients(api_run) -> None:  # type: ignore[no-untyped-def]
+    tensors, facts = api_run
+    dense = [t["in.sparse"] for t in tensors]
+    before = tensors[0]["embedding.before"]
+    counts = torch.zeros(10, 1)
+    for r in range(N):
+        for index in (r, r + 1, 9, 9):
+            counts[index] += 1
+    for t, f in zip(tensors, facts):
+        # float32 sums of at most three entries per element, added in another order: within one ulp
+        torch.testing.assert_close(t["sparse.sum"], rank_order(dense, "sum"), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(t["sparse.avg"], rank_order(dense, "sum") / N, rtol=1e-6, atol=1e-6)
+        # SGD on the averaged sparse gradient of sum(embedding(indices)): each row's count of uses
+        torch.testing.assert_close(t["embedding.after"], before - 0.1 * counts.expand(10, 3) / N, rtol=1e-6, atol=1e-7)
+        assert f["embedding.names"] == ["allreduce.noname.0.0"]
+        assert f["no_grad.grads"] == [True, [0.0, 0.0]]
 
 
 def test_named_async_operations_may_be_issued_in_any_order(api_run) -> None:  # type: ignore[no-untyped-def]
@@ -260,14 +332,14 @@ def test_misuse_is_a_clear_error(api_run) -> None:  # type: ignore[no-untyped-de
         m = f["misuse"]
         assert m["adasum"].startswith("NotImplementedError") and "Adasum is not supported" in m["adasum"]
         assert "op and average" in m["op_and_average"]
-        assert "int16 is not supported" in m["int16"]
+        assert "complex64 is not supported" in m["complex"]
         assert "gradient_predivide_factor" in m["predivide_with_sum"]
 
 
 def test_mismatched_ranks_raise_horovod_and_redsrv_errors(api_run) -> None:  # type: ignore[no-untyped-def]
     _, facts = api_run
     for f in facts:
-        for label in ("shape", "dtype", "gather_dims"):
+        for label in ("shape", "dtype", "gather_dims", "same_size", "reducescatter_same_size"):
             error = f[f"error.{label}"]
             assert error is not None, label
             assert "HorovodInternalError" in error["types"] and "ContributionMismatchError" in error["types"], error
