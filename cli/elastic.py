@@ -13,6 +13,7 @@ change from one world to the next.
 
 from __future__ import annotations
 
+import functools
 import queue
 import signal
 import subprocess
@@ -20,10 +21,9 @@ import sys
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import IO
 
 from redsrv.cli.fleet import start_reducers, stop_processes
-from redsrv.cli.run import _interrupt, _note, rank_files, worker_base_env
+from redsrv.cli.run import _interrupt, _note, pump_lines, rank_files, worker_base_env
 from redsrv.core import constants as C
 from redsrv.core.errors import ConfigError
 from redsrv.core.membership import Membership
@@ -101,28 +101,15 @@ class _Driver:
         files = rank_files(self.output_dir, self.started - 1, 1) if self.output_dir else (None, None)
         for stream, sink, copy, report in ((proc.stdout, sys.stdout.buffer, files[0], True),
                                            (proc.stderr, sys.stderr.buffer, files[1], False)):
-            pump = threading.Thread(target=self._pump, args=(worker, proc, stream, sink, copy, report),
+            on_exit = functools.partial(self._exited, worker) if report else None
+            pump = threading.Thread(target=pump_lines, args=(worker, proc, stream, sink, self.lock, on_exit, copy),
                                     name=f"redsrv-run-{worker}", daemon=True)
             pump.start()
             self.pumps.append(pump)
         return True
 
-    def _pump(self, worker: str, proc: subprocess.Popen[bytes], stream: IO[bytes] | None, sink: IO[bytes],
-              copy: IO[bytes] | None, report: bool) -> None:
-        prefix = f"[{worker}] ".encode()
-        assert stream is not None
-        for line in stream:
-            with self.lock:
-                sink.write(prefix + line)
-                sink.flush()
-            if copy is not None:
-                copy.write(line)
-                copy.flush()
-        stream.close()
-        if copy is not None:
-            copy.close()
-        if report:
-            self.events.put(("exit", worker, proc.wait()))
+    def _exited(self, worker: str, code: int) -> None:
+        self.events.put(("exit", worker, code))
 
     def supervise(self, *, num_proc: int, min_np: int, reset_limit: int) -> int:
         """Handle exits and new worlds until the job ends; its exit status. Lost workers are

@@ -14,6 +14,7 @@ lines to run by hand are printed instead (cli/hosts.py builds every line). With 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import queue
 import secrets
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from redsrv.cli import hosts as host_lists
@@ -149,8 +150,10 @@ def run(command: Sequence[str], *, num_proc: int, reducers: int = 1, job: str | 
                 return 127
             workers.append(proc)
             files = rank_files(output_dir, rank, num_proc)
-            for stream, target, copy, report in ((proc.stdout, sink, files[0], exits), (proc.stderr, error_sink, files[1], None)):
-                pump = threading.Thread(target=_pump, args=(rank, proc, stream, target, write_lock, report, copy),
+            on_exit = functools.partial(_exited, exits, rank)
+            for stream, target, copy, report in ((proc.stdout, sink, files[0], on_exit),
+                                                 (proc.stderr, error_sink, files[1], None)):
+                pump = threading.Thread(target=pump_lines, args=(str(rank), proc, stream, target, write_lock, report, copy),
                                         name=f"redsrv-run-{rank}", daemon=True)
                 pump.start()
                 pumps.append(pump)
@@ -187,12 +190,16 @@ def rank_files(output_dir: str | None, rank: int, num_proc: int) -> tuple[IO[byt
     return open(os.path.join(folder, "stdout"), "wb"), open(os.path.join(folder, "stderr"), "wb")
 
 
-def _pump(rank: int, proc: subprocess.Popen[bytes], stream: IO[bytes] | None, sink: IO[bytes], lock: threading.Lock,
-          exits: queue.Queue[tuple[int, int]] | None, copy: IO[bytes] | None = None) -> None:
-    """Copy one of the worker's streams line by line with its rank in front (and as it is to
-    ``copy``, the rank's own file); the stdout pump reports the worker's exit once its output is
-    drained."""
-    prefix = f"[{rank}] ".encode()
+def _exited(exits: queue.Queue[tuple[int, int]], rank: int, code: int) -> None:
+    exits.put((rank, code))
+
+
+def pump_lines(label: str, proc: subprocess.Popen[bytes], stream: IO[bytes] | None, sink: IO[bytes],
+               lock: threading.Lock, on_exit: Callable[[int], None] | None, copy: IO[bytes] | None = None) -> None:
+    """Copy one of a worker's streams line by line with ``[label]`` in front (and as it is to
+    ``copy``, the worker's own file); the stdout pump reports the worker's exit status to
+    ``on_exit`` once its output is drained. ``redsrv run``'s and the elastic driver's."""
+    prefix = f"[{label}] ".encode()
     assert stream is not None
     for line in stream:
         with lock:
@@ -204,8 +211,8 @@ def _pump(rank: int, proc: subprocess.Popen[bytes], stream: IO[bytes] | None, si
     stream.close()
     if copy is not None:
         copy.close()
-    if exits is not None:
-        exits.put((rank, proc.wait()))
+    if on_exit is not None:
+        on_exit(proc.wait())
 
 
 def _note(sink: IO[bytes], lock: threading.Lock, text: str) -> None:

@@ -97,32 +97,36 @@ static inline uint16_t f32_bits_to_bf16(uint32_t bits) {
 #define IMIN(a, b) ((a) < (b) ? (a) : (b))
 #define IMAX(a, b) ((a) > (b) ? (a) : (b))
 
-#define LOOP(NAME, T, EXPR)                                                  \
-    KERNEL void NAME(T *acc, const T *piece, Py_ssize_t n) {                 \
-        for (Py_ssize_t i = 0; i < n; i++) {                                 \
-            T a = acc[i], b = piece[i];                                      \
-            acc[i] = (EXPR);                                                 \
-        }                                                                    \
+/* acc = EXPR(a, b) element-wise, with a = acc[i] and b = WIDEN(piece[i]): a float32 accumulator
+ * takes 16-bit pieces widened as they are combined; SAME leaves a piece as it is. */
+#define SAME(x) (x)
+#define LOOP(NAME, ACC_T, PIECE_T, WIDEN, EXPR)                                 \
+    KERNEL void NAME(ACC_T *acc, const PIECE_T *piece, Py_ssize_t n) {          \
+        for (Py_ssize_t i = 0; i < n; i++) {                                    \
+            ACC_T a = acc[i], b = WIDEN(piece[i]);                              \
+            acc[i] = (EXPR);                                                    \
+        }                                                                       \
     }
 
-/* Same-dtype combining. */
-#define FLOAT_LOOPS(SUFFIX, T)                      \
-    LOOP(sum_##SUFFIX, T, FADD(a, b))               \
-    LOOP(product_##SUFFIX, T, FMUL(a, b))           \
-    LOOP(min_##SUFFIX, T, FMIN(a, b))               \
-    LOOP(max_##SUFFIX, T, FMAX(a, b))
-FLOAT_LOOPS(f32, float)
-FLOAT_LOOPS(f64, double)
+#define FLOAT_LOOPS(SUFFIX, ACC_T, PIECE_T, WIDEN)                    \
+    LOOP(sum_##SUFFIX, ACC_T, PIECE_T, WIDEN, FADD(a, b))             \
+    LOOP(product_##SUFFIX, ACC_T, PIECE_T, WIDEN, FMUL(a, b))         \
+    LOOP(min_##SUFFIX, ACC_T, PIECE_T, WIDEN, FMIN(a, b))             \
+    LOOP(max_##SUFFIX, ACC_T, PIECE_T, WIDEN, FMAX(a, b))
+FLOAT_LOOPS(f32, float, float, SAME)
+FLOAT_LOOPS(f64, double, double, SAME)
+FLOAT_LOOPS(f32_f16, float, uint16_t, half_to_f32)
+FLOAT_LOOPS(f32_bf16, float, uint16_t, bf16_to_f32)
 
 /* Signed values combine through their unsigned twins for sums and products (wrap-around). */
-#define INT_LOOPS(SUFFIX, T, U)                            \
-    LOOP(sum_##SUFFIX, T, (T)((U)a + (U)b))                \
-    LOOP(product_##SUFFIX, T, (T)((U)a * (U)b))            \
-    LOOP(min_##SUFFIX, T, IMIN(a, b))                      \
-    LOOP(max_##SUFFIX, T, IMAX(a, b))                      \
-    LOOP(band_##SUFFIX, T, (T)(a & b))                     \
-    LOOP(bor_##SUFFIX, T, (T)(a | b))                      \
-    LOOP(bxor_##SUFFIX, T, (T)(a ^ b))
+#define INT_LOOPS(SUFFIX, T, U)                                  \
+    LOOP(sum_##SUFFIX, T, T, SAME, (T)((U)a + (U)b))             \
+    LOOP(product_##SUFFIX, T, T, SAME, (T)((U)a * (U)b))         \
+    LOOP(min_##SUFFIX, T, T, SAME, IMIN(a, b))                   \
+    LOOP(max_##SUFFIX, T, T, SAME, IMAX(a, b))                   \
+    LOOP(band_##SUFFIX, T, T, SAME, (T)(a & b))                  \
+    LOOP(bor_##SUFFIX, T, T, SAME, (T)(a | b))                   \
+    LOOP(bxor_##SUFFIX, T, T, SAME, (T)(a ^ b))
 INT_LOOPS(i32, int32_t, uint32_t)
 INT_LOOPS(i64, int64_t, uint64_t)
 INT_LOOPS(i8, int8_t, uint8_t)
@@ -130,25 +134,9 @@ INT_LOOPS(u8, uint8_t, uint32_t)
 
 /* NumPy's bool: any non-zero byte is true, and every result is 0 or 1. Sum and maximum are
  * "or", product and minimum "and", xor "not equal". */
-LOOP(or_bool, uint8_t, (uint8_t)((a != 0) | (b != 0)))
-LOOP(and_bool, uint8_t, (uint8_t)((a != 0) & (b != 0)))
-LOOP(xor_bool, uint8_t, (uint8_t)((a != 0) != (b != 0)))
-
-/* A float32 accumulator and a 16-bit piece, widened as it is combined. */
-#define WIDENING_LOOP(NAME, WIDEN, EXPR)                                      \
-    KERNEL void NAME(float *acc, const uint16_t *piece, Py_ssize_t n) {       \
-        for (Py_ssize_t i = 0; i < n; i++) {                                  \
-            float a = acc[i], b = WIDEN(piece[i]);                            \
-            acc[i] = (EXPR);                                                  \
-        }                                                                     \
-    }
-#define WIDENING_LOOPS(SUFFIX, WIDEN)                           \
-    WIDENING_LOOP(sum_f32_##SUFFIX, WIDEN, FADD(a, b))          \
-    WIDENING_LOOP(product_f32_##SUFFIX, WIDEN, FMUL(a, b))      \
-    WIDENING_LOOP(min_f32_##SUFFIX, WIDEN, FMIN(a, b))          \
-    WIDENING_LOOP(max_f32_##SUFFIX, WIDEN, FMAX(a, b))
-WIDENING_LOOPS(f16, half_to_f32)
-WIDENING_LOOPS(bf16, bf16_to_f32)
+LOOP(or_bool, uint8_t, uint8_t, SAME, (uint8_t)((a != 0) | (b != 0)))
+LOOP(and_bool, uint8_t, uint8_t, SAME, (uint8_t)((a != 0) & (b != 0)))
+LOOP(xor_bool, uint8_t, uint8_t, SAME, (uint8_t)((a != 0) != (b != 0)))
 
 KERNEL void widen_f16(float *dst, const uint16_t *src, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) dst[i] = half_to_f32(src[i]);
@@ -250,6 +238,28 @@ static Py_ssize_t take_buffers(PyObject *dst_obj, int dst_kind, PyObject *src_ob
     return count;
 }
 
+/* Runs ``loop`` over two buffers (with no loop: ``dst = src / divisor``) with the GIL released.
+ * Returns False, doing nothing, where the reference must answer: the buffers partly overlap, or
+ * they are the same memory and ``in_place`` is not allowed. */
+static PyObject *run_pair(combine_fn loop, PyObject *dst_obj, int dst_kind, PyObject *src_obj, int src_kind,
+                          int in_place, long long divisor) {
+    Py_buffer dst, src;
+    int same_or_apart;
+    Py_ssize_t count = take_buffers(dst_obj, dst_kind, src_obj, src_kind, &dst, &src, &same_or_apart);
+    if (count < 0) return NULL;
+    int run = same_or_apart && (in_place || dst.buf != src.buf);
+    if (run) {
+        Py_BEGIN_ALLOW_THREADS
+        if (loop != NULL) loop(dst.buf, src.buf, count);
+        else if (dst_kind == K_F32) divide_f32(dst.buf, src.buf, (float)divisor, count);
+        else divide_f64(dst.buf, src.buf, (double)divisor, count);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return PyBool_FromLong(run);
+}
+
 static PyObject *plane_combine(PyObject *self, PyObject *args) {
     (void)self;
     int op, acc_kind, piece_kind;
@@ -257,18 +267,7 @@ static PyObject *plane_combine(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "iOiOi:combine", &op, &acc_obj, &acc_kind, &piece_obj, &piece_kind)) return NULL;
     combine_fn loop = pick_combine(op, acc_kind, piece_kind);
     if (loop == NULL) Py_RETURN_FALSE;
-    Py_buffer acc, piece;
-    int same_or_apart;
-    Py_ssize_t count = take_buffers(acc_obj, acc_kind, piece_obj, piece_kind, &acc, &piece, &same_or_apart);
-    if (count < 0) return NULL;
-    if (same_or_apart) {
-        Py_BEGIN_ALLOW_THREADS
-        loop(acc.buf, piece.buf, count);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&acc);
-    PyBuffer_Release(&piece);
-    return PyBool_FromLong(same_or_apart);
+    return run_pair(loop, acc_obj, acc_kind, piece_obj, piece_kind, 1, 0);
 }
 
 static PyObject *plane_cast(PyObject *self, PyObject *args) {
@@ -276,25 +275,14 @@ static PyObject *plane_cast(PyObject *self, PyObject *args) {
     int dst_kind, src_kind;
     PyObject *dst_obj, *src_obj;
     if (!PyArg_ParseTuple(args, "OiOi:cast", &dst_obj, &dst_kind, &src_obj, &src_kind)) return NULL;
-    void (*loop)(void *, const void *, Py_ssize_t) = NULL;
+    combine_fn loop;
     if (dst_kind == K_F32 && src_kind == K_F16) loop = (combine_fn)widen_f16;
     else if (dst_kind == K_F32 && src_kind == K_BF16) loop = (combine_fn)widen_bf16;
     else if (dst_kind == K_F16 && src_kind == K_F32) loop = (combine_fn)narrow_f16;
     else if (dst_kind == K_BF16 && src_kind == K_F32) loop = (combine_fn)narrow_bf16;
     else Py_RETURN_FALSE;
-    Py_buffer dst, src;
-    int same_or_apart;
-    Py_ssize_t count = take_buffers(dst_obj, dst_kind, src_obj, src_kind, &dst, &src, &same_or_apart);
-    if (count < 0) return NULL;
-    int apart = same_or_apart && dst.buf != src.buf; /* elements of different widths never share memory */
-    if (apart) {
-        Py_BEGIN_ALLOW_THREADS
-        loop(dst.buf, src.buf, count);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return PyBool_FromLong(apart);
+    /* Elements of different widths cannot be converted in place. */
+    return run_pair(loop, dst_obj, dst_kind, src_obj, src_kind, 0, 0);
 }
 
 static PyObject *plane_divide(PyObject *self, PyObject *args) {
@@ -307,19 +295,7 @@ static PyObject *plane_divide(PyObject *self, PyObject *args) {
      * for float32; beyond that the reference decides. */
     if (dst_kind != src_kind || (dst_kind != K_F32 && dst_kind != K_F64) || divisor <= 0 || divisor > (1 << 24))
         Py_RETURN_FALSE;
-    Py_buffer dst, src;
-    int same_or_apart;
-    Py_ssize_t count = take_buffers(dst_obj, dst_kind, src_obj, src_kind, &dst, &src, &same_or_apart);
-    if (count < 0) return NULL;
-    if (same_or_apart) {
-        Py_BEGIN_ALLOW_THREADS
-        if (dst_kind == K_F32) divide_f32(dst.buf, src.buf, (float)divisor, count);
-        else divide_f64(dst.buf, src.buf, (double)divisor, count);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return PyBool_FromLong(same_or_apart);
+    return run_pair(NULL, dst_obj, dst_kind, src_obj, src_kind, 1, divisor);
 }
 
 static PyMethodDef plane_methods[] = {
