@@ -26,7 +26,7 @@ from tests_support import poll, rank_order_sum
 
 pytestmark = pytest.mark.timeout(90)
 
-_LINE = re.compile(r"listening on (\S+):(\d+) incarnation=\S+ pid=(\d+)")
+_LINE = re.compile(r"listening on (\S+):(\d+) incarnation=\S+ plane=(?:native|python) pid=(\d+)")
 _SUMMARY = re.compile(r"(\d+) processes; list them as (\S+)")
 
 
