@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from redsrv.core.errors import ConfigError
 
 __all__ = ["HostSlots", "parse_hosts", "read_hostfile", "assign_ranks", "is_local", "mpi_flavour", "mpirun_command",
-           "MpiOutput", "manual_commands", "exported_names"]
+           "MpiOutput", "manual_commands", "exported_names", "horovod_variables"]
 
 #: Names that stand for this machine in a host list: ``-H localhost:4`` runs here, without mpirun.
 LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -264,3 +264,25 @@ def manual_commands(placed: Sequence[tuple[str, int]], command: Sequence[str], *
                         f"--master-addr={hosts[0]}", f"--master-port={master_port}"]
             lines.append((f"on {host}", f"{exports} {shlex.join(torchrun)} {program}"))
     return lines
+
+
+def horovod_variables(counts: Sequence[int], rank: int) -> dict[str, str]:
+    """The variables horovodrun gives rank ``rank`` when the hosts run ``counts`` workers each,
+    filled host by host (``mpirun --map-by slot``): ``HOROVOD_CROSS_RANK`` numbers the hosts
+    that have a worker of this local rank, as Horovod's does.
+
+    >>> v = horovod_variables([2, 1], 2)
+    >>> [v[n] for n in ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+    ...                 "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")]
+    ['2', '3', '0', '1', '1', '2']
+    """
+    if not 0 <= rank < sum(counts):
+        raise ValueError(f"rank {rank} is not one of the {sum(counts)} workers of hosts running {list(counts)}")
+    host, local_rank = 0, rank
+    while local_rank >= counts[host]:
+        local_rank -= counts[host]
+        host += 1
+    return {"HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(sum(counts)), "HOROVOD_LOCAL_RANK": str(local_rank),
+            "HOROVOD_LOCAL_SIZE": str(counts[host]),
+            "HOROVOD_CROSS_RANK": str(sum(1 for c in counts[:host] if c > local_rank)),
+            "HOROVOD_CROSS_SIZE": str(sum(1 for c in counts if c > local_rank))}

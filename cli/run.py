@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from redsrv.cli import hosts as host_lists
+from redsrv.cli import hvd_env
 from redsrv.cli.fleet import free_port, start_reducers, stop_processes
 from redsrv.core import constants as C
 from redsrv.core.config import Config, DaemonSettings
@@ -241,7 +242,9 @@ def run_on_hosts(command: Sequence[str], hosts: Sequence[host_lists.HostSlots], 
     previous = signal.signal(signal.SIGTERM, _interrupt)
     fleet = start_reducers(reducers, env=base, host=bind)
     env = {**base, **rendezvous, "REDSRV_REDUCERS": ",".join(fleet.addresses), "REDSRV_JOB": job, "PYTHONUNBUFFERED": "1"}
-    line = host_lists.mpirun_command(flavour, placed, command, exported=host_lists.exported_names(env),
+    # Each rank learns its HOROVOD_* variables from its MPI rank on its host (cli/hvd_env.py).
+    wrapped = hvd_env.wrap([count for _, count in placed], command)
+    line = host_lists.mpirun_command(flavour, placed, wrapped, exported=host_lists.exported_names(env),
                                      output_dir=output_dir, as_root=os.geteuid() == 0, mpi_args=mpi_args)
     line[0] = mpirun
     lock = threading.Lock()

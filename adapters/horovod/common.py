@@ -29,7 +29,6 @@ import hashlib
 import io
 import itertools
 import pickle
-import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from redsrv.core import collectives, commons
 from redsrv.core.client import Client
 from redsrv.core.config import Config
 from redsrv.core.errors import ConfigError, ContributionMismatchError, LocalProtocolError, PeerTimeoutError, RedsrvError
+from redsrv.core.host_client import host_identity
 
 __all__ = [
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
@@ -219,8 +219,8 @@ global_process_set.process_set_id = 0
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits, from the host names every rank reports at ``init()``: local
-    ranks share a host; ``cross_rank`` numbers the processes with the same local rank."""
+    """Where this process sits, from the host every rank reports at ``init()``: local ranks share
+    a host; ``cross_rank`` numbers the processes with the same local rank."""
 
     rank: int
     size: int
@@ -231,23 +231,28 @@ class Topology:
     homogeneous: bool
 
     @classmethod
-    def from_hosts(cls, hosts: Sequence[int], rank: int) -> Topology:
-        """``hosts[r]`` identifies rank ``r``'s host.
+    def from_hosts(cls, hosts: Sequence[int], rank: int, given: Sequence[tuple[int, int]] | None = None) -> Topology:
+        """``hosts[r]`` identifies rank ``r``'s host; ``given[r]``, where every rank has one, is
+        the (local rank, local size) its launcher set, which wins over the count per host.
 
         >>> t = Topology.from_hosts([7, 7, 9, 9], rank=2)
         >>> (t.local_rank, t.local_size, t.cross_rank, t.cross_size, t.homogeneous)
         (0, 2, 1, 2, True)
+        >>> Topology.from_hosts([7, 7], rank=1, given=[(0, 1), (0, 1)]).cross_rank
+        1
         """
         per_host: dict[int, int] = {}
         local_ranks = []
         for host in hosts:  # one pass: a rank's local rank counts the earlier ranks on its host
             local_ranks.append(per_host.get(host, 0))
             per_host[host] = local_ranks[-1] + 1
+        local_sizes = [per_host[host] for host in hosts]
+        if given is not None:
+            local_ranks, local_sizes = [lr for lr, _ in given], [ls for _, ls in given]
         local_rank = local_ranks[rank]
         cross_rank = sum(1 for r in range(rank) if local_ranks[r] == local_rank)
         cross_size = sum(1 for lr in local_ranks if lr == local_rank)
-        return cls(rank, len(hosts), local_rank, per_host[hosts[rank]], cross_rank, cross_size,
-                   len(set(per_host.values())) == 1)
+        return cls(rank, len(hosts), local_rank, local_sizes[rank], cross_rank, cross_size, len(set(local_sizes)) == 1)
 
 
 class _Runtime:
@@ -429,16 +434,25 @@ def _close_set(process_set: ProcessSet) -> None:
 
 
 def _discover_topology(runtime: _Runtime, process_set: ProcessSet) -> Topology:
-    """Every rank reports a hash of its host name; the same all-gather on every rank gives the
-    same table, so local and cross ranks agree everywhere."""
-    host = int.from_bytes(hashlib.blake2b(socket.gethostname().encode(), digest_size=7).digest(), "little")
+    """Every rank reports its host (the identity host-level reduction uses: ``REDSRV_HOST_ID``, or
+    the host name, boot id and network namespace, so containers and emulated hosts on one machine
+    are hosts of their own) and the local rank and size its launcher set, if any. The same
+    all-gather on every rank gives the same table, so local and cross ranks agree everywhere."""
+    config = runtime.config
+    host = int.from_bytes(hashlib.blake2b(host_identity(config).encode(), digest_size=7).digest(), "little")
+    mine = [host, -1, -1] if config.local_rank is None or config.local_size is None else [
+        host, config.local_rank, config.local_size]
     client = process_set._client
     if client is None:
-        return Topology.from_hosts([host], 0)
-    out = np.empty(runtime.size, dtype=np.int64)
-    hosts = wait_future(collectives.allgather_into_async(client, np.array([host], dtype=np.int64), out,
-                                                         key=process_set._keys.key("init", "hosts")), client)
-    return Topology.from_hosts([int(h) for h in hosts], runtime.rank)
+        table = np.array([mine], dtype=np.int64)
+    else:
+        out = np.empty(runtime.size * 3, dtype=np.int64)
+        table = wait_future(collectives.allgather_into_async(client, np.array(mine, dtype=np.int64), out,
+                                                             key=process_set._keys.key("init", "hosts")),
+                            client).reshape(runtime.size, 3)
+    # A launcher's local ranks count only when every rank has one: a mixed job has no common rule.
+    given = [(int(lr), int(ls)) for _, lr, ls in table] if bool((table[:, 1] >= 0).all()) else None
+    return Topology.from_hosts([int(h) for h in table[:, 0]], runtime.rank if client is not None else 0, given)
 
 
 # --- collectives on NumPy arrays ------------------------------------------------------------

@@ -46,7 +46,10 @@ host, port = os.environ["REDSRV_REDUCERS"].split(",")[0].rsplit(":", 1)
 with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
     probe.connect((host, int(port)))
     here = probe.getsockname()[0]
-print("rank", hvd.rank(), "of", hvd.size(), "sum", int(total[0]), "from", here, "reducer", host, flush=True)
+topology = [hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]
+exported = [os.environ["HOROVOD_" + n] for n in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")]
+print("rank", hvd.rank(), "of", hvd.size(), "sum", int(total[0]), "from", here, "reducer", host,
+      "local", *topology, "env", *exported, flush=True)
 """
 
 # Open MPI starts its daemon on a remote host with `AGENT host command`: here, enter that host's namespace.
@@ -81,6 +84,11 @@ def test_a_horovod_script_runs_across_two_emulated_hosts(tmp_path) -> None:  # t
     assert all(row[2] == row[0].strip("[]") and row[4] == "4" and row[6] == "10" for row in rows)  # 1+2+3+4 everywhere
     assert [row[8] for row in rows] == [h0, h0, h1, h1]  # ranks 0-1 on the first host, 2-3 on the second
     assert {row[10] for row in rows} == {h0}  # the reducers run on the launching host
+    # local rank, local size, cross rank, cross size: two hosts of two
+    assert [row[12:16] for row in rows] == [["0", "2", "0", "2"], ["1", "2", "0", "2"], ["0", "2", "1", "2"],
+                                            ["1", "2", "1", "2"]]
+    # horovodrun's variables, as each rank's shim set them: the rank and size, then the same topology
+    assert [row[17:] for row in rows] == [[row[2], "4", *row[12:16]] for row in rows]
     # mpirun wrote each rank's stdout to a file of its own (Open MPI's layout: logs/<job>/rank.<n>/stdout).
     written = sorted(os.path.basename(folder) for folder, _, files in os.walk(tmp_path / "logs") if "stdout" in files)
     assert written == ["rank.0", "rank.1", "rank.2", "rank.3"]

@@ -36,3 +36,9 @@ def test_internal_error_is_both_horovods_and_redsrvs(cls: type) -> None:
     assert isinstance(wrapped, HorovodInternalError) and isinstance(wrapped, cls) and isinstance(wrapped, RuntimeError)
     assert str(wrapped) == str(original) and wrapped.__cause__ is original
     assert internal_error(ValueError("misuse")).__class__ is ValueError  # argument misuse passes unchanged
+
+
+def test_a_launchers_local_ranks_win_over_the_hosts() -> None:
+    # Hosts say one host of 3; the launcher says ranks 0-1 share a host and rank 2 is alone.
+    t = Topology.from_hosts([7, 7, 7], 2, given=[(0, 2), (1, 2), (0, 1)])
+    assert (t.local_rank, t.local_size, t.cross_rank, t.cross_size, t.homogeneous) == (0, 1, 1, 2, False)

@@ -14,6 +14,7 @@ from redsrv.cli.hosts import (
     MpiOutput,
     assign_ranks,
     exported_names,
+    horovod_variables,
     is_local,
     manual_commands,
     mpi_flavour,
@@ -118,3 +119,34 @@ def test_output_filename_writes_each_ranks_streams(tmp_path) -> None:  # type: i
         assert (logs / f"rank.{rank}" / "stdout").read_text() == f"out {rank}\n"
         assert (logs / f"rank.{rank}" / "stderr").read_text() == f"err {rank}\n"
     assert sorted(result.stdout.splitlines()) == ["[0] out 0", "[1] out 1"]  # the console still gets them
+
+
+@pytest.mark.parametrize(("counts", "rank", "expected"), [
+    ([2, 2], 0, (0, 4, 0, 2, 0, 2)),
+    ([2, 2], 3, (3, 4, 1, 2, 1, 2)),
+    ([2, 1], 1, (1, 3, 1, 2, 0, 1)),  # the second host has no local rank 1
+    ([2, 1], 2, (2, 3, 0, 1, 1, 2)),
+    ([4], 2, (2, 4, 2, 4, 0, 1)),
+])
+def test_horovod_variables_are_horovodruns(counts: list[int], rank: int, expected: tuple) -> None:  # type: ignore[type-arg]
+    v = horovod_variables(counts, rank)
+    names = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+    assert tuple(int(v[f"HOROVOD_{n}"]) for n in names) == expected
+    with pytest.raises(ValueError, match=f"rank {sum(counts)} is not one of the {sum(counts)} workers"):
+        horovod_variables(counts, sum(counts))
+
+
+@pytest.mark.parametrize("launcher", [{"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4"},
+                                      {"PMI_RANK": "3", "PMI_SIZE": "4"}])
+def test_the_shim_mpirun_starts_sets_horovods_variables_then_runs_the_command(launcher: dict[str, str]) -> None:
+    from redsrv.cli.hvd_env import wrap
+
+    show = "import os; print(*(os.environ[n] for n in sorted(os.environ) if n.startswith('HOROVOD_')))"
+    done = subprocess.run(wrap([2, 2], [sys.executable, "-c", show]), env=child_env(launcher), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    # CROSS_RANK, CROSS_SIZE, LOCAL_RANK, LOCAL_SIZE, RANK, SIZE (sorted by name)
+    assert done.stdout.split() == ["1", "2", "1", "2", "3", "4"]
+    missing = subprocess.run(wrap([1], ["no-such-command-here"]), env=child_env({"PMI_RANK": "0", "PMI_SIZE": "1"}),
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 127 and "cannot start 'no-such-command-here'" in missing.stderr

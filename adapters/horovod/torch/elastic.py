@@ -3,13 +3,19 @@ and :class:`TorchState`, over the framework-neutral loop in :mod:`redsrv.adapter
 
 ::
 
-    state = hvd.elastic.TorchState(model, optimizer, batch=0, epoch=0)
+    sampler = hvd.elastic.ElasticSampler(dataset)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
+    state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0)
     @hvd.elastic.run
     def train(state):
-        for state.batch in range(state.batch, batches):
-            ...
-            if state.batch % 10 == 0:
-                state.commit()
+        for state.epoch in range(state.epoch, epochs):
+            for batch_idx, batch in enumerate(loader):
+                ...
+                state.sampler.record_batch(batch_idx, 32)
+                if batch_idx % 10 == 9:
+                    state.commit()
+            state.sampler.set_epoch(state.epoch + 1)
+            state.commit()
     train(state)
 
 Launch with ``redsrv run -np 4 --min-np 2 python train.py`` (docs/horovod.md, "Elastic training").
@@ -25,9 +31,10 @@ import torch
 
 from .. import common
 from ..elastic import HostsUpdatedInterrupt, ObjectState, run_fn
-from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .sampler import ElasticSampler
 
-__all__ = ["run", "TorchState", "HostsUpdatedInterrupt"]
+__all__ = ["run", "TorchState", "ElasticSampler", "HostsUpdatedInterrupt"]
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -60,6 +67,12 @@ class _Handler:
         self.value = value
         self.save()
 
+    def sync(self) -> None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Adjust to a new world before the sync; nothing for models and optimizers."""
+
 
 class _ModelHandler(_Handler):
     def sync(self) -> None:
@@ -71,7 +84,21 @@ class _OptimizerHandler(_Handler):
         broadcast_optimizer_state(self.value, root_rank=0)
 
 
+class _SamplerHandler(_Handler):
+    def sync(self) -> None:
+        # Samples marked one by one (record_indices) are known to their own rank only: gather
+        # them all before rank 0's progress is sent to everyone.
+        state = self.value.state_dict()
+        state["processed_indices"] = sorted(set().union(*allgather_object(state["processed_indices"])))
+        self.value.load_state_dict(broadcast_object(state))
+
+    def reset(self) -> None:
+        self.value.reset()  # re-split for the new world even when no sync follows (workers only removed)
+
+
 def _handler(value: Any) -> _Handler | None:
+    if isinstance(value, ElasticSampler):
+        return _SamplerHandler(value)
     if isinstance(value, torch.nn.Module):
         return _ModelHandler(value)
     if isinstance(value, torch.optim.Optimizer):
@@ -80,11 +107,14 @@ def _handler(value: Any) -> _Handler | None:
 
 
 class TorchState(ObjectState):
-    """The state of a PyTorch training process: models and optimizers (by keyword, or the
-    ``model`` and ``optimizer`` arguments) are saved as ``state_dict`` copies and synced with
-    ``broadcast_parameters`` / ``broadcast_optimizer_state``; every other keyword is a plain
+    """The state of a PyTorch training process: models, optimizers and samplers
+    (:class:`ElasticSampler`; by keyword, or the ``model`` and ``optimizer`` arguments) are saved as ``state_dict`` copies
+    and synced with ``broadcast_parameters`` / ``broadcast_optimizer_state`` (a sampler: rank 0's
+    progress, with every rank's ``record_indices``); every other keyword is a plain
     object (:class:`ObjectState`). Each is an attribute (``state.model``, ``state.batch``);
     assigning a new model or optimizer to one saves it."""
+
+    _handlers: dict[str, _Handler]
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
@@ -110,6 +140,10 @@ class TorchState(ObjectState):
         for handler in self._handlers.values():
             handler.sync()
         super().sync()
+
+    def reset(self) -> None:
+        for handler in self._handlers.values():
+            handler.reset()
 
     def __setattr__(self, name: str, value: Any) -> None:
         handlers = self.__dict__.get("_handlers", {})

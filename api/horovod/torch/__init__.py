@@ -5,4 +5,4 @@ from redsrv.adapters.horovod.torch import *  # noqa: F403 - exactly the names in
 from redsrv.adapters.horovod.torch import __all__ as __all__
 
 # Horovod's submodules, as attributes too (``hvd.mpi_ops``), as ``import horovod.torch`` gives them.
-from . import compression, elastic, functions, mpi_ops, optimizer, sync_batch_norm  # noqa: F401
+from . import compression, elastic, functions, mpi_ops, optimizer, sampler, sync_batch_norm  # noqa: F401

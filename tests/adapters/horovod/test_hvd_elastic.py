@@ -73,3 +73,22 @@ def test_a_killed_worker_is_survived_replaced_and_the_weights_match_the_schedule
     # hundreds of steps a world of 2 runs while the replacement starts, so a model left
     # unrestored ends within 1e-6 of the reference.)
     assert got == reference(schedule)
+
+
+def test_an_elastic_sampler_processes_each_sample_once_per_epoch_across_a_lost_worker(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    worker = os.path.join(os.path.dirname(__file__), "hvd_elastic_sampler_worker.py")
+    result = subprocess.run([sys.executable, "-m", "redsrv", "run", "-np", "3", "--min-np", "2", "--max-np", "3",
+                             sys.executable, worker, str(tmp_path)], env=child_env(), capture_output=True, text=True,
+                            timeout=220)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "worker w2" in result.stderr and "exited with status -9" in result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()]
+    epochs = {int(row[2]): row[4:] for row in rows if row[1:2] == ["epoch"]}
+    assert sorted(epochs) == list(range(len(epochs))) and len(epochs) >= 2
+    for epoch, samples in epochs.items():  # every sample's work kept exactly once, whatever the world did
+        assert sorted(map(int, samples)) == list(range(60)), epoch
+    # Epoch 0 ran at size 3, lost the uncommitted batch with the worker, and finished at size 2.
+    sizes_in_epoch_0 = [int(row[3]) for row in rows if row[1:3] == ["batch", "0"]]
+    assert sizes_in_epoch_0[0] == 3 and sizes_in_epoch_0[-1] == 2
+    finals = sorted(row[0] for row in rows if row[1:2] == ["final"])
+    assert finals == ["[w0]", "[w1]", "[w3]"]  # the replacement ended in the last world

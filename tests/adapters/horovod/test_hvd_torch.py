@@ -436,3 +436,33 @@ def test_a_lost_rank_is_a_horovod_error_on_the_others(procs, fleet, tmp_path) ->
     assert "HorovodInternalError" in facts["error"]["types"] and "PeerLostError" in facts["error"]["types"], facts["error"]
     assert "rank 1 of job 'hvd-lost' disconnected" in facts["error"]["message"]  # who, which job
     assert facts["seconds"] < 10
+
+
+TOPOLOGY = ("import json, redsrv.horovod.torch as hvd; hvd.init(); "
+            "print(json.dumps([hvd.rank(), hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()]))")
+
+
+@pytest.mark.parametrize(("host_ids", "local", "expected"), [
+    # One host name, two host identities (two containers, two namespaces): two hosts.
+    (["a", "b"], None, [[0, 0, 1, 0, 2], [1, 0, 1, 1, 2]]),
+    (["a", "a"], None, [[0, 0, 2, 0, 1], [1, 1, 2, 0, 1]]),
+    # The launcher's local ranks win over the identity.
+    (["a", "a"], [("0", "1"), ("0", "1")], [[0, 0, 1, 0, 2], [1, 0, 1, 1, 2]]),
+])
+def test_local_ranks_come_from_the_host_identity_unless_the_launcher_sets_them(  # type: ignore[no-untyped-def]
+        procs, fleet, tmp_path, host_ids, local, expected) -> None:
+    from conftest import child_env
+
+    reducers = fleet(1)
+    runs = []
+    for rank, host_id in enumerate(host_ids):
+        launcher = {} if local is None else {"HOROVOD_LOCAL_RANK": local[rank][0], "HOROVOD_LOCAL_SIZE": local[rank][1]}
+        env = child_env({"REDSRV_REDUCERS": reducers[0].address, "REDSRV_JOB": f"topo-{tmp_path.name}", "RANK": str(rank),
+                         "WORLD_SIZE": "2", "REDSRV_HOST_ID": host_id, **launcher, **START_ENV})
+        runs.append(procs.popen([sys.executable, "-c", TOPOLOGY], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    got = []
+    for proc in runs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+        got.append(json.loads(out.decode().splitlines()[-1]))
+    assert got == expected
