@@ -56,6 +56,11 @@ class OptionalBuildExt(build_ext):
     def _give_up(self, exc):
         if STRICT:
             raise exc
+        # A library an earlier build left in build/ must not ship as if this one had made it.
+        for ext in self.extensions:
+            stale = self.get_ext_fullpath(ext.name)
+            if os.path.exists(stale):
+                os.remove(stale)
         print(f"WARNING: redsrv's compiled data plane was not built ({exc}); redsrv will run its Python "
               "plane, which is slower. Install a C compiler and Python's headers, then reinstall, to build it.",
               file=sys.stderr)

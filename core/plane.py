@@ -15,6 +15,7 @@ benchmarks' output.
 from __future__ import annotations
 
 import importlib
+import logging
 from types import ModuleType
 
 import numpy as np
@@ -50,6 +51,8 @@ try:
     _native_error = None
 except ImportError as exc:  # not built: a machine without a compiler at install (setup.py warned)
     _native, _native_error = None, str(exc)
+
+log = logging.getLogger("redsrv.plane")
 
 _CODES: dict[np.dtype, int] = {numpy_dtype(code): int(code) for code in DType}
 
@@ -139,7 +142,19 @@ def _bytes(arr: np.ndarray) -> np.ndarray:
 
 
 def kernels_for(plane: str) -> Kernels:
-    """The kernels for a ``REDSRV_DATA_PLANE`` value (checked by the config)."""
-    if plane == "python" or (plane == "auto" and _native is None):
+    """The kernels for a ``REDSRV_DATA_PLANE`` value (checked by the config). ``auto`` without a
+    built plane says so once per process: pip shows no build output on success, so this is where
+    a user learns that the install went without a compiler."""
+    global _missing_said
+    if plane == "python":
+        return PythonKernels()
+    if plane == "auto" and _native is None:
+        if not _missing_said:
+            _missing_said = True
+            log.warning("running the Python data plane: %s (REDSRV_DATA_PLANE=python silences this)",
+                        native_unavailable())
         return PythonKernels()
     return NativeKernels()
+
+
+_missing_said = False

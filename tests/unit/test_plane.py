@@ -225,3 +225,16 @@ def test_the_sanitized_build_is_the_one_under_test() -> None:
         loaded = maps.read()
     assert "libasan" in loaded and "libubsan" in loaded
     assert plane._native is not None and "site-packages" in (plane._native.__file__ or "")
+
+
+def test_a_process_without_the_plane_says_so_once(monkeypatch: pytest.MonkeyPatch,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(plane, "_native", None)
+    monkeypatch.setattr(plane, "_native_error", "No module named 'redsrv.core._plane'")
+    monkeypatch.setattr(plane, "_missing_said", False)
+    with caplog.at_level("WARNING", logger="redsrv.plane"):
+        plane.kernels_for("auto")
+        plane.kernels_for("auto")
+        plane.kernels_for("python")
+    said = [r.getMessage() for r in caplog.records if "Python data plane" in r.getMessage()]
+    assert len(said) == 1 and "not built" in said[0], said
