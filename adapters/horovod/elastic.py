@@ -24,7 +24,7 @@ from redsrv.core.rendezvous import RendezvousClient
 
 from . import common
 
-__all__ = ["HostsUpdatedInterrupt", "State", "ObjectState", "run_fn", "is_elastic", "current_epoch"]
+__all__ = ["HostsUpdatedInterrupt", "State", "ObjectState", "run_fn", "reset_world", "is_elastic", "current_epoch"]
 
 
 class HostsUpdatedInterrupt(RuntimeError):
@@ -151,6 +151,13 @@ class ObjectState(State):
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
             setattr(self, name, value)
+
+
+def reset_world() -> None:
+    """Leave the current world and join the next one (``shutdown(); init()``): the ``reset`` every
+    framework's ``run`` passes to :func:`run_fn`."""
+    common.shutdown()
+    common.init()
 
 
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:

@@ -1,7 +1,8 @@
 """``import redsrv.horovod.keras as hvd``: Horovod's Keras API (Keras 3 on TensorFlow) on the
 reduction server: ``DistributedOptimizer`` for ``model.fit``, the callbacks in
-:mod:`redsrv.horovod.keras.callbacks`, and collectives on values (returned as NumPy arrays,
-as Horovod's Keras functions return evaluated values).
+:mod:`redsrv.horovod.keras.callbacks`, elastic training in :mod:`redsrv.horovod.keras.elastic`,
+and collectives on values (returned as NumPy arrays, as Horovod's Keras functions return
+evaluated values).
 
 A Keras 3 model must be compiled with ``jit_compile=False`` where XLA would otherwise be chosen
 (a GPU): the reductions are host calls. See docs/horovod.md.
@@ -18,11 +19,11 @@ from ..common import __all__ as _common_all
 from ..tensorflow import distributed as _distributed
 from ..tensorflow import mpi_ops as _ops
 from ..tensorflow.mpi_ops import Compression
-from . import callbacks
+from . import callbacks, elastic
 
 __all__ = [
     *_common_all,
-    "Compression", "callbacks", "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
+    "Compression", "callbacks", "elastic", "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
     "broadcast", "reducescatter",
 ]
 

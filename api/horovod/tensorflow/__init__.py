@@ -5,4 +5,4 @@ from redsrv.adapters.horovod.tensorflow import *  # noqa: F403 - exactly the nam
 from redsrv.adapters.horovod.tensorflow import __all__ as __all__
 
 # Its submodules, as attributes too (``hvd.mpi_ops``), as ``import horovod.tensorflow`` gives them.
-from . import distributed, mpi_ops  # noqa: F401
+from . import distributed, elastic, mpi_ops  # noqa: F401

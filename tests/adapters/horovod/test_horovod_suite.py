@@ -48,18 +48,26 @@ def test_the_alias_makes_horovods_import_paths_ours(tmp_path: Path) -> None:
     (source / "test_torch.py").write_text("class TorchTests:\n    def test_x(self): pass\n")
     folder = tmp_path / "run"
     folder.mkdir()
-    assert horovod_suite.prepare(tmp_path / "src", folder) == ["test_x"]
+    assert horovod_suite.prepare(tmp_path / "src", folder) == ["test_torch.py::TorchTests::test_x"]
     check = ("import horovod.torch as hvd, horovod.torch.mpi_ops, redsrv.horovod.torch as ours, common\n"
              "assert hvd is ours and horovod.torch.mpi_ops is ours.mpi_ops\n"
              "assert common.mpi_env_rank_and_size() == (0, 1)\n"
-             "with common.temppath() as path: assert path.endswith('temp_test_file')\n")
+             "with common.temppath() as path: assert path.endswith('temp_test_file')\n"
+             "import horovod.common.util as u; assert u.is_version_greater_equal_than('2.21.0', '2.6.0')\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_"))}
     done = subprocess.run([sys.executable, "-c", check], cwd=folder, env={**env, "PYTHONPATH": str(folder)},
                           capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr
 
 
+def test_the_test_class_is_the_first_tests_class_with_tests() -> None:
+    source = ("class BaseTensorFlowTests:\n    def helper(self): pass\n"
+              "class TensorFlowTests(BaseTensorFlowTests):\n    def test_a(self): pass\n")
+    assert horovod_suite.test_class(source) == ("TensorFlowTests", ["test_a"])
+
+
 def test_exclusions_are_listed_in_the_docs() -> None:
     docs = Path(HERE, "..", "..", "..", "docs", "horovod.md").read_text()
-    for name in horovod_suite.EXCLUDED:
-        assert f"`{name}`" in docs, name
+    for excluded in horovod_suite.EXCLUDED_BY_FILE.values():
+        for name in excluded:
+            assert f"`{name}`" in docs, name
