@@ -77,7 +77,10 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        return importlib.import_module(_STANDINS.get(spec.name) or "redsrv." + spec.name)
+        module = importlib.import_module(_STANDINS.get(spec.name) or "redsrv." + spec.name)
+        if not hasattr(module, "__path__") and any(name.startswith(spec.name + ".") for name in _STANDINS):
+            module.__path__ = []  # a stand-in lives below this module (horovod.common.util): let the import look
+        return module
 
     def exec_module(self, module):
         pass
