@@ -384,6 +384,41 @@ mpi_threads_supported = mpi_enabled = mpi_built = gloo_enabled = gloo_built = _f
 nccl_built = ddl_built = ccl_built = cuda_built = rocm_built = _false
 
 
+#: What Horovod's process-set queries (TensorFlow's ``size_op``, ``process_set_included_op``)
+#: return for an id that names no registered set: Horovod's own code, kept so scripts that test
+#: for it keep working.
+PROCESS_SET_ERROR_UNKNOWN_SET = -3
+
+
+def process_set_size(process_set_id: int) -> int:
+    """The size of the registered process set ``process_set_id``, or
+    :data:`PROCESS_SET_ERROR_UNKNOWN_SET`."""
+    found = _registered(process_set_id)
+    return PROCESS_SET_ERROR_UNKNOWN_SET if found is None else found._set_size()
+
+
+def process_set_included(process_set_id: int) -> int:
+    """1 when this rank belongs to the registered process set ``process_set_id``, else 0, or
+    :data:`PROCESS_SET_ERROR_UNKNOWN_SET`."""
+    found = _registered(process_set_id)
+    return PROCESS_SET_ERROR_UNKNOWN_SET if found is None else int(rank() in found._members())
+
+
+def set_id(process_set_id: Any) -> int:
+    """``process_set_id`` as an int; ``TypeError`` for anything else (a ``ProcessSet`` included:
+    these queries take its ``process_set_id``, as Horovod's do)."""
+    if isinstance(process_set_id, bool) or not isinstance(process_set_id, (int, np.integer)):
+        raise TypeError(f"process_set_id must be an int (a ProcessSet's .process_set_id), got "
+                        f"{type(process_set_id).__name__}")
+    return int(process_set_id)
+
+
+def _registered(process_set_id: int) -> ProcessSet | None:
+    runtime = _require()
+    with runtime.lock:
+        return runtime.sets.get(set_id(process_set_id))
+
+
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     raise NotImplementedError("hvd.start_timeline is not supported; set REDSRV_TIMELINE=trace-{rank}.json before start "
                               "for redsrv's Chrome-trace timeline")

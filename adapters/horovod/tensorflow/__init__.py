@@ -17,16 +17,23 @@ from .mpi_ops import (
     alltoall,
     barrier,
     broadcast,
+    broadcast_global_variables,
     broadcast_object,
     broadcast_variables,
     grouped_allreduce,
     join,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
     reducescatter,
+    size_op,
 )
 
 __all__ = [
     *_common_all,
     "Compression", "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier",
     "join", "broadcast_variables", "broadcast_object", "allgather_object", "DistributedGradientTape",
-    "DistributedOptimizer",
+    "DistributedOptimizer", "broadcast_global_variables",
+    "rank_op", "local_rank_op", "size_op", "local_size_op", "process_set_included_op",
 ]

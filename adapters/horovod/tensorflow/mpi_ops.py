@@ -5,7 +5,8 @@ Each collective is one host call: eagerly a plain call on the tensors' NumPy val
 rank issues its operations in the same order, and the key of an operation (kind, name, count of
 earlier ones with that name, see :mod:`redsrv.adapters.horovod.common`) is taken when the host call runs,
 not when the function is traced: a retrace never shifts keys. XLA (``jit_compile=True``) cannot
-contain host calls and is refused with a clear error. ``allreduce``, ``allgather`` and
+contain host calls and is refused with a clear error. The ``*_op`` queries (``rank_op``, ``size_op``, ...)
+are host calls too, so a traced function reads the rank and size when it runs. ``allreduce``, ``allgather`` and
 ``broadcast`` are differentiable with Horovod's gradients.
 """
 
@@ -24,7 +25,8 @@ from .. import common
 from ..common import ProcessSet, global_process_set
 
 __all__ = ["Compression", "allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
-           "broadcast_variables", "broadcast_object", "allgather_object", "barrier", "join"]
+           "broadcast_variables", "broadcast_global_variables", "broadcast_object", "allgather_object", "barrier", "join",
+           "size_op", "local_size_op", "rank_op", "local_rank_op", "process_set_included_op"]
 
 
 class _NoneCompressor:
@@ -83,9 +85,25 @@ def _host(function: Callable[..., Any], inputs: Sequence[tf.Tensor], out_dtypes:
         raise ConfigError("redsrv.horovod cannot run inside an XLA-compiled function: its collectives are host calls "
                           "(tf.numpy_function), which XLA cannot contain. Use jit_compile=False (Keras: "
                           "model.compile(..., jit_compile=False)).")
-    outs = tf.numpy_function(lambda *arrays: list(function(*arrays)), list(inputs), Tout=list(out_dtypes), stateful=True,
-                             name=name)
+    previous: list[tf.Operation] = []
+    if not tf.inside_function():
+        # A TensorFlow 1 graph (tf.compat.v1 sessions) orders stateful ops only by their data
+        # dependencies, unlike tf.function: chain the host calls in the order they were built,
+        # so that every rank runs them in that order (keys match) and none waits, blocking one
+        # of the session's few threads, for a collective the others run later. Running one
+        # therefore runs those built before it again, on every rank alike.
+        graph = tf.compat.v1.get_default_graph()
+        previous = graph.get_collection(_HOST_CALLS)[-1:]
+    with tf.control_dependencies(previous):
+        outs = tf.numpy_function(lambda *arrays: list(function(*arrays)), list(inputs), Tout=list(out_dtypes),
+                                 stateful=True, name=name)
+    if not tf.inside_function():
+        graph.add_to_collection(_HOST_CALLS, outs[0].op)
     return list(outs)
+
+
+#: The graph collection holding a TensorFlow 1 graph's host calls, in the order built.
+_HOST_CALLS = "redsrv_horovod_host_calls"
 
 
 def _dense(tensor: Any) -> tf.Tensor:
@@ -271,6 +289,16 @@ def broadcast_variables(variables: Sequence[tf.Variable], root_rank: int, proces
     return tf.group(*[v.assign(value) for v, value in zip(variables, values)])
 
 
+def broadcast_global_variables(root_rank: int) -> Any:
+    """:func:`broadcast_variables` of a TensorFlow 1 graph's global variables
+    (``tf.compat.v1.global_variables()``). Eagerly there is no such collection: ``RuntimeError``,
+    Horovod's type, pointing to :func:`broadcast_variables`."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution: TensorFlow 2 keeps no "
+                           "collection of global variables. Use hvd.broadcast_variables(model.variables, root_rank).")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Rank ``root_rank``'s picklable ``obj`` on every rank (pickled between the job's ranks only)."""
@@ -290,3 +318,46 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 def join() -> int:
     """Block until every rank joined; the rank that joined last (see docs/horovod.md)."""
     return common.join_ranks(global_process_set)
+
+
+# --- queries evaluated when the graph runs ---------------------------------------------------
+
+
+def _query(value: Callable[[], int], name: str | None, default_name: str) -> tf.Tensor:
+    """An int32 scalar tensor holding ``value()`` as it is when the op runs, not when a function
+    is traced (Horovod's ``HorovodRank``... ops): a traced function or a graph built before
+    ``hvd.init()`` reads the values of the process that runs it. Not differentiable (an integer
+    output has no gradient). Before ``hvd.init()`` running it fails: eagerly with Horovod's
+    ``ValueError``, in a graph as TensorFlow's ``InvalidArgumentError`` carrying that message."""
+    (out,) = _host(lambda: [np.asarray(value(), dtype=np.int32)], [], [tf.int32], name or default_name)
+    out.set_shape([])
+    return out
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank, read when the op runs."""
+    return _query(common.rank, name, "HorovodRank")
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank among the ranks on its host, read when the op runs."""
+    return _query(common.local_rank, name, "HorovodLocalRank")
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """The number of ranks in the registered process set ``process_set_id`` (0, the default: all
+    of them), read when the op runs; Horovod's code -3 for an id no set has."""
+    chosen = common.set_id(process_set_id)
+    return _query(lambda: common.process_set_size(chosen), name, "HorovodSize")
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of ranks on this process's host, read when the op runs."""
+    return _query(common.local_size, name, "HorovodLocalSize")
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 when this rank belongs to the registered process set ``process_set_id``, else 0, read when
+    the op runs; Horovod's code -3 for an id no set has."""
+    chosen = common.set_id(process_set_id)
+    return _query(lambda: common.process_set_included(chosen), name, "HorovodProcessSetIncluded")

@@ -133,11 +133,59 @@ def keras_fit(out: dict[str, np.ndarray], facts: dict[str, object]) -> None:
     facts["schedule.lr"] = history.history["lr"]
 
 
+def query_ops() -> tf.types.experimental.ConcreteFunction:
+    """The ``*_op`` queries in a function traced before ``hvd.init()``: run after it, it must
+    read the values of the running process (Horovod's ops are evaluated at run time)."""
+    def queries() -> tf.Tensor:
+        return tf.stack([hvd.rank_op(), hvd.local_rank_op(), hvd.size_op(), hvd.local_size_op(),
+                         hvd.process_set_included_op(), hvd.size_op(process_set_id=99),
+                         hvd.process_set_included_op(process_set_id=99)])
+
+    return tf.function(queries).get_concrete_function()
+
+
+def queries(traced: tf.types.experimental.ConcreteFunction, facts: dict[str, object]) -> None:
+    facts["queries.traced"] = traced().numpy().tolist()
+    facts["queries.eager"] = [int(op().numpy()) for op in (hvd.rank_op, hvd.local_rank_op, hvd.size_op,
+                                                              hvd.local_size_op, hvd.process_set_included_op)]
+    last = hvd.add_process_set([hvd.size() - 1])
+    included = tf.function(lambda: tf.stack([hvd.size_op(process_set_id=last.process_set_id),
+                                              hvd.process_set_included_op(process_set_id=last.process_set_id)]))
+    facts["queries.set"] = included().numpy().tolist()
+    set_id = last.process_set_id
+    hvd.remove_process_set(last)
+    facts["queries.removed"] = int(hvd.size_op(process_set_id=set_id).numpy())
+    try:
+        hvd.size_op(process_set_id=last)  # type: ignore[arg-type] - the set itself, not its id
+        facts["queries.type_error"] = None
+    except TypeError as exc:
+        facts["queries.type_error"] = str(exc)
+
+
+def v1_session(out: dict[str, np.ndarray]) -> None:
+    """Collectives in a TensorFlow 1 graph run by a ``tf.compat.v1.Session``: several independent
+    ones fetched together, and one fetched alone after another built later."""
+    r = hvd.rank()
+    x, y = make(r, 11, (5,), "float32"), make(r, 12, (2, 3), "int32")
+    out["in.v1.x"], out["in.v1.y"] = x, y
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        summed = hvd.allreduce(tf.constant(x), op=hvd.Sum)
+        gathered = hvd.allgather(tf.constant(y))
+        root = hvd.broadcast(tf.constant(y), root_rank=1)
+        biggest = hvd.allreduce(tf.constant(x), op=hvd.Max)
+        out["v1.all"] = np.concatenate([a.ravel() for a in session.run([summed, gathered, root, biggest, hvd.rank_op()])])
+        out["v1.root"] = session.run(root)
+        out["v1.summed"] = session.run(summed)
+
+
 def main() -> None:
     prefix = sys.argv[1]
+    traced = query_ops()
     hvd.init()
     out: dict[str, np.ndarray] = {}
     facts: dict[str, object] = {}
+    queries(traced, facts)
+    v1_session(out)
     ops(out, facts)
     tape_training(out)
     keras_fit(out, facts)

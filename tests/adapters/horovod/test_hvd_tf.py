@@ -96,6 +96,29 @@ def test_collectives_on_tensors(run) -> None:  # type: ignore[no-untyped-def]
         assert "HorovodInternalError" in f["error"] and "ContributionMismatchError" in f["error"]
 
 
+def test_query_ops_read_the_running_process(run) -> None:  # type: ignore[no-untyped-def]
+    _, facts = run
+    for rank, f in enumerate(facts):
+        rank_, size_, local_rank, local_size = f["basics"]  # hvd.rank(), hvd.size(), ... : the oracle
+        expected = [rank_, local_rank, size_, local_size, 1]
+        assert f["queries.eager"] == expected
+        # traced before hvd.init(), run after it; 99 is no process set: Horovod's code -3
+        assert f["queries.traced"] == [*expected, -3, -3]
+        assert f["queries.set"] == [1, int(rank == N - 1)]  # the set [N - 1]: its size, this rank in it
+        assert f["queries.removed"] == -3
+        assert "process_set_id must be an int" in f["queries.type_error"]
+
+
+def test_collectives_in_a_tf1_session(run) -> None:  # type: ignore[no-untyped-def]
+    results, _ = run
+    xs, ys = [r["in.v1.x"] for r in results], [r["in.v1.y"] for r in results]
+    for rank, r in enumerate(results):
+        expected = [in_order(xs, "sum"), np.concatenate(ys), ys[1], in_order(xs, "max"), [rank]]
+        np.testing.assert_array_equal(r["v1.all"], np.concatenate([np.ravel(e) for e in expected]).astype(np.float32))
+        np.testing.assert_array_equal(r["v1.root"], ys[1])
+        np.testing.assert_array_equal(r["v1.summed"], in_order(xs, "sum"))
+
+
 def test_distributed_gradient_tape_equals_global_batch(run) -> None:  # type: ignore[no-untyped-def]
     results, _ = run
     x, y = data()
