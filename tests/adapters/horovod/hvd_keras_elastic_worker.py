@@ -76,9 +76,11 @@ def main() -> int:
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=0.05, momentum=0.9))
     model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
-    callbacks = [hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.CommitStateCallback(state, batches_per_commit=STEPS_PER_EPOCH),
-                 Doom(os.path.join(sys.argv[1], "killed"))]
+    # Doom first: it reports a step before the commit callback, which raises HostsUpdatedInterrupt
+    # at a commit where a replacement waits, and would skip the report of a step that was applied.
+    callbacks = [Doom(os.path.join(sys.argv[1], "killed")), hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=STEPS_PER_EPOCH)]
 
     @hvd.elastic.run
     def train(state: hvd.elastic.KerasState) -> None:
