@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import shutil
@@ -213,3 +214,28 @@ def check_fused_train_run(doc: dict, framework: str, prefix: str) -> None:  # ty
     for mode in ("gloo", "hook", "raw"):
         assert rows[mode]["grad_gbps"] <= doc["goodput_gbps"] * 1.05, rows[mode]
     assert doc["summary"]["speedup"] > 0
+
+
+def elastic_outcome(stdout: str) -> tuple[dict[int, int], dict[str, list[str]]]:
+    """What an elastic test script (tests/adapters/horovod/hvd_*elastic_worker.py, under ``redsrv
+    run -np 3 --min-np 2``) printed, checked for what every such run must show: rank 0 ("[w0]")
+    reported every step it applied ("applied STEP SIZE"); steps 10 and 11 ran at size 3, were lost
+    with the uncommitted state and ran again at size 2; the world sizes went 3, 2, 3; the lost
+    worker's replacement ended in the last world; and every worker ended with the same weights
+    ("final SIZE STEPS WEIGHT..."), after as many steps as were applied. Returns the schedule (the
+    size of the last run of each step, the one the weights carry) and each worker's final fields."""
+    applied = [line.split() for line in stdout.splitlines() if line.split()[1:2] == ["applied"]]
+    assert {row[0] for row in applied} == {"[w0]"}  # rank 0 throughout: a survivor keeps its rank order
+    sizes_seen = [(int(row[2]), int(row[3])) for row in applied]
+    assert sizes_seen[10:14] == [(10, 3), (11, 3), (10, 2), (11, 2)]
+    schedule = dict(sizes_seen)
+    assert sorted(schedule) == list(range(len(schedule)))
+    sizes = [schedule[s] for s in range(len(schedule))]
+    assert sizes[:10] == [3] * 10 and 2 in sizes
+    assert [size for size, _ in itertools.groupby(sizes)] == [3, 2, 3] and sizes.index(2) == 10
+    finals = {line.split()[0]: line.split()[2:] for line in stdout.splitlines() if line.split()[1:2] == ["final"]}
+    assert sorted(finals) == ["[w0]", "[w1]", "[w3]"]  # the replacement ended in the last world
+    assert len({tuple(v) for v in finals.values()}) == 1  # identical on every rank, bit for bit
+    size, steps = finals["[w0]"][:2]
+    assert int(size) == 3 and int(steps) == len(schedule)
+    return schedule, finals
