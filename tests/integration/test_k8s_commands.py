@@ -132,7 +132,7 @@ def _step_input(rank: int, step: int) -> np.ndarray:
     return np.random.default_rng([rank, step]).standard_normal(SIZE).astype(np.float32)
 
 
-@pytest.mark.slow  # 6-8 s: in the core env's full run (docs/operations.md names a known intermittent fault)
+@pytest.mark.slow  # 6-8 s: in the core env's full run
 @pytest.mark.timeout(90)
 def test_a_rolling_restart_of_the_reducer_statefulset_fails_no_step(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     sts = _fleet()["StatefulSet"]
