@@ -44,6 +44,7 @@ from ..core import collectives, commons, wire
 from ..core.client import Client, ReduceFuture
 from ..core.config import Config
 from ..core.errors import ConfigError, ContributionMismatchError
+from ..core.host_client import HostClient, host_identity
 from . import _torch_c10d
 
 __all__ = [
@@ -810,10 +811,17 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
             self._peers.abort()
             self._peers = None
 
+    @property
+    def one_host(self) -> bool:
+        """Every rank of the group is on this host: its reductions and broadcasts run in shared
+        memory, and the reducers are never contacted."""
+        return isinstance(self.client, HostClient) and self.client.hosts == 1
+
     def __repr__(self) -> str:
         cfg = self.client.config
+        reducers = "none (one host: shared memory)" if self.one_host else str(len(cfg.reducers))
         return (f"RedsrvProcessGroup(job={cfg.job!r}, rank={self.rank()}, size={self.size()}, "
-                f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
+                f"reducers={reducers}, peer_links={self._peers is not None})")
 
 
 # --- agreeing on a peer-link collective before it runs ---------------------------------------
@@ -990,6 +998,7 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
 
     def create(spec: _torch_c10d.GroupSpec) -> RedsrvProcessGroup:
         base = Config.from_env(reducers=reducers, job=job, rank=spec.rank, world_size=spec.size, **config)
+        auto = base.host_reduce == "auto"
         launched: tuple[int, int] | None
         try:
             probe = Config.from_env(reducers=reducers, job=job, **config)
@@ -1003,6 +1012,14 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         op_timeout = base.op_timeout
         if spec.timeout is not None and spec.timeout.total_seconds() > 0:
             op_timeout = min(op_timeout, spec.timeout.total_seconds())
+        if auto and peer_links and spec.size > 1:
+            # The group's ranks tell each other their hosts through its store (which the peer links
+            # need anyway). All on one host: the group reduces in shared memory and never contacts
+            # the reducers (docs/torch_backend.md, "One host").
+            what = f"redsrv host rendezvous (job {base.job!r}.pg{spec.group_name}, rank {spec.rank})"
+            hosts = _torch_c10d.group_hosts(spec, host_identity(base), op_timeout, what, base.restart_count)
+            if max(hosts) == 0:
+                base = base.replace(host_reduce="host", local_rank=spec.rank, local_size=spec.size)
         settings = base.replace(job=f"{base.job}.pg{spec.group_name}", op_timeout=op_timeout)
         client = Client(config=settings)
         try:
