@@ -458,7 +458,8 @@ def _ignore(_result: Any) -> None:
 
 
 class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
-    """A c10d process group whose reductions go through the reducers.
+    """A c10d process group whose reductions go through the reducers, or through shared memory
+    when every rank of the group is on one host (:attr:`one_host`; docs/torch_backend.md, "One host").
 
     Made by ``dist.init_process_group("redsrv")`` / ``dist.new_group(backend="redsrv")`` after
     :func:`register_backend`. Each group is its own redsrv job (``<job>.pg<group name>``) with
@@ -966,7 +967,10 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     """Register the ``"redsrv"`` c10d backend (CPU tensors).
 
     Settings not given here come from the environment when a group is created (see
-    :class:`redsrv.Config`); rank and world size come from the group. Each group is the job
+    :class:`redsrv.Config`); rank and world size come from the group. With ``host_reduce`` "auto"
+    (the default) and peer links, a group whose ranks find through its store that they all share
+    one host reduces in shared memory and never contacts the reducers; ``host_reduce="flat"``
+    (``REDSRV_HOST_REDUCE=flat``) keeps it on them. Each group is the job
     ``<job>.pg<group name>``, so a hook and the backend can share one ``REDSRV_JOB``. The
     per-operation deadline is the stricter of redsrv's ``op_timeout`` and the group's
     ``timeout=``. Calling it again replaces the settings for groups created afterwards.
