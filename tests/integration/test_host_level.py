@@ -382,16 +382,17 @@ def test_a_bug_in_the_engine_fails_the_operation_at_once_and_every_later_call(fl
 
     reducers = [r.address for r in fleet(1)]
 
-    share_finished = host.HostCore.share_finished
+    stage = host.HostCore.stage
 
     def broken(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         # Local rank 0's engine only: with both broken, which rank learns of its own bug and which
-        # of its peer's loss first is a race, and the test would assert one order.
+        # of its peer's loss first is a race, and the test would assert one order. (Staging, which
+        # every operation goes through: this job has one host, so no share goes across hosts.)
         if self.local_rank == 0:
             raise RuntimeError("injected")
-        return share_finished(self, *args, **kwargs)
+        return stage(self, *args, **kwargs)
 
-    monkeypatch.setattr(host.HostCore, "share_finished", broken)
+    monkeypatch.setattr(host.HostCore, "stage", broken)
 
     def body(rank: int) -> tuple[str, str]:
         with redsrv.Client(reducers, rank=rank, world_size=2, job="hl-bug", **host_config(rank, 1, 2), **FAST) as client:
