@@ -12,7 +12,8 @@ PyTorch has no stable API for out-of-tree c10d backends written in Python. The p
 * ``torch.distributed.ProcessGroupGloo(store, rank, size, timeout)`` and ``PrefixStore``: the
   peer links are a gloo backend object built from the store c10d hands the creator, used
   directly (not registered as a group), and its ``Work`` objects, whose ``_source_rank()``
-  answers ``recv`` from any source.
+  answers ``recv`` from any source. The ranks of a group also tell each other their hosts
+  through that store (:func:`group_hosts`).
 * A Python subclass of ``torch.distributed.Work`` (trampoline ``PyWork``, which forwards
   ``wait`` and ``get_future`` only). We use it instead of the private
   ``_create_work_from_future`` because that ``Work``'s ``wait()`` never raises: a failed
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ProcessGroupBase", "FutureWork", "DelegatedWork", "GroupSpec", "register", "check", "settle", "peer_group",
-           "WorkList", "translate", "TESTED_TORCH"]
+           "group_hosts", "WorkList", "translate", "TESTED_TORCH"]
 
 #: The torch release these private names were checked against.
 TESTED_TORCH = "2.13"
@@ -130,6 +131,35 @@ def peer_group(spec: GroupSpec, timeout: float, what: str, restart_count: int = 
         if translated is exc:
             raise
         raise translated from exc
+
+
+def group_hosts(spec: GroupSpec, identity: str, timeout: float, what: str, restart_count: int = 0) -> list[int]:
+    """The host of every rank of the group, numbered by first appearance in rank order (ranks
+    whose ``identity`` is equal share a host), through the group's own store: each rank writes
+    its identity, rank 0 reads them all and writes the table, the others read the table (one
+    write and one read per rank, whatever the group's size). Keyed by ``restart_count`` as
+    :func:`peer_group` is. A rank missing past ``timeout`` is a ``PeerTimeoutError``."""
+    store = dist.PrefixStore(f"redsrv-hosts/{restart_count}/", spec.store)  # type: ignore[attr-defined]
+    bound = timedelta(seconds=timeout)
+    try:
+        store.set(f"id/{spec.rank}", identity)
+        if spec.rank == 0:
+            keys = [f"id/{r}" for r in range(spec.size)]
+            store.wait(keys, bound)
+            numbers: dict[bytes, int] = {}
+            table = [numbers.setdefault(store.get(key), len(numbers)) for key in keys]
+            store.set("table", ",".join(map(str, table)))
+        else:
+            store.wait(["table"], bound)
+            table = [int(h) for h in store.get("table").decode().split(",")]
+    except RuntimeError as exc:
+        translated = translate(exc, what, timeout)
+        if translated is exc:
+            raise
+        raise translated from exc
+    if len(table) != spec.size:
+        raise RuntimeError(f"{what}: the store's table of hosts has {len(table)} ranks, the group {spec.size}")
+    return table
 
 
 class DelegatedWork(dist.Work):

@@ -44,6 +44,7 @@ from ..core import collectives, commons, wire
 from ..core.client import Client, ReduceFuture
 from ..core.config import Config
 from ..core.errors import ConfigError, ContributionMismatchError
+from ..core.host_client import HostClient, host_identity
 from . import _torch_c10d
 
 __all__ = [
@@ -457,7 +458,8 @@ def _ignore(_result: Any) -> None:
 
 
 class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
-    """A c10d process group whose reductions go through the reducers.
+    """A c10d process group whose reductions go through the reducers, or through shared memory
+    when every rank of the group is on one host (:attr:`one_host`; docs/torch_backend.md, "One host").
 
     Made by ``dist.init_process_group("redsrv")`` / ``dist.new_group(backend="redsrv")`` after
     :func:`register_backend`. Each group is its own redsrv job (``<job>.pg<group name>``) with
@@ -810,10 +812,17 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
             self._peers.abort()
             self._peers = None
 
+    @property
+    def one_host(self) -> bool:
+        """Every rank of the group is on this host: its reductions and broadcasts run in shared
+        memory, and the reducers are never contacted."""
+        return isinstance(self.client, HostClient) and self.client.hosts == 1
+
     def __repr__(self) -> str:
         cfg = self.client.config
+        reducers = "none (one host: shared memory)" if self.one_host else str(len(cfg.reducers))
         return (f"RedsrvProcessGroup(job={cfg.job!r}, rank={self.rank()}, size={self.size()}, "
-                f"reducers={len(cfg.reducers)}, peer_links={self._peers is not None})")
+                f"reducers={reducers}, peer_links={self._peers is not None})")
 
 
 # --- agreeing on a peer-link collective before it runs ---------------------------------------
@@ -958,7 +967,10 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
     """Register the ``"redsrv"`` c10d backend (CPU tensors).
 
     Settings not given here come from the environment when a group is created (see
-    :class:`redsrv.Config`); rank and world size come from the group. Each group is the job
+    :class:`redsrv.Config`); rank and world size come from the group. With ``host_reduce`` "auto"
+    (the default) and peer links, a group whose ranks find through its store that they all share
+    one host reduces in shared memory and never contacts the reducers; ``host_reduce="flat"``
+    (``REDSRV_HOST_REDUCE=flat``) keeps it on them. Each group is the job
     ``<job>.pg<group name>``, so a hook and the backend can share one ``REDSRV_JOB``. The
     per-operation deadline is the stricter of redsrv's ``op_timeout`` and the group's
     ``timeout=``. Calling it again replaces the settings for groups created afterwards.
@@ -990,6 +1002,7 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
 
     def create(spec: _torch_c10d.GroupSpec) -> RedsrvProcessGroup:
         base = Config.from_env(reducers=reducers, job=job, rank=spec.rank, world_size=spec.size, **config)
+        auto = base.host_reduce == "auto"
         launched: tuple[int, int] | None
         try:
             probe = Config.from_env(reducers=reducers, job=job, **config)
@@ -1003,6 +1016,14 @@ def register_backend(reducers: Sequence[str] | str | None = None, *, job: str | 
         op_timeout = base.op_timeout
         if spec.timeout is not None and spec.timeout.total_seconds() > 0:
             op_timeout = min(op_timeout, spec.timeout.total_seconds())
+        if auto and peer_links and spec.size > 1:
+            # The group's ranks tell each other their hosts through its store (which the peer links
+            # need anyway). All on one host: the group reduces in shared memory and never contacts
+            # the reducers (docs/torch_backend.md, "One host").
+            what = f"redsrv host rendezvous (job {base.job!r}.pg{spec.group_name}, rank {spec.rank})"
+            hosts = _torch_c10d.group_hosts(spec, host_identity(base), op_timeout, what, base.restart_count)
+            if max(hosts) == 0:
+                base = base.replace(host_reduce="host", local_rank=spec.rank, local_size=spec.size)
         settings = base.replace(job=f"{base.job}.pg{spec.group_name}", op_timeout=op_timeout)
         client = Client(config=settings)
         try:

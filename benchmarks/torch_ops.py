@@ -12,7 +12,9 @@ data-moving operations, through the reducers (one broadcast per rank with the co
 ``allgather_into_async``), to show why the backend sends them over its peer links instead.
 
 Loopback measures CPU and memory copies on shared cores, not a network: ratios near 1 say the
-backend adds no cost of its own, not that either wins on a cluster.
+backend adds no cost of its own, not that either wins on a cluster. The workers share this host,
+so the redsrv group reduces and broadcasts in shared memory (docs/torch_backend.md, "One host"),
+and ``relay`` runs there too; REDSRV_HOST_REDUCE=flat times the reducers instead.
 
 Every call is checked, warm-ups included, outside the timed region: each call of a batch has
 its own buffers, reset before the sample to small-integer inputs (so every sum is exact in any

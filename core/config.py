@@ -48,7 +48,11 @@ STRAGGLER_MODES = {"all": StragglerMode.ALL, "first_m": StragglerMode.FIRST_M, "
 
 #: ``host_reduce``: "host" reduces inside each host first (core/host_client.py), "flat" sends every
 #: process's whole buffer to the reducers, "auto" picks "host" where a launcher says that several
-#: workers share this host and the job spans more than one host.
+#: workers share this host and the job spans more than one host. A job whose workers all share one
+#: host, under "host", is reduced wholly in shared memory and never contacts the reducers; "auto"
+#: does that only in the torch c10d backend, for a group whose ranks find through its store that
+#: they share one host (docs/torch_backend.md, "One host"): the clients of the other adapters send
+#: a one-host job to the reducers, as the demo, the tests and a user trying the reducers expect.
 HOST_REDUCE_MODES = ("auto", "host", "flat")
 
 
@@ -501,7 +505,8 @@ class Config:
         """Whether this worker reduces inside its host first (``host_reduce``): "auto" does where
         several workers share this host and the job spans more than one host, as hosts of equal
         size (uneven hosts stay flat: every worker of such a host sees the same sizes, so all of
-        them decide alike)."""
+        them decide alike). "host" with ``local_size == world_size`` is a one-host job: reduced
+        in shared memory alone, without the reducers (HOST_REDUCE_MODES)."""
         if self.local_size is None or self.local_size == 1:
             return False  # one worker per host: nothing to reduce inside it, and the flat path is the same
         if self.host_reduce == "auto":

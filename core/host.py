@@ -20,6 +20,10 @@ at most one frame, each through four steps on every local worker:
    it any more (a worker says RELEASED only after its own cross-host transfer of the piece ended,
    so the transport no longer reads or writes the frames either).
 
+When the job has one host (every worker shares it), the all-reduce across hosts of a share is the
+identity: step 2 ends where the combining ends, nothing is submitted, and the result is read where
+it lies (local rank 0's frame, or the broadcast root's). The reducers never see such a job.
+
 Sums are therefore combined in local-rank order inside a host and in host order across hosts,
 16-bit floats rounded once per host and once across hosts: every worker receives the same bytes,
 run after run, though not the bytes of the flat path's rank order.
@@ -157,6 +161,8 @@ _MAX_TEXT = 4096
 #: messages are dropped rather than kept.
 _MAX_EARLY_KEYS = 4096
 _MAX_RETIRED_KEYS = 4096
+#: Who contributed to a share's all-reduce across hosts when the job has one host: that host.
+_ONE_HOST = Contributors(1, 1, (0,))
 
 
 def encode(message: Message) -> bytes:
@@ -445,10 +451,15 @@ class HostCore:
         if isinstance(message, Fail):
             return self._fail(op, _rebuild(message), tell=False)
         if not isinstance(message, (Input, Done, Released)) or message.piece >= len(op.pieces):
-            return self._fail(op, ContributionMismatchError(
+            actions = self._fail(op, ContributionMismatchError(
                 f"local rank {sender} ({self.peers.get(sender)}) sent piece {getattr(message, 'piece', '?')} of an "
                 f"operation that has {len(op.pieces)} here: the workers of this host disagree on {op.describe()}",
                 job=self.job, rank=self.rank, key=label(op.label), phase="host-level reduction"))
+            if isinstance(message, Input) and sender != self.local_rank:
+                # A piece this worker does not have (a size or dtype that cuts the operation into
+                # more pieces): it reads nothing of it, and the sender's frame waits for its word.
+                actions.append(SendToPeers(Released(op.key, message.piece)))
+            return actions
         piece = op.pieces[message.piece]
         if isinstance(message, Input):
             piece.inputs[sender] = message
@@ -564,6 +575,8 @@ class HostCore:
         mine_out = self._frame(self.local_rank, piece.frame)[start * item : stop * item].view(op.x.dtype)
         if op.op is wire.ReduceOp.BROADCAST:
             root_host, root_local = self._locate(op.root)
+            if self.one_host:
+                return self._identity_across_hosts(op, piece)
             if root_host == self.host:
                 frame = piece.inputs[root_local].frame
                 x = self._frame(root_local, frame)[start * item : stop * item].view(op.x.dtype)
@@ -572,15 +585,22 @@ class HostCore:
             return [SubmitShare(op.key, piece.index, x, mine_out, op.wire_dtype, op.op, root_host, False, op.deadline)]
         runs = [self._frame(r, piece.inputs[r].frame)[start * item : stop * item] for r in range(self.local_size)]
         self._combiner.combine_into_first(runs, wire.DType(wire.dtype_code(op.x.dtype)), op.op)
+        if self.one_host:
+            return self._identity_across_hosts(op, piece)
         x = runs[0].view(op.x.dtype)
         inner_mean = op.mean and not self.all_mode  # "all": one division by the world size in _finish_share
         return [SubmitShare(op.key, piece.index, x, mine_out, op.wire_dtype, op.op, 0, inner_mean, op.deadline)]
 
+    def _identity_across_hosts(self, op: HostOp, piece: _Piece) -> list[Action]:
+        """On one host the all-reduce across hosts has one contribution, this host's: its result
+        is its input, so the share is finished where it lies (:meth:`_result`) and nothing is
+        submitted. The reducers never see the operation; the bytes are those of combining in
+        local-rank order, which on one host is rank order, as the reducers combine."""
+        piece.share_over = True  # no transfer reads the frames
+        return self._finish_share(op, piece, _ONE_HOST)
+
     def _finish_share(self, op: HostOp, piece: _Piece, contributors: Contributors) -> list[Action]:
-        start, stop = piece.share(self.local_rank, self.bounds)
-        item = op.x.dtype.itemsize
-        assert piece.frame is not None  # freed only after this share's transfer ended
-        result = self._frame(self.local_rank, piece.frame)[start * item : stop * item].view(op.x.dtype)
+        result = self._result(op, piece, self.local_rank).view(op.x.dtype)
         if op.mean:
             # all mode: every host's L workers are in every chunk; otherwise the cross-host all-reduce
             # already divided each chunk by its own contributing hosts.
@@ -602,8 +622,7 @@ class HostCore:
         for owner in range(self.local_size):
             start, stop = piece.share(owner, self.bounds)
             done = piece.done[owner]
-            frame = piece.inputs[owner].frame
-            target[start * item : stop * item] = self._frame(owner, frame)[start * item : stop * item]
+            target[start * item : stop * item] = self._result(op, piece, owner)
             op.min_hosts = min(op.min_hosts, done.min_hosts)
             op.max_hosts = max(op.max_hosts, done.max_hosts)
             op.hosts_in_all &= int.from_bytes(done.hosts, "little")
@@ -633,7 +652,11 @@ class HostCore:
         return [SendToPeers(message), *self.receive(self.local_rank, message)]
 
     def _try_free(self, op: HostOp, piece: _Piece) -> list[Action]:
-        if piece.freed or len(piece.released) < self.local_size or (piece.submitted and not piece.share_over):
+        if piece.freed or (piece.submitted and not piece.share_over):
+            return []
+        # A failed operation's piece that this worker never staged holds none of its frames: no
+        # other worker's word is needed (and one with fewer pieces will never give it).
+        if len(piece.released) < self.local_size and not (op.failed and piece.frame is None):
             return []
         if piece.frame is not None:
             self.free_frames.append(piece.frame)
@@ -693,6 +716,8 @@ class HostCore:
         operation, and ends their transfers, so their frames are free again. Every worker of this
         host fails the operation, so every one of them poisons its own share, whatever it
         passed."""
+        if self.one_host:
+            return []  # no other host to tell
         flipped = wire.ReduceOp.SUM if op.op is wire.ReduceOp.BROADCAST else wire.ReduceOp.BROADCAST
         token = np.zeros(1, dtype=np.uint8)
         return [SubmitShare(op.key, piece.index, token, token, token.dtype, flipped, self.host, False, op.deadline,
@@ -713,6 +738,23 @@ class HostCore:
         return "every piece is in"
 
     # --- helpers ---
+
+    @property
+    def one_host(self) -> bool:
+        """The job is this host's workers alone (``placement.hosts == 1``): operations finish
+        inside the host, with no cross-host submission (:meth:`_identity_across_hosts`)."""
+        return self.placement.hosts == 1
+
+    def _result(self, op: HostOp, piece: _Piece, owner: int) -> np.ndarray:
+        """The bytes of share ``owner`` of ``piece``'s result: in the owner's own frame, where
+        its cross-host all-reduce put them; on one host, where the identity left them (local rank
+        0's frame for a reduction, combined into it; the root's frame for a broadcast)."""
+        start, stop = piece.share(owner, self.bounds)
+        item = op.x.dtype.itemsize
+        holder = owner
+        if self.one_host:
+            holder = self._locate(op.root)[1] if op.op is wire.ReduceOp.BROADCAST else 0
+        return self._frame(holder, piece.inputs[holder].frame)[start * item : stop * item]
 
     def _frame(self, local_rank: int, frame: int) -> np.ndarray:
         base = frame * self.frame_bytes

@@ -14,6 +14,8 @@ What this module adds to :class:`~redsrv.core.host.HostCore` is the I/O:
 - **The cross-host job**: a flat :class:`Client` per worker, in job ``<job>/local<l>`` with the
   host index as its rank and the number of hosts as its world size, so the reducers see one
   contribution per host for each share; it rides through reducer restarts as any client does.
+  A job whose workers all share one host has none: the core finishes its operations inside the
+  host, and no reducer is contacted (not even at construction).
 - **The engine**: one thread (``redsrv-host``) owns the local sockets and the core, and is the
   only thread that touches either. Callers' threads and the cross-host client's completion thread
   hand it events through a queue and wake it; it settles futures, whose done-callbacks run on this
@@ -296,14 +298,17 @@ class HostClient(Client):
         try:
             placement = self._group.placement
             assert placement is not None
-            self._inner = Client(config=cross_host_config(config, self._group.local_rank, self._group.host_index,
-                                                          placement.hosts))
+            one_host = placement.hosts == 1  # the core finishes every operation inside the host
+            if not one_host:
+                self._inner = Client(config=cross_host_config(config, self._group.local_rank, self._group.host_index,
+                                                              placement.hosts))
             self._core = host.HostCore(
                 local_rank=self._group.local_rank, placement=placement, host=self._group.host_index,
                 slots=self._group.slots(), frame_bytes=self._group.frame_bytes, job=config.job, rank=config.rank,
                 peers={r: self._group.describe(r) for r in range(placement.local_size)},
                 all_mode=config.straggler_mode == "all",
-                weights=[len(r) for r in host.share_reducers(len(config.reducers), placement.local_size)],
+                weights=None if one_host else [len(r) for r in host.share_reducers(len(config.reducers),
+                                                                                    placement.local_size)],
                 kernels=kernels_for(config.data_plane))
             self._outgoing: dict[int, collections.deque[bytes]] = {r: collections.deque() for r in self._group.links}
             self._dead_writers: set[int] = set()

@@ -169,6 +169,53 @@ def test_workers_that_disagree_fail_on_every_rank_of_every_host(fleet) -> None:
     assert all(kind == "ContributionMismatchError" for kind, _ in results)
 
 
+def test_one_host_finishes_inside_the_host_and_never_contacts_the_reducers() -> None:
+    """A job whose workers all share one host: the host's sum is the job's, so nothing is sent
+    across hosts. The reducers' address is a socket that never accepts: a connection would wait
+    in its backlog. Sums are the rank-order ones (the reducers' own bytes), with the staging area's
+    frames reused; disagreeing workers and an operation a worker never calls keep their errors."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    reducers = [f"127.0.0.1:{listener.getsockname()[1]}"]
+    world = 3
+    cases = [(0, "float32", "sum"), (1001, "float64", "max"), (3_000_001, "float32", "sum"),
+             (70_001, "bfloat16", "sum"), (5000, "int64", "bor")]
+    timed_out_everywhere = threading.Barrier(world, timeout=30)  # rank 1 stays until the others timed out
+
+    def body(rank: int) -> tuple[list[np.ndarray], str, str]:
+        with redsrv.Client(reducers, rank=rank, world_size=world, job="hl-one-host", host_reduce="host", local_rank=rank,
+                           local_size=world, host_slot_bytes=2**22, host_piece_bytes=2**20,
+                           **{**FAST, "op_timeout": 2.0}) as client:
+            assert isinstance(client, HostClient) and client.hosts == 1 and client.session == 0
+            out = [client.allreduce(make_input(i, rank, size, dtype), op=op, key=("case", i))
+                   for i, (size, dtype, op) in enumerate(cases)]
+            out.append(client.broadcast(np.full(2_000_000, rank, np.int64), root=2, key="bcast"))
+            with pytest.raises(redsrv.ContributionMismatchError) as mismatch:
+                client.allreduce(np.ones(1000, np.float32 if rank else np.float64), key="bad")
+            late = "called"
+            if rank != 1:
+                with pytest.raises(redsrv.PeerTimeoutError) as timed_out:
+                    client.allreduce(np.ones(10, np.float32), key="rank 1 never calls")
+                late = str(timed_out.value)
+            timed_out_everywhere.wait()
+            return out, str(mismatch.value), late
+
+    try:
+        results = run_ranks(world, body)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+    for i, (size, dtype, op) in enumerate(cases):
+        expected = host_order([make_input(i, r, size, dtype) for r in range(world)], 1, world, op)
+        assert all(results[r][0][i].tobytes() == expected.tobytes() for r in range(world)), i
+    assert all((results[r][0][-1] == 2).all() for r in range(world))
+    assert "float64" in results[0][1] and "float32" in results[0][1]
+    assert "waits for local ranks [1]" in results[0][2] and "waits for local ranks [1]" in results[2][2]
+
+
 def _listening(name: bytes) -> bool:
     """Whether an abstract Unix socket ``name`` is bound (the kernel lists it as @name)."""
     with open("/proc/net/unix") as f:
@@ -335,16 +382,17 @@ def test_a_bug_in_the_engine_fails_the_operation_at_once_and_every_later_call(fl
 
     reducers = [r.address for r in fleet(1)]
 
-    share_finished = host.HostCore.share_finished
+    stage = host.HostCore.stage
 
     def broken(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         # Local rank 0's engine only: with both broken, which rank learns of its own bug and which
-        # of its peer's loss first is a race, and the test would assert one order.
+        # of its peer's loss first is a race, and the test would assert one order. (Staging, which
+        # every operation goes through: this job has one host, so no share goes across hosts.)
         if self.local_rank == 0:
             raise RuntimeError("injected")
-        return share_finished(self, *args, **kwargs)
+        return stage(self, *args, **kwargs)
 
-    monkeypatch.setattr(host.HostCore, "share_finished", broken)
+    monkeypatch.setattr(host.HostCore, "stage", broken)
 
     def body(rank: int) -> tuple[str, str]:
         with redsrv.Client(reducers, rank=rank, world_size=2, job="hl-bug", **host_config(rank, 1, 2), **FAST) as client:

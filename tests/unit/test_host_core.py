@@ -36,6 +36,7 @@ class Cluster:
         self.links: dict[tuple[int, int, int], list[host.Message]] = {}  # (host, from, to) -> messages in flight
         self.shares: dict[tuple[int, int, int], dict[int, host.SubmitShare]] = {}  # (local rank, key, piece) -> host -> share
         self.poisoned: list[host.SubmitShare] = []
+        self.submitted: list[host.SubmitShare] = []  # every cross-host submission, poisoned ones too
         self.mismatched: set[tuple[int, int, int]] = set()
         self.settled: dict[tuple[int, int], dict[int, host.Settle]] = {}  # worker -> key -> settle
         self.rng = random.Random(seed)
@@ -58,6 +59,7 @@ class Cluster:
                     if peer != lr:
                         self.links.setdefault((h, lr, peer), []).append(host.decode(encoded))
             elif isinstance(action, host.SubmitShare):
+                self.submitted.append(action)
                 place = (lr, action.key, action.piece)
                 if action.poison:
                     # the reducers: a contribution of another shape fails the chunk for every host in it, now and later
@@ -244,6 +246,81 @@ def test_workers_of_a_host_that_disagree_fail_together_and_poison_the_other_host
     assert {(p.key, p.piece) for p in c.poisoned} == {(9, 0)} and len(c.poisoned) >= 2
     assert all(p.op is wire.ReduceOp.BROADCAST and p.x.size == 1 for p in c.poisoned)
     c.quiet()
+
+
+ONE_HOST_OPS = [wire.ReduceOp.SUM, wire.ReduceOp.PRODUCT, wire.ReduceOp.MAX, wire.ReduceOp.MIN]
+ONE_HOST_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16),
+                   np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.int8), np.dtype(np.uint8)]
+
+
+@pytest.mark.parametrize("local", [2, 3, 4])
+def test_one_host_finishes_every_operation_inside_the_host(local):
+    """A job of one host: the all-reduce across hosts of a share is the identity, so no share is
+    submitted at all, and every worker gets the rank-order combination (the reducers' own rule,
+    16-bit floats through float32 rounded once), bit for bit, for every op and dtype; frames are
+    reused across operations bigger than the staging area."""
+    c = Cluster(1, local, slot_bytes=1 << 14, frame_bytes=1 << 12, seed=local)
+    cases = []
+    for dtype in ONE_HOST_DTYPES:
+        for op in ONE_HOST_OPS:
+            key, size = len(cases), 3001 if dtype.itemsize > 1 else 257
+            inputs = _inputs(1, local, size, dtype, seed=key)
+            if dtype.kind in "iu" and op is wire.ReduceOp.PRODUCT:
+                inputs = {w: np.clip(x, 0, 2).astype(dtype) for w, x in inputs.items()}
+            cases.append((key, op, inputs))
+            for (h, lr), x in inputs.items():
+                c.submit(h, lr, key, x, op=op)
+    for bitwise in (wire.ReduceOp.BAND, wire.ReduceOp.BOR, wire.ReduceOp.BXOR):
+        key = len(cases)
+        inputs = _inputs(1, local, 999, np.dtype(np.int64), seed=key)
+        cases.append((key, bitwise, inputs))
+        for (h, lr), x in inputs.items():
+            c.submit(h, lr, key, x, op=bitwise)
+    c.run()
+    assert c.submitted == []  # nothing left the host
+    for key, op, inputs in cases:
+        expected = reference(inputs, 1, local, op)
+        for lr in range(local):
+            got = c.result(0, lr, key)
+            assert got.error is None, (key, got.error)
+            assert got.result is not None and got.result.tobytes() == expected.tobytes(), (key, op, lr)
+            assert got.contributors == Contributors(local, local, tuple(range(local)))
+    c.quiet()
+
+
+def test_one_host_mean_and_broadcast_finish_inside_the_host():
+    c = Cluster(1, 3)
+    for lr in range(3):
+        c.submit(0, lr, 1, np.full(5000, float(lr + 1), dtype=np.float32), mean=True)
+        c.submit(0, lr, 2, np.full(5000, lr, dtype=np.int64), op=wire.ReduceOp.BROADCAST, root=2)
+    c.run()
+    assert c.submitted == []
+    for lr in range(3):
+        np.testing.assert_array_equal(c.result(0, lr, 1).result, np.full(5000, 2.0, dtype=np.float32))
+        assert (c.result(0, lr, 2).result == 2).all()
+    c.quiet()
+
+
+@pytest.mark.parametrize("what", ["size", "dtype", "op", "root"])
+def test_one_host_workers_that_disagree_fail_together_and_nothing_leaves_the_host(what):
+    c = Cluster(1, 2)
+    for lr in range(2):
+        odd = lr == 1
+        size = 1001 if odd and what == "size" else 1000
+        dtype = np.float64 if odd and what == "dtype" else np.float32
+        op = wire.ReduceOp.MAX if odd and what == "op" else wire.ReduceOp.SUM
+        if what == "root":
+            op = wire.ReduceOp.BROADCAST
+        c.submit(0, lr, 9, np.ones(size, dtype=dtype), op=op, root=1 if odd else 0)
+    c.run()
+    for lr in range(2):
+        assert isinstance(c.result(0, lr, 9).error, ContributionMismatchError), c.result(0, lr, 9)
+    assert c.submitted == []  # no poisoned share either: there is no other host to tell
+    c.quiet()
+    for lr in range(2):
+        c.submit(0, lr, 10, np.ones(10, np.float32))  # and the host goes on
+    c.run()
+    assert c.result(0, 1, 10).result.tolist() == [2.0] * 10
 
 
 def test_a_failed_share_fails_the_operation_on_every_worker_of_every_host_and_frees_the_frames():

@@ -35,8 +35,11 @@ def test_bench_torch_ops_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def
     assert any(line.startswith("all_gather_into_tensor") and "64 KiB" in line for line in table), done.stdout
 
 
-def test_bench_torch_ops_reports_a_wrong_result_and_exits_1(procs, capsys) -> None:  # type: ignore[no-untyped-def]
+def test_bench_torch_ops_reports_a_wrong_result_and_exits_1(procs, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # A real wrong sum: a proxy flips one byte in the middle of a reducer's result (fault_proxy).
+    # Through the reducers: the two workers share this host, where the group would otherwise
+    # reduce in shared memory (docs/torch_backend.md, "One host").
+    monkeypatch.setenv("REDSRV_HOST_REDUCE", "flat")
     from redsrv.bench import torch_ops
     from redsrv.cli.fleet import _Fleet
 
