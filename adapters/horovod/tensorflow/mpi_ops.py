@@ -6,8 +6,9 @@ rank issues its operations in the same order, and the key of an operation (kind,
 earlier ones with that name, see :mod:`redsrv.adapters.horovod.common`) is taken when the host call runs,
 not when the function is traced: a retrace never shifts keys. XLA (``jit_compile=True``) cannot
 contain host calls and is refused with a clear error. The ``*_op`` queries (``rank_op``, ``size_op``, ...)
-are host calls too, so a traced function reads the rank and size when it runs. ``allreduce``, ``allgather`` and
-``broadcast`` are differentiable with Horovod's gradients.
+are host calls too, so a traced function reads the rank and size when it runs. ``allreduce``, ``allgather``,
+``broadcast``, ``alltoall`` and ``reducescatter`` (and their grouped forms) are differentiable with Horovod's
+gradients.
 
 Ranks that disagree on a collective (shape, dtype, root rank, operation) fail it as Horovod's
 TensorFlow ops do, with ``tf.errors.FailedPreconditionError`` in both modes; the message is the
