@@ -8,14 +8,15 @@ Horovod's sdist on the package index ships no tests, so the file comes from a ch
 Horovod's repository at the release tag::
 
     git clone --depth 1 --branch v0.28.1 https://github.com/horovod/horovod horovod-src
-    HOROVOD_SRC=horovod-src tox -e horovod-suite
-    python tests/adapters/horovod/horovod_suite.py --horovod-src horovod-src [-k allgather] [--report out.json]
+    HOROVOD_SRC=horovod-src tox -e horovod-suite        # or horovod-suite-tf: test_tensorflow.py
+    python tests/adapters/horovod/horovod_suite.py --horovod-src horovod-src [--test-file test_tensorflow.py] \
+        [-k allgather] [--per-test] [--report out.json]
 
 Only files of ``test/parallel`` are used. Their helper module (``test/utils/common.py``)
 imports Horovod's runner, cloudpickle and mock for helpers these files do not call, so the
 three helpers they do call are provided here (:data:`COMMON`), and so are the two test-support
 functions of Horovod's internal ``util`` modules that they import (:data:`STANDINS`). Tests listed in
-:data:`EXCLUDED` are reported with their reason and not run (``--include-excluded`` runs them
+:data:`EXCLUDED_BY_FILE` are reported with their reason and not run (``--include-excluded`` runs them
 too); docs/horovod.md lists the same exclusions. A test passes only if it passed on every rank;
 one that failed on a rank, or left no result there, failed. Inside the ranks each test has a
 deadline (``--timeout``, pytest-timeout), and the whole run has one (``--deadline``): past it
