@@ -288,13 +288,15 @@ class _Runtime:
 
 _runtime: _Runtime | None = None
 _init_lock = threading.Lock()
+#: How many times init() succeeded in this process outside elastic mode (under _init_lock).
+_inits = 0
 
 
 def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> None:
     """Connect to the reducers named by ``REDSRV_REDUCERS`` (rank and size from ``redsrv run``,
     ``mpirun``, SLURM, torchrun or ``REDSRV_RANK``/``REDSRV_WORLD_SIZE``) and register
     ``process_sets``. A one-rank job needs no reducers. Calling it again is a no-op."""
-    global _runtime
+    global _runtime, _inits
     if comm is not None:
         raise NotImplementedError("hvd.init(comm=...) is not supported: redsrv does not use MPI communicators. Use "
                                   "process sets (hvd.ProcessSet([ranks])) for subsets of the ranks.")
@@ -306,6 +308,11 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             from .elastic import assigned_config
 
             config = assigned_config(config)
+        elif _inits:
+            # init() again after shutdown(), on every rank as in Horovod (Horovod's own test files
+            # do it between tests): a job of its own on the reducers, so that this session's keys,
+            # numbered from zero again, never meet chunks the last one left there
+            config = config.replace(job=f"{config.job[:100]}.init{_inits}")
         if not config.reducers and config.world_size > 1:
             raise ConfigError(f"{config.world_size} ranks but no reducers: set REDSRV_REDUCERS (redsrv run does), "
                               "or start the script with `redsrv run -np N`")
@@ -317,6 +324,8 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | None = None) -> 
             global_process_set.ranks = list(range(runtime.size))
             runtime.topology = _discover_topology(runtime, global_process_set)
             _runtime = runtime
+            if config.rendezvous is None:
+                _inits += 1
             atexit.register(shutdown)  # close connections cleanly when the script ends (as Horovod)
             for process_set in process_sets or ():
                 add_process_set(process_set)

@@ -30,13 +30,18 @@ __all__ = [
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",  # noqa: N802 - Horovod's name
                          compression: Any = Compression.none, sparse_as_dense: bool = False,
-                         gradient_predivide_factor: float = 1.0, op: Any = Average, num_groups: int = 0, groups: Any = None,
-                         process_set: ProcessSet = global_process_set) -> Any:
+                         gradient_predivide_factor: float = 1.0, op: Any = Average, backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+                         process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True) -> Any:
     """A Keras 3 optimizer like ``optimizer`` whose updates use gradients averaged (``op``) over
-    the ranks. Pass it to ``model.compile``."""
+    the ranks. Pass it to ``model.compile``. Horovod's signature; ``backward_passes_per_step > 1``
+    is ``NotImplementedError`` (docs/horovod.md)."""
     return _distributed.DistributedOptimizer(optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
                                              gradient_predivide_factor=gradient_predivide_factor, op=op,
-                                             num_groups=num_groups, groups=groups, process_set=process_set)
+                                             backward_passes_per_step=backward_passes_per_step,
+                                             average_aggregated_gradients=average_aggregated_gradients,
+                                             num_groups=num_groups, groups=groups, process_set=process_set,
+                                             scale_local_gradients=scale_local_gradients)
 
 
 def broadcast_global_variables(root_rank: int) -> None:

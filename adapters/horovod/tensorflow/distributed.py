@@ -36,7 +36,9 @@ class _GradientReducer:
             return list(grads)
         present = [i for i, g in enumerate(grads) if g is not None]
         prescale, postscale = (1.0 / self.predivide, self.predivide) if self.op is common.ReduceOp.AVERAGE else (1.0, 1.0)
-        reduced = grouped_allreduce([grads[i] for i in present], op=self.op, compression=self.compression, name=self.name,
+        # IndexedSlices (embedding gradients) are reduced densely, in the one host call
+        reduced = grouped_allreduce([tf.convert_to_tensor(grads[i]) for i in present], op=self.op,
+                                    compression=self.compression, name=self.name,
                                     prescale_factor=prescale, postscale_factor=postscale, process_set=self.process_set)
         out = list(grads)
         for i, value in zip(present, reduced):
@@ -48,12 +50,43 @@ class _DistributedGradientTape(tf.GradientTape):
     """A ``tf.GradientTape`` whose ``gradient`` returns gradients reduced over the ranks."""
 
     _reduce_gradients: _GradientReducer
+    #: Horovod's local sources (model parallelism): by identity, since a Keras 3 variable has no
+    #: ``ref()``; the value keeps the source alive so that its id is not reused.
+    _local_sources: dict[int, Any]
+    _scale_local_gradients: bool
+
+    def register_local_source(self, source: Any) -> None:
+        """Horovod's: ``source``'s gradient stays this rank's own, not reduced (divided by the
+        set's size when ``scale_local_gradients``, Horovod's default)."""
+        self._local_sources[id(source)] = source
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
                  unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat = tf.nest.flatten(grads, expand_composites=False)
-        return tf.nest.pack_sequence_as(grads, self._reduce_gradients(flat))
+        local = [id(s) in self._local_sources for s in tf.nest.flatten(sources, expand_composites=False)]
+        if not any(local):
+            return tf.nest.pack_sequence_as(grads, self._reduce_gradients(flat))
+        reduced = iter(self._reduce_gradients([g for g, own in zip(flat, local) if not own]))
+        size = self._reduce_gradients.process_set.size() or 1
+        out = []
+        for g, own in zip(flat, local):
+            if not own:
+                out.append(next(reduced))
+            elif g is None or not self._scale_local_gradients:
+                out.append(g)
+            elif isinstance(g, tf.IndexedSlices):
+                out.append(tf.IndexedSlices(g.values / size, g.indices, g.dense_shape))
+            else:
+                out.append(g / size)
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any, output_gradients: Any = None,
+                                       use_generic_names: bool = False) -> tuple[list[Any], list[Any]]:
+        """Horovod's: ``(source, gradient)`` pairs of the local sources, then of the others."""
+        pairs = list(zip(sources, self.gradient(target, sources, output_gradients)))
+        return ([p for p in pairs if id(p[0]) in self._local_sources],
+                [p for p in pairs if id(p[0]) not in self._local_sources])
 
 
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",  # noqa: N802 - Horovod's name
@@ -67,6 +100,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     tape.__dict__.update(gradtape.__dict__)
     tape._reduce_gradients = _GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups,
                                               process_set, "DistributedGradientTape")
+    tape._local_sources = {}
+    tape._scale_local_gradients = scale_local_gradients
     return tape
 
 

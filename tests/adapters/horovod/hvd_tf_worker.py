@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -77,11 +78,38 @@ def ops(out: dict[str, np.ndarray], facts: dict[str, object]) -> None:
     out["grad.allreduce"] = tape.gradient(loss, w).numpy()
     facts["objects"] = [hvd.broadcast_object({"from": r}, root_rank=1), hvd.allgather_object(r)]
     facts["basics"] = [r, n, hvd.local_rank(), hvd.local_size()]
+    disagreements(out, facts)
+
+
+def _error(call: Any) -> dict[str, object] | None:
+    """The exception ``call()`` raised: its classes, message and cause (``None`` if it did not)."""
     try:
-        hvd.allreduce(tf.ones(r + 2), name="mismatch")
-        facts["error"] = None
+        call()
     except Exception as exc:  # noqa: BLE001 - recorded for the test
-        facts["error"] = [c.__name__ for c in type(exc).__mro__]
+        cause = exc.__cause__
+        return {"types": [c.__name__ for c in type(exc).__mro__], "message": getattr(exc, "message", str(exc)),
+                "cause": None if cause is None else [c.__name__ for c in type(cause).__mro__],
+                "cause.message": None if cause is None else str(cause)}
+    return None
+
+
+def disagreements(out: dict[str, np.ndarray], facts: dict[str, object]) -> None:
+    """Ranks that disagree (shape, dtype, root rank), eagerly, in a ``tf.function`` and in a
+    TensorFlow 1 session; then a collective that agrees, which must still be right."""
+    r = hvd.rank()
+    shape = lambda: hvd.allreduce(tf.ones(r + 2), name="mismatch")  # noqa: E731
+    dtype = lambda: hvd.allreduce(tf.ones(3, tf.float32 if r == 0 else tf.int32), name="dtype")  # noqa: E731
+    root = lambda: hvd.broadcast(tf.ones(3), root_rank=r, name="root")  # noqa: E731
+    facts["error.eager.shape"], facts["error.eager.dtype"], facts["error.eager.root"] = _error(shape), _error(dtype), _error(root)
+    facts["error.function.shape"] = _error(tf.function(shape))
+    facts["error.function.root"] = _error(tf.function(root))
+
+    def session() -> None:
+        with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+            sess.run(hvd.allreduce(tf.ones(r + 2), name="mismatch.v1"))
+
+    facts["error.session.shape"] = _error(session)
+    out["after.disagreements"] = hvd.allreduce(tf.constant([1.0, 2.0]) * (r + 1), op=hvd.Sum).numpy()
 
 
 def tape_training(out: dict[str, np.ndarray]) -> None:

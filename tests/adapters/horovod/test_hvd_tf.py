@@ -93,7 +93,30 @@ def test_collectives_on_tensors(run) -> None:  # type: ignore[no-untyped-def]
     for rank, f in enumerate(facts):
         assert f["objects"] == [{"from": 1}, [0, 1]]
         assert f["basics"] == [rank, N, rank, N]
-        assert "HorovodInternalError" in f["error"] and "ContributionMismatchError" in f["error"]
+
+
+
+def test_ranks_that_disagree_raise_failed_precondition_as_horovods_ops_do(run) -> None:  # type: ignore[no-untyped-def]
+    """Horovod's TensorFlow ops report ranks that disagree (shape, dtype, root rank) as
+    ``tf.errors.FailedPreconditionError`` (its status PRECONDITION_ERROR), eagerly and in graphs;
+    so does redsrv.horovod, with redsrv's own error as the oracle: eagerly it is the cause, and
+    in every mode its message is the error's."""
+    results, facts = run
+    for f in facts:
+        for mode in ("eager.shape", "eager.dtype", "eager.root", "function.shape", "function.root", "session.shape"):
+            error = f[f"error.{mode}"]
+            assert error is not None, mode
+            assert error["types"][:3] == ["FailedPreconditionError", "OpError", "Exception"], (mode, error["types"])
+            if mode.startswith("eager"):
+                assert "HorovodInternalError" in error["cause"] and "ContributionMismatchError" in error["cause"], mode
+                assert error["message"] == error["cause.message"], mode
+        assert "ranks disagree" in f["error.eager.shape"]["message"]  # float32[2] against float32[3]
+        # in a graph the message is the same redsrv error's (job, rank and key named)
+        for mode in ("function.shape", "function.root", "session.shape"):
+            message = f[f"error.{mode}"]["message"]
+            assert "ranks disagree" in message and "job='hvd-tf'" in message and "key=" in message, (mode, message)
+    for r in results:  # the ranks still agree on the collectives that follow
+        np.testing.assert_array_equal(r["after.disagreements"], [3.0, 6.0])
 
 
 def test_query_ops_read_the_running_process(run) -> None:  # type: ignore[no-untyped-def]

@@ -422,6 +422,26 @@ def test_errors_when_starting_an_operation_are_horovod_errors_too(monkeypatch, d
         hvd.shutdown()
 
 
+def test_init_again_after_shutdown_is_a_job_of_its_own(monkeypatch, daemon) -> None:  # type: ignore[no-untyped-def]
+    """``hvd.shutdown()`` then ``hvd.init()`` in the same processes (Horovod's own test files do
+    it between tests, all in one launch): the operations of the new session, numbered from zero
+    again, go to a job of their own on the same reducers, not into chunks the last one closed."""
+    for name in [k for k in os.environ if k.startswith("REDSRV_") or k in ("RANK", "WORLD_SIZE")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("REDSRV_REDUCERS", daemon)
+    monkeypatch.setenv("REDSRV_JOB", "reinit")
+    x = torch.arange(4.0)
+    jobs = []
+    for _ in range(3):
+        hvd.init()
+        try:
+            jobs.append(hvd.global_process_set.client().config.job)
+            assert torch.equal(hvd.allreduce(x, op=hvd.Sum, name="same"), x)  # the same key in every session
+        finally:
+            hvd.shutdown()
+    assert all(job.startswith("reinit") for job in jobs) and len(set(jobs)) == 3
+
+
 def test_a_lost_rank_is_a_horovod_error_on_the_others(procs, fleet, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Rank 1 exits after init: rank 0's next allreduce raises HorovodInternalError (which is
     redsrv's PeerLostError) within the heartbeat window, not at the 120 s operation timeout."""
