@@ -23,7 +23,8 @@ from . import callbacks, elastic
 
 __all__ = [
     *_common_all,
-    "Compression", "callbacks", "elastic", "DistributedOptimizer", "broadcast_global_variables", "allreduce", "allgather",
+    "Compression", "callbacks", "elastic", "DistributedOptimizer", "PartialDistributedOptimizer",
+    "broadcast_global_variables", "allreduce", "allgather",
     "broadcast", "reducescatter",
 ]
 
@@ -33,15 +34,41 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
                          gradient_predivide_factor: float = 1.0, op: Any = Average, backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
                          process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True) -> Any:
-    """A Keras 3 optimizer like ``optimizer`` whose updates use gradients averaged (``op``) over
-    the ranks. Pass it to ``model.compile``. Horovod's signature; ``backward_passes_per_step > 1``
-    is ``NotImplementedError`` (docs/horovod.md)."""
+    """An optimizer like ``optimizer`` (Keras 3, or tf-keras: Keras 2) whose updates use gradients
+    averaged (``op``) over the ranks. Pass it to ``model.compile``. Horovod's signature;
+    ``backward_passes_per_step > 1`` is for tf-keras optimizers only (docs/horovod.md)."""
     return _distributed.DistributedOptimizer(optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
                                              gradient_predivide_factor=gradient_predivide_factor, op=op,
                                              backward_passes_per_step=backward_passes_per_step,
                                              average_aggregated_gradients=average_aggregated_gradients,
                                              num_groups=num_groups, groups=groups, process_set=process_set,
                                              scale_local_gradients=scale_local_gradients)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: str = "",  # noqa: N802 - Horovod's name
+                                device_sparse: str = "", compression: Any = Compression.none,
+                                sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0, op: Any = Average,
+                                groups: Any = None, process_set: ProcessSet = global_process_set,
+                                local_layers: Any = None, scale_local_gradients: bool = True) -> Any:
+    """:func:`DistributedOptimizer` whose ``local_layers``' trainable weights keep this rank's own
+    gradients (not reduced; divided by the set's size when ``scale_local_gradients``), as
+    Horovod's ``horovod.keras.PartialDistributedOptimizer``."""
+    if op != Average and op != Sum:
+        raise ValueError("op currently only supports Average and Sum")
+    if groups is not None and not (isinstance(groups, list) or groups > 0):
+        raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")
+    if local_layers is None:
+        local_layers = []
+    elif isinstance(local_layers, tf.keras.layers.Layer):
+        local_layers = [local_layers]
+    elif not all(isinstance(layer, tf.keras.layers.Layer) for layer in local_layers):
+        raise ValueError("All local layers must be of tf.keras.layers.Layer type.")
+    wrapped = DistributedOptimizer(optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+                                   gradient_predivide_factor=gradient_predivide_factor, op=op, groups=groups,
+                                   process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for var in [var for layer in local_layers for var in layer.trainable_weights]:
+        wrapped.register_local_var(var)
+    return wrapped
 
 
 def broadcast_global_variables(root_rank: int) -> None:

@@ -1,26 +1,43 @@
-"""Horovod's Keras callbacks for Keras 3 ``model.fit``."""
+"""Horovod's Keras callbacks for ``model.fit``: callbacks of the Keras that ``tf.keras`` is, Keras 3,
+or tf-keras (Keras 2) under ``TF_USE_LEGACY_KERAS=1``, as Horovod's ``horovod.tensorflow.keras``
+subclasses ``tf.keras.callbacks.Callback``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import keras
 import numpy as np
+import tensorflow as tf
 
 from .. import common
 from ..tensorflow.mpi_ops import broadcast_variables
+
+#: The Keras of ``tf.keras``, read once: Keras 3, or tf-keras with ``TF_USE_LEGACY_KERAS=1``.
+_Callback = tf.keras.callbacks.Callback
+
+
+def _is_keras2(model: Any) -> bool:
+    """Whether ``model`` is a tf-keras (Keras 2) one: its optimizer builds its variables at the
+    first step, not before training."""
+    return any(k.__module__.startswith("tf_keras") for k in type(model).__mro__)
+
+
+def _optimizer_variables(optimizer: Any) -> list[Any]:
+    variables = optimizer.variables  # a list, or a method (tf-keras' optimizers.legacy)
+    return list(variables() if callable(variables) else variables)
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
            "LearningRateWarmupCallback"]
 
 
-class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+class BroadcastGlobalVariablesCallback(_Callback):
     """Make every rank start from rank ``root_rank``'s model and optimizer variables.
 
-    Horovod broadcasts after the first batch (when its optimizer variables first exist); Keras 3
-    builds them before training begins, so here the broadcast happens at ``on_train_begin`` and
-    the first step already starts from identical weights. ``local_variables`` are left alone."""
+    Horovod broadcasts after the first batch (when a Keras 2 optimizer's variables first exist),
+    and so does this callback for a tf-keras model; Keras 3 builds them before training begins,
+    so for a Keras 3 model the broadcast happens at ``on_train_begin`` and the first step already
+    starts from identical weights. ``local_variables`` are left alone."""
 
     def __init__(self, root_rank: int, device: str = "", local_variables: Iterable[Any] | None = None) -> None:
         super().__init__()
@@ -32,7 +49,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._local.add(id(var))
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        self._broadcast()
+        if not _is_keras2(self.model):
+            self._broadcast()
 
     def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._broadcast()
@@ -43,12 +61,12 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         variables = [v for v in self.model.variables if id(v) not in self._local]
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None:
-            variables += [v for v in optimizer.variables if id(v) not in self._local]
+            variables += [v for v in _optimizer_variables(optimizer) if id(v) not in self._local]
         broadcast_variables(variables, root_rank=self.root_rank)
         self.broadcast_done = True
 
 
-class MetricAverageCallback(keras.callbacks.Callback):
+class MetricAverageCallback(_Callback):
     """Replace each epoch's logged metrics with their average over the ranks, so that callbacks
     after it (``ReduceLROnPlateau``, checkpoints) see the same values everywhere."""
 
@@ -64,15 +82,16 @@ class MetricAverageCallback(keras.callbacks.Callback):
             logs[metric] = float(common.wait_future(future, common.global_process_set.client())[0])
 
 
-class LearningRateScheduleCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(_Callback):
     """Between epochs ``start_epoch`` and ``end_epoch``, set the learning rate to
     ``initial_lr * multiplier(epoch)`` (``multiplier`` a function of the epoch, or a constant
     ``m`` meaning ``m ** (epoch - start_epoch)``); once per epoch with ``staircase``, else every
     batch with a fractional epoch.
 
-    ``momentum_correction`` is accepted but has no effect: a Keras 3 optimizer's momentum is a
-    Python number compiled into the training step, so changing it between batches would not
-    reach the step."""
+    ``momentum_correction`` (Goyal et al.: momentum scaled by new/old rate for the batch the rate
+    changes in) acts on tf-keras' ``optimizers.legacy`` optimizers, whose momentum is a variable,
+    as in Horovod. A Keras 3 or new-style tf-keras optimizer's momentum is a Python number
+    compiled into the training step, so there it has no effect."""
 
     def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
                  end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
@@ -87,10 +106,21 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = 0
+        self.restore_momentum: float | None = None
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier ** (epoch - start_epoch))
 
     def _learning_rate(self) -> float:
-        return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        return float(np.asarray(self.model.optimizer.learning_rate))
+
+    def _adjust_learning_rate(self, epoch: float) -> None:
+        optimizer = self.model.optimizer
+        old_lr = self._learning_rate()
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        optimizer.learning_rate = new_lr
+        # Only an optimizers.legacy optimizer (tf-keras) keeps its momentum as a hyperparameter variable.
+        if self.momentum_correction and "momentum" in getattr(optimizer, "_hyper", {}):
+            self.restore_momentum = float(np.asarray(optimizer.momentum))
+            optimizer.momentum = self.restore_momentum * new_lr / old_lr
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if not self.staircase and not self.steps_per_epoch:
@@ -108,10 +138,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             return
         if self.staircase:
             if batch == 0:
-                self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(self.current_epoch)
+                self._adjust_learning_rate(self.current_epoch)
         else:
-            epoch = self.current_epoch + batch / self.steps_per_epoch  # type: ignore[operator]
-            self.model.optimizer.learning_rate = self.initial_lr * self.multiplier(epoch)
+            self._adjust_learning_rate(self.current_epoch + batch / self.steps_per_epoch)  # type: ignore[operator]
+
+    def on_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.restore_momentum:
+            self.model.optimizer.momentum = self.restore_momentum
+            self.restore_momentum = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if logs is not None:

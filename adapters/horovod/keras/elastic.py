@@ -1,5 +1,5 @@
-"""``hvd.elastic`` for Keras 3 on TensorFlow (Horovod 0.28's ``horovod.keras.elastic`` and
-``horovod.tensorflow.keras.elastic``): :class:`KerasState`, ``run``, and the callbacks that keep
+"""``hvd.elastic`` for Keras on TensorFlow, Keras 3 or tf-keras (Horovod 0.28's ``horovod.keras.elastic``
+and ``horovod.tensorflow.keras.elastic``): :class:`KerasState`, ``run``, and the callbacks that keep
 the state's ``batch`` and ``epoch`` current and commit it during ``model.fit``::
 
     state = hvd.elastic.KerasState(model, batch=0, epoch=0)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import keras
+import tensorflow as tf
 
 from ..elastic import HostsUpdatedInterrupt, State
 from ..tensorflow.elastic import TensorFlowKerasState, run
@@ -32,10 +32,10 @@ class KerasState(TensorFlowKerasState):
     plain objects given as keywords, exposed as attributes (``state.batch``, ``state.epoch``)."""
 
     def __init__(self, model: Any, optimizer: Any = None, **kwargs: Any) -> None:
-        super().__init__(model, optimizer=optimizer, backend=keras.backend, **kwargs)
+        super().__init__(model, optimizer=optimizer, backend=tf.keras.backend, **kwargs)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class CommitStateCallback(tf.keras.callbacks.Callback):
     """Commit ``state`` after every ``batches_per_commit`` batches and at the end of every epoch.
     The count starts again at every ``fit`` (each new world), so every rank commits at the same
     batches: a commit is where workers waiting to join are let in, and all ranks must see it."""
@@ -61,7 +61,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.state.commit()
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(tf.keras.callbacks.Callback):
     """Keep ``state.batch`` at the last finished batch of the epoch (0 once the epoch ends).
 
     Horovod also shortens the first epoch after a reset by ``state.batch`` steps through
@@ -92,7 +92,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0  # type: ignore[attr-defined]
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(tf.keras.callbacks.Callback):
     """Keep ``state.epoch`` at the number of epochs finished across every ``fit`` of the run.
     Keras numbers each ``fit``'s epochs from 0, so the count is offset by ``state.epoch`` at the
     start of the ``fit``; it counts the epoch just finished (+1), so that a reset after it does

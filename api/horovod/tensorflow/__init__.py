@@ -6,4 +6,4 @@ from redsrv.adapters.horovod.tensorflow import __all__ as __all__
 from redsrv.adapters.horovod.tensorflow import _executing_eagerly  # noqa: F401 - Horovod's tests call hvd._executing_eagerly()
 
 # Its submodules, as attributes too (``hvd.mpi_ops``), as ``import horovod.tensorflow`` gives them.
-from . import distributed, elastic, mpi_ops  # noqa: F401
+from . import distributed, elastic, gradient_aggregation_eager, mpi_ops  # noqa: F401
