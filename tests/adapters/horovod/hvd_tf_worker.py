@@ -133,6 +133,23 @@ def tape_training(out: dict[str, np.ndarray]) -> None:
         out[f"tape.{i}"] = v.numpy()
 
 
+def keras_partial(out: dict[str, np.ndarray]) -> None:
+    """A Keras 3 ``PartialDistributedOptimizer`` whose first layer is local: one SGD step from
+    the same weights on each rank's own batch; the gradients are saved for the test's check."""
+    r = hvd.rank()
+    x, y = data()
+    model = make_model(seed=0)
+    opt = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(learning_rate=1.0), local_layers=model.layers[0])
+    xs, ys = tf.constant(x[8 * r : 8 * r + 8]), tf.constant(y[8 * r : 8 * r + 8])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(xs) - ys))
+    grads = tape.gradient(loss, model.trainable_variables)
+    before = [v.numpy() for v in model.trainable_variables]
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    for i, (g, b, v) in enumerate(zip(grads, before, model.trainable_variables)):
+        out[f"partial.own.{i}"], out[f"partial.step.{i}"] = g.numpy(), b - v.numpy()
+
+
 def keras_fit(out: dict[str, np.ndarray], facts: dict[str, object]) -> None:
     r = hvd.rank()
     x, y = data()
@@ -216,6 +233,7 @@ def main() -> None:
     v1_session(out)
     ops(out, facts)
     tape_training(out)
+    keras_partial(out)
     keras_fit(out, facts)
     np.savez(prefix + ".npz", **out)
     with open(prefix + ".json", "w") as f:

@@ -156,6 +156,18 @@ def test_distributed_gradient_tape_equals_global_batch(run) -> None:  # type: ig
             np.testing.assert_allclose(r[f"tape.{i}"], v.numpy(), rtol=1e-5, atol=1e-6)  # float32, other summation order
 
 
+def test_keras_partial_distributed_optimizer_keeps_local_layers_gradients(run) -> None:  # type: ignore[no-untyped-def]
+    # SGD with learning rate 1: the step is the gradient used. The first layer is local: its own
+    # gradient divided by the ranks (Horovod's scale_local_gradients); the others' average.
+    results, _ = run
+    for r in results:
+        for i in range(4):
+            own = r[f"partial.own.{i}"]
+            expected = own / N if i < 2 else sum(q[f"partial.own.{i}"] for q in results) / N
+            np.testing.assert_allclose(r[f"partial.step.{i}"], expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(results[0]["partial.own.0"], results[1]["partial.own.0"])
+
+
 def test_keras_fit_equals_global_batch_and_callbacks(run) -> None:  # type: ignore[no-untyped-def]
     results, facts = run
     x, y = data()
