@@ -6,7 +6,6 @@ facts (``.json``); the test recomputes the training by hand with NumPy."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -14,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from hvd_results import save  # noqa: E402
 
 import redsrv.horovod.tensorflow.keras as hvd  # noqa: E402
 
@@ -70,9 +70,7 @@ def main() -> None:
     fit(tf.keras.optimizers.SGD(learning_rate=LR), x, y, True, out, facts, "sgd")
     fit(tf.keras.optimizers.legacy.SGD(learning_rate=LR), x, y, False, out, facts, "legacy")
     partial(x, y, hvd.rank(), out)
-    np.savez(prefix + ".npz", **out)
-    with open(prefix + ".json", "w") as f:
-        json.dump(facts, f)
+    save(prefix, out, facts)
     hvd.shutdown()
 
 

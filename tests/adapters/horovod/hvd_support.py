@@ -9,10 +9,12 @@ import subprocess
 import sys
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from conftest import ProcessTracker, child_env
+from tests_support import worker_results
 
 #: Workers import torch or TensorFlow before their first collective (hvd.init()); on a loaded
 #: machine one rank may start many seconds after another, longer than the tests' shrunk 20 s
@@ -48,6 +50,23 @@ def wait_ranks(workers: list[subprocess.Popen], prefixes: list[str], timeout: fl
         if proc.returncode != 0:
             with open(prefix + ".err") as f:
                 raise AssertionError(f"worker {prefix} exited with {proc.returncode}:\n{f.read()}")
+
+
+def run_worker_ranks(tmp: Path, n: int, job: str, worker: str,
+                     extra_env: dict[str, str]) -> Iterator[tuple[list[Any], list[Any]]]:
+    """A module fixture's body: one reducer and ``n`` ranks of ``python worker PREFIX``, waited
+    for; yields every rank's arrays and facts (:func:`tests_support.worker_results`), then ends
+    every process it started."""
+    tracker = ProcessTracker()
+    try:
+        reducer = tracker.start_reducer()
+        workers, prefixes = start_ranks(tracker, n, [reducer.address], job, lambda rank: str(tmp / f"rank{rank}"),
+                                        lambda prefix: [worker, prefix], extra_env)
+        wait_ranks(workers, prefixes, timeout=200)
+        outputs = [worker_results(prefix) for prefix in prefixes]
+        yield [arrays for arrays, _facts in outputs], [facts for _arrays, facts in outputs]
+    finally:
+        tracker.cleanup()
 
 
 IMPLEMENTATION = "redsrv.adapters.horovod"

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any
@@ -14,6 +13,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from hvd_results import save  # noqa: E402
 
 import redsrv.horovod.keras as hvd_keras  # noqa: E402
 import redsrv.horovod.tensorflow as hvd  # noqa: E402
@@ -235,9 +235,7 @@ def main() -> None:
     tape_training(out)
     keras_partial(out)
     keras_fit(out, facts)
-    np.savez(prefix + ".npz", **out)
-    with open(prefix + ".json", "w") as f:
-        json.dump(facts, f)
+    save(prefix, out, facts)
     hvd.shutdown()
 
 

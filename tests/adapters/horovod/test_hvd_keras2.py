@@ -6,7 +6,6 @@ the ranks, applied every second step only). The tests' names hold ``tf_keras``, 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -21,7 +20,7 @@ WORKER = os.path.join(HERE, "hvd_keras2_worker.py")
 sys.path.insert(0, HERE)
 
 from hvd_keras2_worker import BATCH, BIAS0, KERNEL0, LR, STEPS  # noqa: E402
-from hvd_support import start_ranks, wait_ranks  # noqa: E402
+from hvd_support import run_worker_ranks  # noqa: E402
 
 N = 2
 #: float32 training against a float64 schedule over five steps
@@ -30,25 +29,8 @@ TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from conftest import ProcessTracker
-
-    tracker = ProcessTracker()
-    tmp = tmp_path_factory.mktemp("hvd-keras2")
-    try:
-        reducer = tracker.start_reducer()
-        workers, prefixes = start_ranks(tracker, N, [reducer.address], "hvd-keras2", lambda rank: str(tmp / f"rank{rank}"),
-                                        lambda prefix: [WORKER, prefix],
-                                        {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"})
-        wait_ranks(workers, prefixes, timeout=200)
-        results, facts = [], []
-        for prefix in prefixes:
-            with np.load(prefix + ".npz") as npz:
-                results.append({k: npz[k] for k in npz.files})
-            with open(prefix + ".json") as f:
-                facts.append(json.load(f))
-        yield results, facts
-    finally:
-        tracker.cleanup()
+    yield from run_worker_ranks(tmp_path_factory.mktemp("hvd-keras2"), N, "hvd-keras2", WORKER,
+                                {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_USE_LEGACY_KERAS": "1"})
 
 
 def by_hand(results: list[dict[str, np.ndarray]], average_aggregated_gradients: bool) -> tuple[np.ndarray, np.ndarray]:

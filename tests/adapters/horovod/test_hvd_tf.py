@@ -3,7 +3,6 @@ NumPy and single-process TensorFlow/Keras (one run of ``hvd_tf_worker.py`` holds
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "hvd_tf_worker.py")
 sys.path.insert(0, HERE)
 
-from hvd_support import IMPLEMENTATION, START_ENV, assert_reexported, implementation_modules, start_ranks, wait_ranks  # noqa: E402
+from hvd_support import IMPLEMENTATION, START_ENV, assert_reexported, implementation_modules, run_worker_ranks  # noqa: E402
 from hvd_tf_worker import data, make_model  # noqa: E402
 
 N = 2
@@ -37,24 +36,7 @@ def test_the_public_tf_and_keras_paths_reexport_the_implementation() -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):  # type: ignore[no-untyped-def]
-    from conftest import ProcessTracker
-
-    tracker = ProcessTracker()
-    tmp = tmp_path_factory.mktemp("hvd-tf")
-    try:
-        reducer = tracker.start_reducer()
-        workers, prefixes = start_ranks(tracker, N, [reducer.address], "hvd-tf", lambda rank: str(tmp / f"rank{rank}"),
-                                        lambda prefix: [WORKER, prefix], {"TF_CPP_MIN_LOG_LEVEL": "2"})
-        wait_ranks(workers, prefixes, timeout=200)
-        results, facts = [], []
-        for prefix in prefixes:
-            with np.load(prefix + ".npz") as npz:
-                results.append({k: npz[k] for k in npz.files})
-            with open(prefix + ".json") as f:
-                facts.append(json.load(f))
-        yield results, facts
-    finally:
-        tracker.cleanup()
+    yield from run_worker_ranks(tmp_path_factory.mktemp("hvd-tf"), N, "hvd-tf", WORKER, {"TF_CPP_MIN_LOG_LEVEL": "2"})
 
 
 def in_order(arrays: list[np.ndarray], op: str) -> np.ndarray:
