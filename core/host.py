@@ -22,7 +22,9 @@ at most one frame, each through four steps on every local worker:
 
 When the job has one host (every worker shares it), the all-reduce across hosts of a share is the
 identity: step 2 ends where the combining ends, nothing is submitted, and the result is read where
-it lies (local rank 0's frame, or the broadcast root's). The reducers never see such a job.
+it lies (local rank 0's frame, or the broadcast root's). The reducers never see such a job. There a
+small piece (:data:`WHOLE_PIECE_BYTES`) skips the sharing: each worker combines all of it straight
+into its own result once every INPUT is in, and no DONE is sent for it.
 
 Sums are therefore combined in local-rank order inside a host and in host order across hosts,
 16-bit floats rounded once per host and once across hosts: every worker receives the same bytes,
@@ -163,6 +165,11 @@ _MAX_EARLY_KEYS = 4096
 _MAX_RETIRED_KEYS = 4096
 #: Who contributed to a share's all-reduce across hosts when the job has one host: that host.
 _ONE_HOST = Contributors(1, 1, (0,))
+#: On one host, a piece whose frames hold at most this many bytes in all (its size times the
+#: local workers) is combined whole by every worker, straight into its result: reading every
+#: worker's frame costs less than the round of DONE messages that sharing the work needs
+#: (docs/torch_backend.md, "One host", has the measurements). Larger pieces are shared.
+WHOLE_PIECE_BYTES = 2 << 20
 
 
 def encode(message: Message) -> bytes:
@@ -337,6 +344,7 @@ class _Piece:
     done: dict[int, Done] = field(default_factory=dict)
     released: set[int] = field(default_factory=set)
     copied_out: bool = False
+    whole: bool = False  # combined whole by every worker (one host, small: :data:`WHOLE_PIECE_BYTES`)
     told_released: bool = False
     freed: bool = False  # every worker released it (and this worker's frame, if any, is free again)
 
@@ -400,11 +408,14 @@ class HostCore:
     messages. ``all_mode``: every host contributes to every chunk (straggler mode "all"), so a mean
     divides by the world size once. ``weights``: how much of each piece each local worker owns
     (default: equal shares), in proportion to the reducers its cross-host client reaches
-    (:func:`share_reducers`). ``kernels``: the data plane that combines (core/plane.py)."""
+    (:func:`share_reducers`). ``kernels``: the data plane that combines (core/plane.py).
+    ``whole_piece_bytes``: on one host, pieces up to this size times the local workers are
+    combined whole by every worker (:data:`WHOLE_PIECE_BYTES`; 0 shares every piece)."""
 
     def __init__(self, *, local_rank: int, placement: Placement, host: int, slots: Sequence[np.ndarray],
                  frame_bytes: int, job: str, rank: int, peers: dict[int, str], all_mode: bool,
-                 weights: Sequence[int] | None = None, kernels: Kernels | None = None) -> None:
+                 weights: Sequence[int] | None = None, kernels: Kernels | None = None,
+                 whole_piece_bytes: int = WHOLE_PIECE_BYTES) -> None:
         self.local_rank = local_rank
         self.local_size = placement.local_size
         self.placement = placement
@@ -422,6 +433,7 @@ class HostCore:
         self.retired: collections.OrderedDict[int, None] = collections.OrderedDict()  # keys whose late messages are dropped
         self.broken: RedsrvError | None = None
         self._combiner = Combiner(kernels)
+        self.whole_piece_bytes = whole_piece_bytes
 
     # --- events ---
 
@@ -432,6 +444,12 @@ class HostCore:
         piece_elements = max(1, self.frame_bytes // op.x.dtype.itemsize)
         op.pieces = [_Piece(i, start, min(start + piece_elements, op.x.size))
                      for i, start in enumerate(range(0, max(op.x.size, 1), piece_elements))]
+        if self.one_host:
+            for piece in op.pieces:
+                # Every worker decides alike: the same signature cuts the same pieces, and a
+                # different one fails as a mismatch before any piece is combined.
+                read = (piece.stop - piece.start) * op.x.dtype.itemsize * self.local_size
+                piece.whole = 0 < self.whole_piece_bytes and read <= self.whole_piece_bytes
         self.ops[op.key] = op
         actions: list[Action] = []
         for sender, message in self.early.pop(op.key, []):
@@ -499,7 +517,8 @@ class HostCore:
         for op in list(self.ops.values()):
             if op.settled:
                 del self.ops[op.key]  # its frames wait for a RELEASED that may never come: a broken host frees nothing
-            elif any(local_rank not in piece.inputs or local_rank not in piece.done for piece in op.pieces):
+            elif any(local_rank not in piece.inputs or (local_rank not in piece.done and not piece.whole)
+                     for piece in op.pieces):
                 actions += self._fail(op, self.broken, tell=False)
         self.early.clear()
         return actions
@@ -569,6 +588,8 @@ class HostCore:
             if (other.total, other.dtype, other.op, other.root, other.mean, other.wire_dtype) != mine:
                 return self._mismatch(op, local_rank, other)
         piece.submitted = True
+        if piece.whole:
+            return self._combine_whole(op, piece)
         start, stop = piece.share(self.local_rank, self.bounds)
         item = op.x.dtype.itemsize
         assert piece.frame is not None  # staged before its own INPUT went out
@@ -599,6 +620,32 @@ class HostCore:
         piece.share_over = True  # no transfer reads the frames
         return self._finish_share(op, piece, _ONE_HOST)
 
+    def _combine_whole(self, op: HostOp, piece: _Piece) -> list[Action]:
+        """One host, a small piece: this worker combines every worker's frame in local-rank
+        order (rank order, the reducers' order) straight into its own result, with the same
+        kernels and rounding as a shared piece (bitwise the same bytes), and needs nobody's
+        DONE. It only reads the frames, so each worker's frame stays as staged until all
+        released it."""
+        piece.share_over = True  # no transfer reads the frames
+        item = op.x.dtype.itemsize
+        target = op.out[piece.start : piece.stop].view(np.uint8)
+        length = target.size
+
+        def staged(local_rank: int) -> np.ndarray:
+            return self._frame(local_rank, piece.inputs[local_rank].frame)[:length]
+
+        if op.op is wire.ReduceOp.BROADCAST:
+            target[:] = staged(self._locate(op.root)[1])
+        else:
+            target[:] = staged(0)
+            runs = [target, *(staged(r) for r in range(1, self.local_size))]
+            self._combiner.combine_into_first(runs, wire.DType(wire.dtype_code(op.x.dtype)), op.op)
+            if op.mean and self.local_size > 1:
+                result = target.view(op.x.dtype)
+                self._combiner.kernels.divide(result, result, self.local_size)
+        assert length == (piece.stop - piece.start) * item
+        return self._piece_copied(op, piece, _ONE_HOST.min_count, _ONE_HOST.max_count, 1)
+
     def _finish_share(self, op: HostOp, piece: _Piece, contributors: Contributors) -> list[Action]:
         result = self._result(op, piece, self.local_rank).view(op.x.dtype)
         if op.mean:
@@ -619,13 +666,21 @@ class HostCore:
             return []
         item = op.x.dtype.itemsize
         target = op.out[piece.start : piece.stop].view(np.uint8)
+        min_hosts, max_hosts, hosts = op.min_hosts, op.max_hosts, -1
         for owner in range(self.local_size):
             start, stop = piece.share(owner, self.bounds)
             done = piece.done[owner]
             target[start * item : stop * item] = self._result(op, piece, owner)
-            op.min_hosts = min(op.min_hosts, done.min_hosts)
-            op.max_hosts = max(op.max_hosts, done.max_hosts)
-            op.hosts_in_all &= int.from_bytes(done.hosts, "little")
+            min_hosts = min(min_hosts, done.min_hosts)
+            max_hosts = max(max_hosts, done.max_hosts)
+            hosts &= int.from_bytes(done.hosts, "little")
+        return self._piece_copied(op, piece, min_hosts, max_hosts, hosts)
+
+    def _piece_copied(self, op: HostOp, piece: _Piece, min_hosts: int, max_hosts: int, hosts: int) -> list[Action]:
+        """``piece`` is in this worker's result; ``hosts`` (a bitmap) contributed to all of it."""
+        op.min_hosts = min(op.min_hosts, min_hosts)
+        op.max_hosts = max(op.max_hosts, max_hosts)
+        op.hosts_in_all &= hosts
         piece.copied_out = True
         op.copied += 1
         actions: list[Action] = []

@@ -24,14 +24,14 @@ class Cluster:
     them; shares wait at the model reducers until every host submitted theirs."""
 
     def __init__(self, hosts: int, local: int, *, slot_bytes: int = 1 << 16, frame_bytes: int = 1 << 12,
-                 block: bool = True, seed: int = 0) -> None:
+                 block: bool = True, seed: int = 0, whole_piece_bytes: int = host.WHOLE_PIECE_BYTES) -> None:
         self.hosts, self.local = hosts, local
         self.placement = host.Placement(local, hosts, block)
         self.slots = {h: [np.zeros(slot_bytes, dtype=np.uint8) for _ in range(local)] for h in range(hosts)}
         self.cores = {(h, lr): host.HostCore(local_rank=lr, placement=self.placement, host=h, slots=self.slots[h],
                                              frame_bytes=frame_bytes, job="t", rank=self.placement.rank(h, lr),
                                              peers={r: f"rank {self.placement.rank(h, r)}" for r in range(local)},
-                                             all_mode=True)
+                                             all_mode=True, whole_piece_bytes=whole_piece_bytes)
                       for h in range(hosts) for lr in range(local)}
         self.links: dict[tuple[int, int, int], list[host.Message]] = {}  # (host, from, to) -> messages in flight
         self.shares: dict[tuple[int, int, int], dict[int, host.SubmitShare]] = {}  # (local rank, key, piece) -> host -> share
@@ -42,6 +42,7 @@ class Cluster:
         self.rng = random.Random(seed)
         self.now = 0.0
         self.fail_share: set[tuple[int, int, int]] = set()  # (local rank, key, piece) whose cross-host reduction fails
+        self.sent: list[host.Message] = []  # every message between workers, in the order sent
 
     def submit(self, h: int, lr: int, key: int, x: np.ndarray, *, op: wire.ReduceOp = wire.ReduceOp.SUM, root: int = 0,
                mean: bool = False, timeout: float = 100.0) -> None:
@@ -55,6 +56,7 @@ class Cluster:
         for action in actions:
             if isinstance(action, host.SendToPeers):
                 encoded = host.encode(action.message)
+                self.sent.append(action.message)
                 for peer in range(self.local):
                     if peer != lr:
                         self.links.setdefault((h, lr, peer), []).append(host.decode(encoded))
@@ -253,13 +255,19 @@ ONE_HOST_DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float
                    np.dtype(np.int64), np.dtype(np.int32), np.dtype(np.int8), np.dtype(np.uint8)]
 
 
+#: On one host, small pieces are combined whole by every worker and larger ones shared out
+#: (host.WHOLE_PIECE_BYTES); 0 makes every piece shared, so both paths are tested.
+WHOLE_OR_SHARED = pytest.mark.parametrize("whole_piece_bytes", [host.WHOLE_PIECE_BYTES, 0], ids=["whole", "shared"])
+
+
+@WHOLE_OR_SHARED
 @pytest.mark.parametrize("local", [2, 3, 4])
-def test_one_host_finishes_every_operation_inside_the_host(local):
+def test_one_host_finishes_every_operation_inside_the_host(local, whole_piece_bytes):
     """A job of one host: the all-reduce across hosts of a share is the identity, so no share is
     submitted at all, and every worker gets the rank-order combination (the reducers' own rule,
     16-bit floats through float32 rounded once), bit for bit, for every op and dtype; frames are
     reused across operations bigger than the staging area."""
-    c = Cluster(1, local, slot_bytes=1 << 14, frame_bytes=1 << 12, seed=local)
+    c = Cluster(1, local, slot_bytes=1 << 14, frame_bytes=1 << 12, seed=local, whole_piece_bytes=whole_piece_bytes)
     cases = []
     for dtype in ONE_HOST_DTYPES:
         for op in ONE_HOST_OPS:
@@ -288,8 +296,9 @@ def test_one_host_finishes_every_operation_inside_the_host(local):
     c.quiet()
 
 
-def test_one_host_mean_and_broadcast_finish_inside_the_host():
-    c = Cluster(1, 3)
+@WHOLE_OR_SHARED
+def test_one_host_mean_and_broadcast_finish_inside_the_host(whole_piece_bytes):
+    c = Cluster(1, 3, whole_piece_bytes=whole_piece_bytes)
     for lr in range(3):
         c.submit(0, lr, 1, np.full(5000, float(lr + 1), dtype=np.float32), mean=True)
         c.submit(0, lr, 2, np.full(5000, lr, dtype=np.int64), op=wire.ReduceOp.BROADCAST, root=2)
@@ -301,9 +310,10 @@ def test_one_host_mean_and_broadcast_finish_inside_the_host():
     c.quiet()
 
 
+@WHOLE_OR_SHARED
 @pytest.mark.parametrize("what", ["size", "dtype", "op", "root"])
-def test_one_host_workers_that_disagree_fail_together_and_nothing_leaves_the_host(what):
-    c = Cluster(1, 2)
+def test_one_host_workers_that_disagree_fail_together_and_nothing_leaves_the_host(what, whole_piece_bytes):
+    c = Cluster(1, 2, whole_piece_bytes=whole_piece_bytes)
     for lr in range(2):
         odd = lr == 1
         size = 1001 if odd and what == "size" else 1000
@@ -340,8 +350,9 @@ def test_a_failed_share_fails_the_operation_on_every_worker_of_every_host_and_fr
     assert c.result(1, 1, 5).result.tolist() == [4.0] * 10
 
 
-def test_a_lost_local_worker_fails_everything_now_and_later():
-    c = Cluster(1, 3)
+@WHOLE_OR_SHARED
+def test_a_lost_local_worker_fails_everything_now_and_later(whole_piece_bytes):
+    c = Cluster(1, 3, whole_piece_bytes=whole_piece_bytes)
     c.submit(0, 0, 1, np.ones(100, np.float32))
     c.submit(0, 1, 1, np.ones(100, np.float32))
     c._apply((0, 0), c.cores[(0, 0)].peer_lost(2, "is gone"))
@@ -351,8 +362,9 @@ def test_a_lost_local_worker_fails_everything_now_and_later():
     assert isinstance(c.result(0, 0, 2).error, PeerLostError)
 
 
-def test_a_deadline_names_the_local_ranks_still_missing():
-    c = Cluster(1, 3)
+@WHOLE_OR_SHARED
+def test_a_deadline_names_the_local_ranks_still_missing(whole_piece_bytes):
+    c = Cluster(1, 3, whole_piece_bytes=whole_piece_bytes)
     c.submit(0, 0, 1, np.ones(100, np.float32), timeout=5)
     c.submit(0, 2, 1, np.ones(100, np.float32), timeout=5)
     c.run()
@@ -366,6 +378,54 @@ def test_a_deadline_names_the_local_ranks_still_missing():
     c.run()
     assert isinstance(c.result(0, 1, 1).error, PeerTimeoutError)
     c.quiet()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.int64])
+@pytest.mark.parametrize("mean", [False, True])
+def test_one_host_small_pieces_are_combined_whole_without_a_round_of_done(dtype, mean):
+    """Combined whole by every worker, a small piece needs no DONE (one message round instead
+    of two: INPUT, then RELEASED once read), and its bytes are those of the shared path. With
+    a threshold between the full pieces and the last one, one operation takes both paths."""
+    results = {}
+    for whole_piece_bytes in (host.WHOLE_PIECE_BYTES, 0, 3 * 4000):  # 3 * 4000: the last piece only
+        c = Cluster(1, 3, slot_bytes=1 << 15, frame_bytes=1 << 12, seed=7, whole_piece_bytes=whole_piece_bytes)
+        inputs = _inputs(1, 3, 5000, np.dtype(dtype), seed=11)
+        for (h, lr), x in inputs.items():
+            c.submit(h, lr, 1, x, mean=mean and np.dtype(dtype).kind == "f")
+        c.run()
+        nbytes = 5000 * np.dtype(dtype).itemsize
+        piece_sizes = [min(1 << 12, nbytes - start) for start in range(0, nbytes, 1 << 12)]
+        shared = sum(size * 3 > whole_piece_bytes for size in piece_sizes)
+        assert sum(isinstance(m, host.Done) for m in c.sent) == 3 * shared, (whole_piece_bytes, piece_sizes)
+        if whole_piece_bytes == 3 * 4000:
+            assert 0 < shared < len(piece_sizes)  # both paths in one operation
+        results[whole_piece_bytes] = [c.result(0, lr, 1).result.tobytes() for lr in range(3)]
+        assert len(set(results[whole_piece_bytes])) == 1  # every worker, the same bytes
+        c.quiet()
+    assert len({r[0] for r in results.values()}) == 1  # whole, shared and mixed: the same bytes
+    assert results[0][0] == reference(inputs, 1, 3, wire.ReduceOp.SUM).tobytes() or mean
+
+
+def test_one_host_a_worker_that_finished_and_left_does_not_fail_the_others():
+    """Combined whole, a worker may settle and leave before another worker has every INPUT
+    (a third worker's INPUT still on its way): what the others need of it, its INPUT, is in,
+    and its frame stays as staged (it never reused it), so they complete."""
+    c = Cluster(1, 3)
+    for lr in range(3):
+        c.submit(0, lr, 1, np.full(100, lr + 1, np.float32))
+    for _ in range(3):  # every worker stages
+        for lr in range(3):
+            if c.cores[(0, lr)].can_stage:
+                c._apply((0, lr), c.cores[(0, lr)].stage())
+    for sender in (0, 2):  # local rank 1 receives every INPUT and settles
+        c._apply((0, 1), c.cores[(0, 1)].receive(sender, c.links[(0, sender, 1)].pop(0)))
+    assert c.result(0, 1, 1).result.tolist() == [6.0] * 100
+    c._apply((0, 0), c.cores[(0, 0)].receive(1, c.links[(0, 1, 0)].pop(0)))  # its INPUT
+    c._apply((0, 0), c.cores[(0, 0)].peer_lost(1, "is gone"))  # then it left
+    c._apply((0, 0), c.cores[(0, 0)].receive(2, c.links[(0, 2, 0)].pop(0)))  # the last INPUT
+    assert c.result(0, 0, 1).error is None and c.result(0, 0, 1).result.tolist() == [6.0] * 100
+    c.submit(0, 0, 2, np.ones(100, np.float32))  # later operations fail: its share of them is gone
+    assert isinstance(c.result(0, 0, 2).error, PeerLostError)
 
 
 def test_placement():
