@@ -311,6 +311,11 @@ class HostClient(Client):
                                                                                     placement.local_size)],
                 kernels=kernels_for(config.data_plane))
             self._outgoing: dict[int, collections.deque[bytes]] = {r: collections.deque() for r in self._group.links}
+            # The core and the links are the engine's, and a submitting thread's while it holds
+            # this lock (:meth:`_submit_here`); selector changes wanted off the engine wait in
+            # _rewatch for the engine to make them (it may be inside select()).
+            self._core_lock = threading.Lock()
+            self._rewatch: set[int] = set()
             self._dead_writers: set[int] = set()
             self._leave_when_idle = False
             self._selector = selectors.DefaultSelector()
@@ -416,8 +421,32 @@ class HostClient(Client):
             if key_u64 in self._live:
                 raise LocalProtocolError(f"operation key {key!r} is already in flight on this client")
             self._live.add(key_u64)
-        self._post(("submit", op))
+        if not self._submit_here(op):
+            self._post(("submit", op))
         return future
+
+    def _submit_here(self, op: host.HostOp) -> bool:
+        """Submit ``op`` and stage its first piece on the calling thread, when the engine is not
+        busy and nothing submitted earlier waits for it (the core must see operations in
+        submission order). A small operation's INPUT then leaves without waking the engine:
+        one thread hand-off less per operation, which on one host is a good part of a small
+        all-reduce's time (docs/torch_backend.md, "One host"). False: post it to the engine."""
+        if not self._core_lock.acquire(blocking=False):
+            return False
+        try:
+            if self._inbox or self._core is None or self._engine_error is not None:
+                return False
+            self._handle(("submit", op))
+            self._execute(self._core.stage())
+            wake = self._core.can_stage or bool(self._rewatch)
+        except Exception as exc:  # a bug: the engine fails as if it were its own (every operation at once)
+            self._inbox.append(("fail", exc, op))
+            wake = True
+        finally:
+            self._core_lock.release()
+        if wake:
+            self._waker.wake()
+        return True
 
     # --- the engine ---
 
@@ -426,40 +455,53 @@ class HostClient(Client):
         self._waker.wake()
 
     def _run(self) -> None:
+        failed: host.HostOp | None = None  # an operation whose submission on its caller's thread hit a bug
         try:
             next_tick = time.monotonic() + C.TICK_INTERVAL_S
             while True:
-                timeout = 0.0 if self._core.can_stage else max(0.0, next_tick - time.monotonic())
-                for selected, events in self._selector.select(timeout):
-                    peer = selected.data
-                    if peer is None:
-                        self._waker.drain()
-                        continue
-                    if events & selectors.EVENT_WRITE:
-                        self._flush(peer)
-                    if events & selectors.EVENT_READ:
-                        self._read(peer)
-                while self._inbox:
-                    event = self._inbox.popleft()
-                    if event[0] == "close":
-                        self._shutdown()
-                        return
-                    self._handle(event)
-                self._execute(self._core.stage())  # one piece, then the others' messages again
-                if self._leave_when_idle and not self._core.busy:
-                    self._leave_cross_host_job()
-                now = time.monotonic()
-                if now >= next_tick:
-                    self._execute(self._core.tick(now))
-                    next_tick = now + C.TICK_INTERVAL_S
+                with self._core_lock:
+                    timeout = 0.0 if self._core.can_stage else max(0.0, next_tick - time.monotonic())
+                ready = self._selector.select(timeout)
+                with self._core_lock:
+                    for peer in list(self._rewatch):
+                        self._watch(peer)
+                    for selected, events in ready:
+                        peer = selected.data
+                        if peer is None:
+                            self._waker.drain()
+                            continue
+                        if events & selectors.EVENT_WRITE:
+                            self._flush(peer)
+                        if events & selectors.EVENT_READ:
+                            self._read(peer)
+                    while self._inbox:
+                        event = self._inbox.popleft()
+                        if event[0] == "close":
+                            self._shutdown()
+                            return
+                        if event[0] == "fail":
+                            failed = event[2]
+                            raise event[1]
+                        self._handle(event)
+                    self._execute(self._core.stage())  # one piece, then the others' messages again
+                    if self._leave_when_idle and not self._core.busy:
+                        self._leave_cross_host_job()
+                    now = time.monotonic()
+                    if now >= next_tick:
+                        self._execute(self._core.tick(now))
+                        next_tick = now + C.TICK_INTERVAL_S
         except BaseException as exc:  # a bug here must fail every operation at once, not leave them to time out
             log.exception("the host-level engine failed")
             error = PeerLostError(f"the host-level engine of this worker failed: {exc!r}", job=self.config.job,
                                   rank=self.config.rank, phase="host-level reduction")
-            self._engine_error = error  # check() raises it: nothing will run a later operation
-            for action in self._core.close(ClientClosedError(str(error))):
+            with self._core_lock:  # not while a submitting thread is inside the core
+                self._engine_error = error  # check() raises it: nothing will run a later operation
+                actions = self._core.close(ClientClosedError(str(error)))
+            for action in actions:
                 if isinstance(action, host.Settle):
                     self._settle(action.key, action.future, error=error)
+            if failed is not None and not failed.future.done():  # it failed before the core took it
+                self._settle(failed.key, failed.future, error=error)
 
     def _handle(self, event: tuple[Any, ...]) -> None:
         if event[0] == "submit":
@@ -531,9 +573,21 @@ class HostClient(Client):
             self._group.links[peer].send(packet)
         except BlockingIOError:
             queue.append(packet)
-            self._selector.modify(self._group.links[peer], selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+            self._watch(peer)
         except OSError:
             self._unwritable(peer)
+
+    def _watch(self, peer: int) -> None:
+        """Watch ``peer``'s link for writing while packets wait for it, else for reading only;
+        off the engine, the engine does it next time round (the caller wakes it)."""
+        if threading.current_thread() is not self._thread:
+            self._rewatch.add(peer)
+            return
+        self._rewatch.discard(peer)
+        sock = self._group.links.get(peer)
+        if sock is not None:
+            writing = bool(self._outgoing.get(peer)) and peer not in self._dead_writers
+            self._selector.modify(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0), peer)
 
     def _flush(self, peer: int) -> None:
         queue, sock = self._outgoing[peer], self._group.links.get(peer)
@@ -548,17 +602,15 @@ class HostClient(Client):
         except OSError:
             self._unwritable(peer)
             return
-        self._selector.modify(sock, selectors.EVENT_READ, peer)
+        self._watch(peer)
 
     def _unwritable(self, peer: int) -> None:
         """A peer that closed or died cannot be written to; what it sent before is still to be
         read, in order, and its end of file (or goodbye) is what declares it gone (:meth:`_read`).
         Until then, what is sent to it is dropped: it no longer reads."""
         self._outgoing[peer].clear()
-        sock = self._group.links.get(peer)
-        if sock is not None:
-            self._selector.modify(sock, selectors.EVENT_READ, peer)
         self._dead_writers.add(peer)
+        self._watch(peer)
 
     def _read(self, peer: int) -> None:
         sock = self._group.links.get(peer)
@@ -629,6 +681,11 @@ class HostClient(Client):
         selector = self.__dict__.get("_selector")
         if selector is not None:
             selector.close()
-        self._core = None  # type: ignore[assignment]  # its views of the staging areas go first
+        lock = self.__dict__.get("_core_lock")
+        if lock is not None:
+            with lock:  # a submitting thread may be inside the core (_submit_here)
+                self._core = None  # type: ignore[assignment]  # its views of the staging areas go first
+        else:
+            self._core = None  # type: ignore[assignment]
         self._group.close()
         self._waker.close()

@@ -216,6 +216,28 @@ def test_one_host_finishes_inside_the_host_and_never_contacts_the_reducers() -> 
     assert "waits for local ranks [1]" in results[0][2] and "waits for local ranks [1]" in results[2][2]
 
 
+def test_one_host_many_small_and_large_operations_in_flight_at_once() -> None:
+    """Operations submitted back to back without waiting: each is staged on its caller's thread
+    when the engine is idle and nothing earlier waits for it, else by the engine, and the core
+    sees them in submission order either way. Small ones are combined whole, larger ones shared,
+    some larger than the staging area; every sum is the rank-order one."""
+    world = 3
+    sizes = [1, 1000, 300_000, 17, 2_000_003, 0, 5, 70_000] * 12
+
+    def body(rank: int) -> list[np.ndarray]:
+        with redsrv.Client(["127.0.0.1:9"], rank=rank, world_size=world, job="hl-in-flight", host_reduce="host",
+                           local_rank=rank, local_size=world, host_slot_bytes=2**22, host_piece_bytes=2**20,
+                           **FAST) as client:
+            futures = [client.allreduce_async(make_input(i, rank, size, "float32"), key=("burst", i))
+                       for i, size in enumerate(sizes)]
+            return [client.wait(f) for f in futures]
+
+    results = run_ranks(world, body)
+    for i, size in enumerate(sizes):
+        expected = host_order([make_input(i, r, size, "float32") for r in range(world)], 1, world)
+        assert all(results[r][i].tobytes() == expected.tobytes() for r in range(world)), (i, size)
+
+
 def _listening(name: bytes) -> bool:
     """Whether an abstract Unix socket ``name`` is bound (the kernel lists it as @name)."""
     with open("/proc/net/unix") as f:
