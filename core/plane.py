@@ -9,7 +9,7 @@ floats, dividing for a mean. Two implementations with one behaviour, chosen by
 
 Each plane also brings the frame parser its connections' decoders run on every frame
 (:attr:`Kernels.frames`): ``wire.parse_prefix`` and ``wire.parse_header``, or their C twins in
-``native/frames.c`` (``tests/unit/test_frames_native.py`` feeds both the same byte streams).
+``native/frames.c`` (``tests/unit/test_wire_fuzz.py`` feeds both the same byte streams).
 
 ``auto`` (the default) takes the native plane where it was built and the reference otherwise;
 ``native`` insists on it. Which plane a process runs is in ``redsrv plan``'s and the

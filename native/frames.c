@@ -2,13 +2,14 @@
  *
  * The Python functions are the reference and the test oracle: for the same bytes these return
  * equal values (the same FrameType members, FrameHeader objects and field tuples) and raise the
- * same RemoteProtocolError with the same message (tests/unit/test_frames_native.py feeds both
+ * same RemoteProtocolError with the same message (tests/unit/test_wire_fuzz.py feeds both
  * decoders the same streams under Hypothesis). The decoder's state machine stays in Python
  * (wire.FrameDecoder); it calls these where the native plane is selected.
  *
- * Nothing is declared twice: the header layouts are read from wire's struct formats, the enums,
+ * Little is declared twice: the header layouts are read from wire's struct formats, the enums,
  * dtype names and sizes from wire's tables, the bounds from core/constants.py, all once, at
- * import. Every number from the wire is checked against a bound before the caller sizes
+ * import; only the positions of the fields the rules read are written here, as in parse_header,
+ * and the import refuses headers whose sizes differ from the ones they assume. Every number from the wire is checked against a bound before the caller sizes
  * anything with it, in integer types that cannot overflow: the widest sum (a push's offset plus
  * its count) is compared as a difference instead.
  */
