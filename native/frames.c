@@ -43,6 +43,9 @@ static int mode_known[256];         /* StragglerMode values */
 static int error_known[256];        /* ErrorCode values */
 static int k_hello, k_push, k_result, k_error, op_broadcast;
 
+/* A code from the wire indexes a table only through this (every such field is a byte today). */
+#define IN(table, code) ((code) < 256 && (table)[code])
+
 static PyObject *header_type;    /* wire.FrameHeader */
 static PyObject *protocol_error; /* errors.RemoteProtocolError */
 static PyObject *struct_error;   /* struct.error: what the reference raises for a buffer of the wrong size */
@@ -151,8 +154,8 @@ static int check_header(int code, const uint64_t *f, uint64_t payload_len) {
     if (code == k_push) {
         /* key, incarnation, total, offset, count, chunk, dtype, op, root */
         uint64_t total = f[2], offset = f[3], count = f[4], dtype = f[6], op = f[7];
-        if (dtype_names[dtype] == NULL) return fail("unknown dtype %llu", (unsigned long long)dtype), -1;
-        if (op_names[op] == NULL) return fail("unknown op %llu", (unsigned long long)op), -1;
+        if (!IN(dtype_names, dtype)) return fail("unknown dtype %llu", (unsigned long long)dtype), -1;
+        if (!IN(op_names, op)) return fail("unknown op %llu", (unsigned long long)op), -1;
         if (op_bitwise[op] && !dtype_integer[dtype])
             return fail("push asks for %U of %U: bitwise ops need integer or bool data", op_names[op], dtype_names[dtype]), -1;
         if (count > total || offset > total - count) {
@@ -174,7 +177,7 @@ static int check_header(int code, const uint64_t *f, uint64_t payload_len) {
     } else if (code == k_result) {
         /* key, offset, count, chunk, dtype, contributors, bitmap_len */
         uint64_t count = f[2], dtype = f[4], bitmap_len = f[6];
-        if (dtype_names[dtype] == NULL) return fail("unknown dtype %llu", (unsigned long long)dtype), -1;
+        if (!IN(dtype_names, dtype)) return fail("unknown dtype %llu", (unsigned long long)dtype), -1;
         if (bitmap_len > (max_world_size + 7) / 8)
             return fail("result bitmap of %llu bytes is larger than any job", (unsigned long long)bitmap_len), -1;
         uint64_t expected = bitmap_len + count * dtype_sizes[dtype];
@@ -184,7 +187,7 @@ static int check_header(int code, const uint64_t *f, uint64_t payload_len) {
     } else if (code == k_hello) {
         /* rank, world_size, mode, ... */
         uint64_t rank = f[0], world_size = f[1], mode = f[2];
-        if (!mode_known[mode]) return fail("unknown straggler mode %llu", (unsigned long long)mode), -1;
+        if (!IN(mode_known, mode)) return fail("unknown straggler mode %llu", (unsigned long long)mode), -1;
         if (world_size == 0 || world_size > max_world_size || rank >= world_size)
             return fail("rank %llu / world_size %llu out of range", (unsigned long long)rank,
                         (unsigned long long)world_size), -1;
@@ -193,7 +196,7 @@ static int check_header(int code, const uint64_t *f, uint64_t payload_len) {
                         (unsigned long long)max_job_id_bytes), -1;
     } else if (code == k_error) {
         /* code, fatal, key, chunk */
-        if (f[0] > 255 || !error_known[f[0]]) return fail("unknown error code %llu", (unsigned long long)f[0]), -1;
+        if (!IN(error_known, f[0])) return fail("unknown error code %llu", (unsigned long long)f[0]), -1;
         if (payload_len > max_error_message_bytes)
             return fail("error message of %llu bytes exceeds %llu", (unsigned long long)payload_len,
                         (unsigned long long)max_error_message_bytes), -1;
