@@ -165,7 +165,8 @@ class Stream:
                                   sender="a reducer", on_header=functools.partial(on_header, self),
                                   on_payload=functools.partial(on_payload, self),
                                   on_error=functools.partial(on_error, self),
-                                  on_count=functools.partial(on_count, self))
+                                  on_count=functools.partial(on_count, self),
+                                  parser=channel.kernels.frames)
         self.writer = FrameWriter(sock, now)
         self.events = 0  # what the loop's selector watches
         self.want_write = False  # the writer holds frames the socket did not take (under the loop's lock)

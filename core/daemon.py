@@ -116,7 +116,8 @@ class _Conn:
                                   on_header=functools.partial(daemon._begin_push, self),
                                   on_payload=functools.partial(daemon._on_payload, self),
                                   on_error=functools.partial(daemon._on_error, self),
-                                  on_count=functools.partial(daemon._on_count, self))
+                                  on_count=functools.partial(daemon._on_count, self),
+                                  parser=daemon.kernels.frames)
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
         self.skip_left = 0  # bytes of the current push still to read and drop (resent, or nobody's any more)
@@ -135,12 +136,13 @@ class ReducerDaemon:
     def __init__(self, settings: DaemonSettings | None = None, *, incarnation: int | None = None) -> None:
         self.settings = settings or DaemonSettings()
         self.incarnation = incarnation if incarnation is not None else int.from_bytes(os.urandom(8), "little") or 1
+        self.kernels = kernels_for(self.settings.data_plane)  # the combine kernels and the frame parser (core/plane.py)
         self.core = ReducerCore(
             self.incarnation, job_budget_bytes=self.settings.job_budget_bytes,
             memory_budget_bytes=self.settings.memory_budget_bytes, stall_warning=self.settings.stall_warning,
             piece_bytes=self.settings.result_piece_bytes, rejoin_grace=self.settings.rejoin_grace,
             budget_wait_timeout=self.settings.budget_wait_timeout, min_push_rate=self.settings.min_push_rate,
-            slow_push_grace=self.settings.slow_push_grace, kernels=kernels_for(self.settings.data_plane),
+            slow_push_grace=self.settings.slow_push_grace, kernels=self.kernels,
         )
         # Guards the state machine against snapshot() from the metrics thread; the loop is its
         # only other user, so it is never contended on the data path.
@@ -387,8 +389,8 @@ class ReducerDaemon:
 
     @property
     def plane(self) -> str:
-        """Which data plane combines here (core/plane.py): ``native`` or ``python``."""
-        return self.core._combiner.kernels.name
+        """Which data plane combines and parses frames here (core/plane.py): ``native`` or ``python``."""
+        return self.kernels.name
 
     def _set_listening(self, on: bool) -> None:
         assert self._selector is not None and self._listener is not None

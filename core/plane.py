@@ -7,6 +7,10 @@ floats, dividing for a mean. Two implementations with one behaviour, chosen by
   with the GIL released, giving the same bytes (``tests/unit/test_plane.py`` compares both on
   random bit patterns). A combination the C code does not handle falls back to the reference.
 
+Each plane also brings the frame parser its connections' decoders run on every frame
+(:attr:`Kernels.frames`): ``wire.parse_prefix`` and ``wire.parse_header``, or their C twins in
+``native/frames.c`` (``tests/unit/test_wire_fuzz.py`` feeds both the same byte streams).
+
 ``auto`` (the default) takes the native plane where it was built and the reference otherwise;
 ``native`` insists on it. Which plane a process runs is in ``redsrv plan``'s and the
 benchmarks' output.
@@ -21,7 +25,7 @@ from types import ModuleType
 import numpy as np
 
 from .errors import ConfigError
-from .wire import DType, ReduceOp, numpy_dtype
+from .wire import PYTHON_PARSER, DType, FrameParser, ReduceOp, numpy_dtype
 
 __all__ = ["ACCUMULATION_DTYPES", "UFUNCS", "PLANES", "Kernels", "PythonKernels", "NativeKernels", "kernels_for",
            "native_unavailable"]
@@ -69,6 +73,8 @@ class Kernels:
     apart."""
 
     name = ""
+    #: The checks every received frame's prefix and header go through (``wire.FrameDecoder``'s parser).
+    frames: FrameParser = PYTHON_PARSER
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         """``acc = op(acc, piece)`` element-wise; ``piece`` in ``acc``'s dtype or, for a float32
@@ -101,7 +107,7 @@ class PythonKernels(Kernels):
 
 class NativeKernels(PythonKernels):
     """The C loops where they apply (every op and wire dtype; 16-bit floats to and from float32;
-    float32 and float64 means), the reference elsewhere."""
+    float32 and float64 means), the reference elsewhere; the C frame parser."""
 
     name = "native"
 
@@ -111,6 +117,7 @@ class NativeKernels(PythonKernels):
             raise ConfigError(f"REDSRV_DATA_PLANE=native: {why}")
         assert _native is not None
         self._plane = _native
+        self.frames = FrameParser(_native.parse_prefix, _native.parse_header)
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         acc_code, piece_code = _CODES.get(acc.dtype), _CODES.get(piece.dtype)

@@ -175,13 +175,15 @@ class FrameReader:
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
                  on_payload: Callable[[], tuple[memoryview, str] | str | None],
                  on_error: Callable[[wire.Error], None],
-                 on_count: Callable[[wire.FrameType, int], None] | None = None) -> None:
+                 on_count: Callable[[wire.FrameType, int], None] | None = None,
+                 parser: wire.FrameParser = wire.PYTHON_PARSER) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
         accept = {data_frame, wire.FrameType.HEARTBEAT, wire.FrameType.ERROR}
         if on_count is not None:
             accept |= {wire.FrameType.ACK, wire.FrameType.SAFE}
-        self.decoder = wire.FrameDecoder(max_payload, data_frames=frozenset({data_frame}), accept=frozenset(accept))
+        self.decoder = wire.FrameDecoder(max_payload, data_frames=frozenset({data_frame}), accept=frozenset(accept),
+                                         parser=parser)
         self.sender = sender
         self.on_header, self.on_payload, self.on_error, self.on_count = on_header, on_payload, on_error, on_count
         self.lowat = 1

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -67,6 +68,8 @@ __all__ = [
     "parse_prefix",
     "parse_header",
     "parse_payload",
+    "FrameParser",
+    "PYTHON_PARSER",
     "FrameDecoder",
     "Event",
     "PayloadWanted",
@@ -515,6 +518,19 @@ def _enum(kind: type[enum.IntEnum], raw: int, what: str):  # type: ignore[no-unt
     return member
 
 
+class FrameParser(NamedTuple):
+    """The two checks a :class:`FrameDecoder` runs on every frame, before it holds any payload:
+    :func:`parse_prefix` and :func:`parse_header`, or an implementation with the same results
+    and errors (the native plane's, ``redsrv.core._plane``, chosen by :func:`core.plane.kernels_for`)."""
+
+    parse_prefix: Callable[[bytes | memoryview, int], tuple[FrameType, int, int]]
+    parse_header: Callable[[FrameType, bytes | memoryview, int], FrameHeader]
+
+
+#: The reference parser: the functions above.
+PYTHON_PARSER = FrameParser(parse_prefix, parse_header)
+
+
 def parse_payload(header: FrameHeader, payload: bytes | memoryview) -> Frame:
     """Build the frame from a validated header and its payload (kept as given, not copied)."""
     f = header.fields
@@ -607,18 +623,20 @@ class FrameDecoder:
     Bounded: before a payload is held its header has been checked against ``max_payload`` and
     the type's own limits, so a peer can make it hold one frame's prefix, header and capped
     payload at most. ``accept`` (all types if ``None``) refuses other types at their prefix.
+    ``parser`` runs those checks (:data:`PYTHON_PARSER` or the native plane's, which agree).
     After a :class:`RemoteProtocolError` the decoder is dead and raises the same error again.
     """
 
-    __slots__ = ("_max_payload", "_data_frames", "_accept", "_head", "_stage", "_target", "_got", "_frame_type",
-                 "_payload_len", "_payload_left", "_header", "_error", "_eof", "_pending", "_ready", "what",
-                 "_ahead", "_ahead_at", "_ahead_end", "_reading_ahead", "_event", "_landed")
+    __slots__ = ("_max_payload", "_data_frames", "_accept", "_parse_prefix", "_parse_header", "_head", "_stage", "_target",
+                 "_got", "_frame_type", "_payload_len", "_payload_left", "_header", "_error", "_eof", "_pending", "_ready",
+                 "what", "_ahead", "_ahead_at", "_ahead_end", "_reading_ahead", "_event", "_landed")
 
     def __init__(self, max_payload: int = DEFAULT_MAX_FRAME_PAYLOAD, *, data_frames: frozenset[FrameType] = frozenset(),
-                 accept: frozenset[FrameType] | None = None) -> None:
+                 accept: frozenset[FrameType] | None = None, parser: FrameParser = PYTHON_PARSER) -> None:
         self._max_payload = max_payload
         self._data_frames = data_frames
         self._accept = accept
+        self._parse_prefix, self._parse_header = parser
         self._head = memoryview(bytearray(PREFIX.size + MAX_HEADER_SIZE))
         self._error: RemoteProtocolError | None = None
         self._eof = False
@@ -739,14 +757,14 @@ class FrameDecoder:
                 if self._got < len(target):
                     return None
             if stage == _PREFIX:
-                frame_type, header_len, payload_len = parse_prefix(self._head[: PREFIX.size], self._max_payload)
+                frame_type, header_len, payload_len = self._parse_prefix(self._head[: PREFIX.size], self._max_payload)
                 if self._accept is not None and frame_type not in self._accept:
                     raise RemoteProtocolError(f"unexpected {frame_type.name} frame")
                 self._frame_type, self._payload_len = frame_type, payload_len
                 self._stage, self._target, self._got = _HEADER, self._head[PREFIX.size : PREFIX.size + header_len], 0
                 self.what = _HEADER_WHAT[frame_type]
             elif stage == _HEADER:
-                header = self._header = parse_header(self._frame_type, target, self._payload_len)
+                header = self._header = self._parse_header(self._frame_type, target, self._payload_len)
                 self._payload_left = header.payload_len
                 if header.type in self._data_frames:
                     self._stage, self._target, self._got = _WANTED, _NO_ROOM, 0

@@ -1,0 +1,11 @@
+/* The frame parser (native/frames.c), part of the redsrv.core._plane module. */
+#ifndef REDSRV_FRAMES_H
+#define REDSRV_FRAMES_H
+
+#include <Python.h>
+
+/* Reads the parser's tables from core/wire.py and adds parse_prefix and parse_header to
+ * `module`; 0, or -1 with an exception set. */
+int frames_init(PyObject *module);
+
+#endif
