@@ -106,6 +106,7 @@ def test_release_wheels_hold_the_compiled_plane_on_both_linux_architectures() ->
     assert wheels["environment"]["REDSRV_NATIVE_STRICT"] == "1"
     assert wheels["environment"]["REDSRV_TEST_REQUIRE_NATIVE"] == "1"
     assert "tests/unit/test_plane.py" in wheels["test-command"]
+    assert "tests/unit/test_wire_fuzz.py" in wheels["test-command"]  # the C frame parser against the Python one
 
 
 def test_without_a_compiler_the_install_warns_and_goes_on(tmp_path: Path) -> None:
