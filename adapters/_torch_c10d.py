@@ -79,21 +79,26 @@ class FutureWork(dist.Work):
     def __init__(self, future: torch.futures.Future[Any], describe: Callable[[], str]) -> None:
         super().__init__()
         self._raw = future
-        self._settled = settle(future)
+        # Made on first use: most calls (a plain dist.all_reduce) never ask for either, and each
+        # costs microseconds on every call (docs/torch_backend.md, "One host").
+        self._settled: torch.futures.Future[Any] | None = None
         self._describe = describe
-        self._done = threading.Event()
-        future.add_done_callback(lambda _f: self._done.set())
 
     def wait(self, timeout: Any = None) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else (timeout or 0)
-        if seconds > 0 and not self._done.wait(seconds) and not self._raw.done():
-            from ..core.errors import PeerTimeoutError
+        if seconds > 0 and not self._raw.done():
+            done = threading.Event()
+            self._raw.add_done_callback(lambda _f: done.set())  # runs at once if it finished meanwhile
+            if not done.wait(seconds) and not self._raw.done():
+                from ..core.errors import PeerTimeoutError
 
-            raise PeerTimeoutError(f"{self._describe()} did not complete", phase="Work.wait", timeout=seconds)
+                raise PeerTimeoutError(f"{self._describe()} did not complete", phase="Work.wait", timeout=seconds)
         self._raw.wait()  # raises the operation's error, with its type
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
+        if self._settled is None:
+            self._settled = settle(self._raw)
         return self._settled
 
     def is_completed(self) -> bool:
