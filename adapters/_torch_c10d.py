@@ -80,7 +80,7 @@ class FutureWork(dist.Work):
         super().__init__()
         self._raw = future
         # Made on first use: most calls (a plain dist.all_reduce) never ask for either, and each
-        # costs microseconds on every call (docs/torch_backend.md, "One host").
+        # costs microseconds on every call (docs/torch_backend.md, "Small operations, second step").
         self._settled: torch.futures.Future[Any] | None = None
         self._describe = describe
 

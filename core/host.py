@@ -168,7 +168,7 @@ _ONE_HOST = Contributors(1, 1, (0,))
 #: On one host, a piece whose frames hold at most this many bytes in all (its size times the
 #: local workers) is combined whole by every worker, straight into its result: reading every
 #: worker's frame costs less than the round of DONE messages that sharing the work needs
-#: (docs/torch_backend.md, "One host", has the measurements). Larger pieces are shared.
+#: (docs/torch_backend.md, "Small operations, second step", has the measurements). Larger pieces are shared.
 WHOLE_PIECE_BYTES = 2 << 20
 
 

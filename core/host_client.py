@@ -430,7 +430,7 @@ class HostClient(Client):
         busy and nothing submitted earlier waits for it (the core must see operations in
         submission order). A small operation's INPUT then leaves without waking the engine:
         one thread hand-off less per operation, which on one host is a good part of a small
-        all-reduce's time (docs/torch_backend.md, "One host"). False: post it to the engine."""
+        all-reduce's time (docs/torch_backend.md, "Small operations, second step"). False: post it to the engine."""
         if not self._core_lock.acquire(blocking=False):
             return False
         try:
