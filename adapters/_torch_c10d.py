@@ -76,9 +76,11 @@ class FutureWork(dist.Work):
     future DDP chains on.
     """
 
-    def __init__(self, future: torch.futures.Future[Any], describe: Callable[[], str]) -> None:
+    def __init__(self, future: torch.futures.Future[Any], describe: Callable[[], str],
+                 on_get_future: Callable[[], None] | None = None) -> None:
         super().__init__()
         self._raw = future
+        self._on_get_future = on_get_future
         # Made on first use: most calls (a plain dist.all_reduce) never ask for either, and each
         # costs microseconds on every call (docs/torch_backend.md, "Small operations, second step").
         self._settled: torch.futures.Future[Any] | None = None
@@ -98,6 +100,8 @@ class FutureWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         if self._settled is None:
+            if self._on_get_future is not None:
+                self._on_get_future()
             self._settled = settle(self._raw)
         return self._settled
 

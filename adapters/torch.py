@@ -24,6 +24,7 @@ Errors are redsrv's typed exceptions; through DDP they reach the training loop a
 # No `from __future__ import annotations`: DDP compares the hook's annotations with real
 # objects (`torch.futures.Future[torch.Tensor]`), and string annotations would fail that check.
 
+import concurrent.futures
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
@@ -419,7 +420,12 @@ class _Staged:
 
 
 class _Join:
-    """Completes one torch future once every part of a collective finished (or one failed)."""
+    """Completes one torch future once every part of a collective finished (or one failed).
+
+    A part whose result needs no copy (``cheap``) completes on the thread that settled it, as
+    long as nobody asked for the work's future: then nothing but the waiting caller is woken,
+    and no callback of anyone's can run there. Otherwise, and for parts that copy, on the
+    client's completion thread (core/client_ops.py, ``ReduceFuture``)."""
 
     def __init__(self, what: str, parts: int, value: Any) -> None:
         self.what = what
@@ -428,10 +434,11 @@ class _Join:
         self._value = value
         self._lock = threading.Lock()
         self._failed = False
+        self._exposed = False  # the work's future was handed out: callbacks may hang on it
         if parts == 0:
             self.future.set_result(value)
 
-    def add(self, reduced: Any, write: Callable[[Any], None]) -> None:
+    def add(self, reduced: Any, write: Callable[[Any], None], *, cheap: bool = False) -> None:
         def done(finished: Any) -> None:
             try:
                 write(finished.result())
@@ -447,10 +454,24 @@ class _Join:
             if last:
                 self.future.set_result(self._value)
 
-        reduced.add_done_callback(done)
+        completions = getattr(reduced, "_completions", None)
+        if not cheap or completions is None:
+            reduced.add_done_callback(done)
+            return
+
+        def settled(finished: Any) -> None:
+            if self._exposed:
+                completions.submit(done, finished)
+            else:
+                done(finished)
+
+        concurrent.futures.Future.add_done_callback(reduced, settled)  # on the settling thread
+
+    def expose(self) -> None:
+        self._exposed = True
 
     def work(self) -> Any:
-        return _torch_c10d.FutureWork(self.future, lambda: self.what)
+        return _torch_c10d.FutureWork(self.future, lambda: self.what, on_get_future=self.expose)
 
 
 def _ignore(_result: Any) -> None:
@@ -522,7 +543,8 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         seq, join = self._join("all_reduce", len(staged), tensors)
         for i, part in enumerate(staged):
             out = part.array if part.in_place else None
-            join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out), part.write)
+            join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out), part.write,
+                     cheap=out is not None)  # the result lands in the tensor itself
         return join.work()
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:

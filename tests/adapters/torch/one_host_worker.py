@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -107,6 +108,14 @@ def main() -> None:
     kept = torch.full((5,), float(rank + 1))
     dist.reduce(kept, dst=0, group=group)
     same("reduce", kept, torch.full((5,), float(world * (world + 1) // 2) if rank == 0 else 1.0 + rank))
+    # Callbacks on a work's future never run on the client's engine thread (an in-place result
+    # completes the work where it settles only while nobody holds its future).
+    ran_on = []
+    for _ in range(20):
+        work = dist.all_reduce(torch.ones(100), group=group, async_op=True)
+        chained = work.get_future().then(lambda _f: ran_on.append(threading.current_thread().name))
+        chained.wait()
+    report["callback_threads"] = sorted(set(ran_on))
     dist.barrier(group=group)
 
     # Ranks that disagree: every rank raises the typed error, and the group goes on.

@@ -67,6 +67,7 @@ def _check_common(reports: list[dict]) -> None:  # type: ignore[type-arg]
         assert report["one_host"], report["repr"]
         assert "reducers=none (one host" in report["repr"]
         assert report["checked"] > 100 and report["wrong"] == [], report["wrong"]
+        assert report["callback_threads"] and "redsrv-host" not in report["callback_threads"], report["callback_threads"]
         for what, text in report["mismatch"].items():
             assert text.startswith("ContributionMismatchError"), (report["rank"], what, text)
 
@@ -101,5 +102,6 @@ def test_flat_keeps_a_one_host_group_on_the_reducers(procs, tmp_path, fleet) -> 
     for report in reports:
         assert not report["one_host"] and "reducers=2" in report["repr"], report["repr"]
         assert report["checked"] > 100 and report["wrong"] == [], report["wrong"]
+        assert report["callback_threads"] and "redsrv-host" not in report["callback_threads"], report["callback_threads"]
         for what, text in report["mismatch"].items():
             assert text.startswith("ContributionMismatchError"), (report["rank"], what, text)
