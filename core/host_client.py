@@ -586,7 +586,7 @@ class HostClient(Client):
         self._rewatch.discard(peer)
         sock = self._group.links.get(peer)
         if sock is not None:
-            writing = bool(self._outgoing.get(peer)) and peer not in self._dead_writers
+            writing = bool(self._outgoing.get(peer))  # a dead writer's queue is cleared and stays empty
             self._selector.modify(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0), peer)
 
     def _flush(self, peer: int) -> None:

@@ -9,9 +9,10 @@
  * Little is declared twice: the header layouts are read from wire's struct formats, the enums,
  * dtype names and sizes from wire's tables, the bounds from core/constants.py, all once, at
  * import; only the positions of the fields the rules read are written here, as in parse_header,
- * and the import refuses headers whose sizes differ from the ones they assume. Every number from the wire is checked against a bound before the caller sizes
- * anything with it, in integer types that cannot overflow: the widest sum (a push's offset plus
- * its count) is compared as a difference instead.
+ * and the import refuses headers whose sizes differ from the ones they assume. Every number from
+ * the wire is checked against a bound before the caller sizes anything with it, in integer types
+ * that cannot overflow: the widest sum (a push's offset plus its count) is compared as a
+ * difference instead.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
