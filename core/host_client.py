@@ -659,6 +659,7 @@ class HostClient(Client):
             self._leaving.start()
 
     def _shutdown(self) -> None:
+        self._linger(time.monotonic() + self.config.close_timeout / 2)
         error = ClientClosedError(f"client for job {self.config.job!r} rank {self.rank} was closed with the operation pending")
         self._execute(self._core.close(error))
         packet = host.encode(host.Bye())
@@ -669,6 +670,26 @@ class HostClient(Client):
                 sock.send(packet)
             except OSError:
                 pass
+
+    def _linger(self, deadline: float) -> None:
+        """Before the goodbye, read the other workers' messages until each has released every
+        operation this worker finished (or ``deadline``). A link closed with messages unread in
+        it resets the other end (ECONNRESET), and that end loses what this worker sent it and it
+        has not read yet: on one host, the INPUTs of operations this worker finished first (a
+        whole piece waits for nobody's DONE). Once a worker said RELEASED it had read them."""
+        while self._group.links and any(op.settled and not op.failed for op in self._core.ops.values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for selected, events in self._selector.select(remaining):
+                peer = selected.data
+                if peer is None:
+                    self._waker.drain()
+                    continue
+                if events & selectors.EVENT_WRITE:
+                    self._flush(peer)
+                if events & selectors.EVENT_READ:
+                    self._read(peer)
 
     def _release_resources(self) -> None:
         """After the engine stopped (or never started): the cross-host client, then the memory it
