@@ -465,15 +465,7 @@ class HostClient(Client):
                 with self._core_lock:
                     for peer in list(self._rewatch):
                         self._watch(peer)
-                    for selected, events in ready:
-                        peer = selected.data
-                        if peer is None:
-                            self._waker.drain()
-                            continue
-                        if events & selectors.EVENT_WRITE:
-                            self._flush(peer)
-                        if events & selectors.EVENT_READ:
-                            self._read(peer)
+                    self._serve(ready)
                     while self._inbox:
                         event = self._inbox.popleft()
                         if event[0] == "close":
@@ -502,6 +494,18 @@ class HostClient(Client):
                     self._settle(action.key, action.future, error=error)
             if failed is not None and not failed.future.done():  # it failed before the core took it
                 self._settle(failed.key, failed.future, error=error)
+
+    def _serve(self, ready: list[tuple[selectors.SelectorKey, int]]) -> None:
+        """What select() found ready: the waker, and the links to flush or read."""
+        for selected, events in ready:
+            peer = selected.data
+            if peer is None:
+                self._waker.drain()
+                continue
+            if events & selectors.EVENT_WRITE:
+                self._flush(peer)
+            if events & selectors.EVENT_READ:
+                self._read(peer)
 
     def _handle(self, event: tuple[Any, ...]) -> None:
         if event[0] == "submit":
@@ -681,15 +685,7 @@ class HostClient(Client):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            for selected, events in self._selector.select(remaining):
-                peer = selected.data
-                if peer is None:
-                    self._waker.drain()
-                    continue
-                if events & selectors.EVENT_WRITE:
-                    self._flush(peer)
-                if events & selectors.EVENT_READ:
-                    self._read(peer)
+            self._serve(self._selector.select(remaining))
 
     def _release_resources(self) -> None:
         """After the engine stopped (or never started): the cross-host client, then the memory it
