@@ -2,10 +2,10 @@
 in the same run, per message size.
 
 Worker processes on 127.0.0.1 (default 2) join one gloo group and one redsrv group (reducers
-started here). For each operation and size the two groups take turns (gloo, redsrv, gloo, ...):
-per rep, a barrier, then the operation timed on every rank (below 256 KiB, the mean of a batch of
-back-to-back calls); a rep's time is the slowest rank's,
-and the table gives the median over reps and the median ratio within back-to-back samples. A
+started here). For each operation and size the groups take turns, in orders where each follows
+each other equally often (:func:`balanced_orders`): per rep, a barrier, then the operation timed
+on every rank (below 256 KiB, the mean of a batch of back-to-back calls); a rep's time is the
+slowest rank's, and the table gives the median over reps and the median ratio within back-to-back samples. A
 second gloo group timed the same way (``gloo2``) is the control: its ratio to gloo shows how far
 gloo strays from itself on this machine in this run. ``relay`` rows time the alternative design for the
 data-moving operations, through the reducers (one broadcast per rank with the core's
@@ -110,6 +110,25 @@ def print_table(results: list[dict[str, Any]]) -> None:
               f"{row['ratio']:12.3f} {row['control_ratio']:11.3f} {relay}  {check}")
 
 
+def balanced_orders(k: int) -> list[list[int]]:
+    """Orders of ``k`` variants in which each variant immediately follows each other one equally
+    often (a Williams design: ``k`` orders for even ``k``, ``2k`` for odd), and each comes at
+    each position equally often. A plain rotation makes one variant follow a given other in
+    ``k - 1`` of ``k`` orders."""
+    first = [0]
+    low, high = 1, k - 1
+    while len(first) < k:
+        first.append(low)
+        low += 1
+        if len(first) < k:
+            first.append(high)
+            high -= 1
+    orders = [[(v + shift) % k for v in first] for shift in range(k)]
+    if k % 2:
+        orders += [order[::-1] for order in orders]
+    return orders
+
+
 # --- one worker ---------------------------------------------------------------------------
 
 
@@ -201,12 +220,15 @@ def _worker(spec: dict[str, Any]) -> None:
                 wrong[name] += bad
             # Paired reps: gloo and redsrv back to back, so that load from elsewhere on the
             # machine (which changes over seconds) hits both alike; the ratio is the median of
-            # the per-pair ratios.
+            # the per-pair ratios. An operation leaves work behind that the next one pays for
+            # (gloo's 1 MiB all-reduce slows whatever follows it by 0.1-0.4 ms here), so the
+            # order is balanced: each variant follows each other one equally often.
             order = list(variants.items())
-            for rep in range(spec["rounds"] * reps):
-                # Rotate which goes first, so that none always follows another's traffic.
-                shift = rep % len(order)
-                for name, pg in order[shift:] + order[:shift]:
+            sequences = balanced_orders(len(order))
+            rows_of_reps = -(-spec["rounds"] * reps // len(sequences)) * len(sequences)  # whole designs
+            for rep in range(rows_of_reps):
+                for index in sequences[rep % len(sequences)]:
+                    name, pg = order[index]
                     what = "relay" if name == "relay" else op
                     got, bad = timed(what, pg if name != "relay" else ours, calls, 1, fresh, want[what])
                     samples[name] += got

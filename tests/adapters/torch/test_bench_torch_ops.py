@@ -56,3 +56,19 @@ def test_bench_torch_ops_reports_a_wrong_result_and_exits_1(procs, capsys, monke
     assert proxy.fault.fired_at is not None, "the proxy never corrupted a result"
     assert status == 1
     assert "WRONG RESULTS: all_reduce at 64 KiB through redsrv: 1 call(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_balanced_orders_make_each_variant_follow_each_other_equally_often(k: int) -> None:
+    from collections import Counter
+
+    from redsrv.bench.torch_ops import balanced_orders
+
+    orders = balanced_orders(k)
+    assert len(orders) == (k if k % 2 == 0 else 2 * k)
+    assert all(sorted(order) == list(range(k)) for order in orders)
+    follows = Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert set(follows) == {(a, b) for a in range(k) for b in range(k) if a != b}
+    assert len(set(follows.values())) == 1, follows
+    positions = Counter((position, v) for order in orders for position, v in enumerate(order))
+    assert len(set(positions.values())) == 1, positions
