@@ -60,6 +60,10 @@ __all__ = [
 
 #: The name ``register_backend()`` registers, for ``dist.init_process_group(BACKEND_NAME)``.
 BACKEND_NAME = "redsrv"
+#: On one host, all-gathers and reduce-scatters of at least this many bytes per rank go through
+#: the group's shared memory instead of its peer links: there they are memory copies, not TCP
+#: over loopback (docs/torch_backend.md, "One host", has the measurements that set it).
+ONE_HOST_GATHER_BYTES = 2 << 20
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 #: torch dtypes the reducers take as they are: the core's wire dtypes, which torch names as NumPy
@@ -492,7 +496,9 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     between the workers, a gloo group built from the same store when the group is created
     (the peer links): point-to-point, ``gather``, ``scatter``, ``all_to_all``, ``all_gather``
     and ``reduce_scatter`` in every form, ``monitored_barrier``; reducers would move at least as
-    many bytes for these and add a hop (docs/torch_backend.md has the measurements). A group made
+    many bytes for these and add a hop (docs/torch_backend.md has the measurements). On one host,
+    all-gathers and reduce-scatters of :data:`ONE_HOST_GATHER_BYTES` a rank or more take the
+    shared memory instead, where copies beat gloo's TCP over loopback. A group made
     with ``peer_links=False`` needs no links between workers: all-gather and reduce-scatter then
     go through the reducers too, and point-to-point, gather, scatter and all-to-all raise an
     error that says what to use instead.
@@ -606,9 +612,12 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         built only then) travels through the reducers as one small all-reduce under the operation's
         sequence number, and every rank judges the same table, so a mismatch is a
         ContributionMismatchError on every rank before gloo sees a byte."""
-        if not self._verify:
-            return self._delegate(what, call, instead)
-        self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+        if self._verify:
+            self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+            self._check_agreement(what, describe)
+        return self._delegate(what, call, instead)
+
+    def _check_agreement(self, what: str, describe: Callable[[], "_Signature"]) -> None:
         signature = describe()
         seq = self._keys.next_call()
         key = self._keys.key(seq, 0)
@@ -619,7 +628,17 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         if problem:
             cfg = self.client.config
             raise ContributionMismatchError(f"redsrv {what} #{seq}: {problem}", job=cfg.job, rank=cfg.rank, key=key)
-        return self._delegate(what, call, instead)
+
+    def _in_shared_memory(self, what: str, nbytes: int, describe: Callable[[], "_Signature"]) -> bool:
+        """Whether an all-gather or reduce-scatter of ``nbytes`` per rank goes through the group's
+        shared memory instead of its peer links (one host, :data:`ONE_HOST_GATHER_BYTES`). Every
+        rank decides alike when they pass the same sizes; ranks that do not are a mismatch under
+        the check (which then runs first), and otherwise fail at the group's deadline."""
+        if not (self.one_host and nbytes >= ONE_HOST_GATHER_BYTES):
+            return False
+        if self._verify:
+            self._check_agreement(what, describe)
+        return True
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         return self._delegate("send", lambda peers: peers.send(tensors, dst, tag))
@@ -682,17 +701,17 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Any:
-        if self._peers is None:
+        def describe() -> _Signature:
+            return _gather_signature("all_gather", output_tensors, input_tensors, self.size())
+
+        if self._peers is None or self._in_shared_memory("all_gather", _nbytes(input_tensors), describe):
             return self._relay_gather("all_gather", output_tensors, input_tensors)
         return self._agreed("all_gather",
                             lambda peers: peers.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)),
-                            lambda: _gather_signature("all_gather", output_tensors, input_tensors, self.size()))
+                            describe)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts: Any = None) -> Any:
-        if self._peers is None:
-            per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
-            return self._relay_gather("all_gather_coalesced", per_input, input_list)
         def describe() -> _Signature:
             per_input = [[outputs[i] if i < len(outputs) else outputs[0] for outputs in output_lists]
                          for i in range(len(input_list))]
@@ -701,16 +720,14 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 signature.problem = f"every rank's outputs need {len(input_list)} tensors, one per input"
             return signature
 
+        if self._peers is None or self._in_shared_memory("all_gather_coalesced", _nbytes(input_list), describe):
+            per_input = [[outputs[i] for outputs in output_lists] for i in range(len(input_list))]
+            return self._relay_gather("all_gather_coalesced", per_input, input_list)
         return self._agreed("all_gather_coalesced", lambda peers: peers.allgather_coalesced(
             output_lists, input_list, _opts(opts, AllgatherOptions)), describe)
 
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor``."""
-        if self._peers is None:
-            if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
-                raise ValueError(f"redsrv all_gather_into_tensor needs an output of {self.size()} x {tensor.numel()} "
-                                 f"{tensor.dtype} elements, got {output.numel()} of {output.dtype}")
-            return self._relay_gather("all_gather_into_tensor", [list(output.view(self.size(), -1))], [tensor], [output])
         def describe() -> _Signature:
             problem = None
             if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
@@ -718,6 +735,12 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                            f"{tensor.numel()} {_dtype_name(tensor.dtype)}")
             return _Signature("all_gather_into_tensor", [tensor, output], same=[tensor.numel()], problem=problem)
 
+        if self._peers is None or self._in_shared_memory("all_gather_into_tensor", _nbytes([tensor]), describe):
+            if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
+                raise ValueError(f"redsrv all_gather_into_tensor needs an output of {self.size()} x {tensor.numel()} "
+                                 f"{tensor.dtype} elements, got {output.numel()} of {output.dtype}")
+            return self._relay_gather("all_gather_into_tensor", [list(output.view(self.size(), -1))], [tensor], [output],
+                                      into=output)
         return self._agreed("all_gather_into_tensor",
                             lambda peers: peers._allgather_base(output, tensor, _opts(opts, AllgatherOptions)), describe)
 
@@ -742,9 +765,6 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
-        if self._peers is None:
-            whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
-            return self._relay_reduce_scatter("reduce_scatter", output_tensors[0], whole, opts)
         op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter")  # refuses what neither path has
 
         def describe() -> _Signature:
@@ -754,13 +774,14 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                 problem = f"the inputs are not {n} tensors of {y.numel()} {_dtype_name(y.dtype)} elements like the output"
             return _Signature("reduce_scatter", [y, *input_lists[0]], reduce_op=op, same=[y.numel()], problem=problem)
 
+        if self._peers is None or self._in_shared_memory("reduce_scatter", _nbytes(output_tensors[:1]), describe):
+            whole = torch.cat([t.reshape(-1) for t in input_lists[0]])
+            return self._relay_reduce_scatter("reduce_scatter", output_tensors[0], whole, opts)
         return self._agreed("reduce_scatter", lambda peers: peers.reduce_scatter(
             output_tensors, input_lists, _opts(opts, ReduceScatterOptions)), describe)
 
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor``."""
-        if self._peers is None:
-            return self._relay_reduce_scatter("reduce_scatter_tensor", output, tensor, opts)
         op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter_tensor")
 
         def describe() -> _Signature:
@@ -770,6 +791,8 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                            f"{output.numel()} {_dtype_name(output.dtype)}")
             return _Signature("reduce_scatter_tensor", [output, tensor], reduce_op=op, same=[output.numel()], problem=problem)
 
+        if self._peers is None or self._in_shared_memory("reduce_scatter_tensor", _nbytes([output]), describe):
+            return self._relay_reduce_scatter("reduce_scatter_tensor", output, tensor, opts)
         return self._agreed("reduce_scatter_tensor", lambda peers: peers._reduce_scatter_base(
             output, tensor, _opts(opts, ReduceScatterOptions)), describe)
 
@@ -778,7 +801,9 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     # over links (docs/torch_backend.md), but need nothing besides the reducers.
 
     def _relay_gather(self, what: str, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                      value: Any = None) -> Any:
+                      value: Any = None, *, into: torch.Tensor | None = None) -> Any:
+        """``into``: one contiguous tensor that the outputs are consecutive views of
+        (``all_gather_into_tensor``); the ranks' bytes then land in it directly."""
         for outputs, tensor in zip(output_lists, inputs, strict=True):
             if len(outputs) != self.size() or any(o.numel() != tensor.numel() or o.dtype != tensor.dtype for o in outputs):
                 raise ValueError(f"redsrv {what} needs {self.size()} outputs of {tensor.numel()} {tensor.dtype} elements "
@@ -787,6 +812,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         for i, (outputs, tensor) in enumerate(zip(output_lists, inputs, strict=True)):
             # Raw bytes: every dtype arrives bit for bit, and sizes are checked across ranks.
             raw = _bytes(tensor)
+            if into is not None and into.is_contiguous():
+                reduced = collectives.allgather_into_async(self.client, raw, _bytes(into), key=self._keys.key(seq, i))
+                join.add(reduced, _ignore)
+                continue
             gathered = np.empty(raw.size * self.size(), dtype=np.uint8)
             reduced = collectives.allgather_into_async(self.client, raw, gathered, key=self._keys.key(seq, i))
             join.add(reduced, _split_bytes_into(outputs))
@@ -961,6 +990,10 @@ def _mismatch(table: np.ndarray, me: int, mine: str | None) -> str | None:
 def _code_name(code: Any) -> str:
     dtype = _DTYPE_BY_CODE.get(int(code))
     return _dtype_name(dtype) if dtype is not None else "no"
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _split_bytes_into(outputs: list[torch.Tensor]) -> Callable[[np.ndarray], None]:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import redsrv
 import redsrv.torch
-from redsrv.adapters.torch import RedsrvProcessGroup
+from redsrv.adapters.torch import ONE_HOST_GATHER_BYTES, RedsrvProcessGroup
 
 R = dist.ReduceOp
 #: (name, dtype, ops): each result must be the rank-order combination (the reducers' rule) bit for
@@ -64,6 +64,46 @@ def outcome(call) -> str:  # type: ignore[no-untyped-def]
     return "no error"
 
 
+class _NoLinks:
+    """In place of a group's peer links where an operation must not use them."""
+
+    def __getattr__(self, name: str) -> None:
+        raise AssertionError(f"the peer links were used ({name})")
+
+
+def gathers_and_scatters(group, ours, rank: int, world: int, same) -> None:  # type: ignore[no-untyped-def]
+    """All-gathers and reduce-scatters equal gloo's: over the peer links below
+    ONE_HOST_GATHER_BYTES a rank, through shared memory from there on in a one-host group, where
+    the large ones run with the links taken away (a call that used them fails)."""
+    large = ONE_HOST_GATHER_BYTES // 4 + 3
+    for numel, links in ((1000, True), (large, ours is None or not ours.one_host)):
+        saved = None if ours is None else ours._peers
+        if not links and ours is not None:
+            ours._peers = _NoLinks()
+        try:
+            mine = torch.arange(numel, dtype=torch.float32) % 97 + rank  # integers: exact sums in any order
+            gathered, want = torch.empty(world * numel), torch.empty(world * numel)
+            dist.all_gather_into_tensor(gathered, mine, group=group)
+            dist.all_gather_into_tensor(want, mine)
+            same(f"all_gather_into_tensor {numel}", gathered, want)
+            parts = [torch.empty(numel) for _ in range(world)]
+            dist.all_gather(parts, mine, group=group)
+            same(f"all_gather {numel}", torch.cat(parts), want)
+            whole = torch.cat([mine * (r + 1) for r in range(world)])
+            scattered, expected = torch.empty(numel), torch.empty(numel)
+            dist.reduce_scatter_tensor(scattered, whole, group=group)
+            dist.reduce_scatter_tensor(expected, whole)
+            same(f"reduce_scatter_tensor {numel}", scattered, expected)
+            listed = torch.empty(numel)
+            dist.reduce_scatter(listed, list(whole.chunk(world)), group=group)
+            same(f"reduce_scatter {numel}", listed, expected)
+            if not links:
+                same(f"input kept {numel}", whole, torch.cat([mine * (r + 1) for r in range(world)]))
+        finally:
+            if ours is not None:
+                ours._peers = saved
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     prefix = sys.argv[2]
@@ -102,6 +142,7 @@ def main() -> None:
         x = torch.full((numel,), float(rank + 1))
         dist.broadcast(x, src=world - 1, group=group)
         same(f"broadcast {numel}", x, torch.full((numel,), float(world)))
+    gathers_and_scatters(group, ours, rank, world, same)
     avg = torch.full((10,), float(rank + 1))
     dist.all_reduce(avg, op=R.AVG, group=group)
     same("all_reduce avg", avg, torch.full((10,), (world + 1) / 2))
@@ -119,8 +160,12 @@ def main() -> None:
     dist.barrier(group=group)
 
     # Ranks that disagree: every rank raises the typed error, and the group goes on.
+    large = ONE_HOST_GATHER_BYTES // 4 + 3 + rank
     report["mismatch"] = {
         "size": outcome(lambda: dist.all_reduce(torch.ones(1000 + rank), group=group)),
+        # Through shared memory only: gloo aborts the process on sizes that differ.
+        **({"all_gather size": outcome(lambda: dist.all_gather_into_tensor(torch.empty(world * large), torch.ones(large),
+                                                                           group=group))} if report["one_host"] else {}),
         "dtype": outcome(lambda: dist.all_reduce(torch.ones(1000, dtype=torch.float32 if rank == 0 else torch.float64),
                                                  group=group)),
         "op": outcome(lambda: dist.all_reduce(torch.ones(10), op=R.SUM if rank == 0 else R.MAX, group=group)),
