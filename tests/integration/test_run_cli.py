@@ -81,14 +81,27 @@ def test_workers_get_their_placement_and_a_failure_stops_the_rest(procs, tmp_pat
     assert_gone(pids_of(lines))
 
 
+def wait_or_dump(proc: subprocess.Popen, timeout: float, log: str) -> int:  # type: ignore[type-arg]
+    """``proc``'s exit status; if it is still running after ``timeout``, its threads' stacks (it
+    runs with PYTHONFAULTHANDLER=1, which prints them on SIGABRT) in the failure."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        proc.wait(timeout=30)
+        raise AssertionError(f"redsrv run still running {timeout} s after the signal; its log and stacks:\n"
+                             + read(log)[-6000:]) from None
+
+
 def test_interrupt_stops_workers_and_reducers(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     log = str(tmp_path / "run.log")
     with open(log, "w") as out:
-        proc = procs.popen([*RUN, "-np", "2", sys.executable, "-c", WORKER], env=child_env({"RUNTEST_BLOCK": "1"}),
+        proc = procs.popen([*RUN, "-np", "2", sys.executable, "-c", WORKER],
+                           env=child_env({"RUNTEST_BLOCK": "1", "PYTHONFAULTHANDLER": "1"}),
                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
         lines = wait_for_lines(log, 2)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130
+        assert wait_or_dump(proc, 30, log) == 130
     assert "interrupted" in read(log)
     assert_gone(pids_of(lines))
 
