@@ -239,9 +239,13 @@ def decode(packet: bytes) -> Message:
 
 @dataclass
 class SendToPeers:
-    """Send ``message`` to every other worker of the host."""
+    """Send ``message`` to every other worker of the host. ``then_here``: then hand it to this
+    worker's own :meth:`HostCore.receive`, after the send: a staged piece's INPUT can complete
+    the piece here and start its combine, which must not hold the others' news back (every
+    worker combines a whole piece, in parallel)."""
 
     message: Message
+    then_here: bool = False
 
 
 @dataclass
@@ -576,8 +580,8 @@ class HostCore:
             data = op.x[piece.start : piece.stop].view(np.uint8)
             self._frame(self.local_rank, piece.frame)[: data.size] = data
         total, dtype, code, root, mean, wire_dtype = op.signature
-        message = Input(op.key, piece.index, piece.frame, total, dtype, code, root, mean, wire_dtype)
-        return [SendToPeers(message), *self.receive(self.local_rank, message)]
+        return [SendToPeers(Input(op.key, piece.index, piece.frame, total, dtype, code, root, mean, wire_dtype),
+                            then_here=True)]
 
     def _try_reduce(self, op: HostOp, piece: _Piece) -> list[Action]:
         if len(piece.inputs) < self.local_size or piece.submitted or op.failed:
@@ -634,7 +638,11 @@ class HostCore:
             return self._frame(local_rank, piece.inputs[local_rank].frame)[:length]
 
         if op.op is wire.ReduceOp.BROADCAST:
-            target[:] = staged(self._locate(op.root)[1])
+            root_local = self._locate(op.root)[1]
+            # The root's own in-place broadcast: its frame holds a copy of the very bytes of its
+            # result (``x`` may not change while the operation runs), so there is nothing to copy back.
+            if root_local != self.local_rank or target.ctypes.data != op.x[piece.start : piece.stop].ctypes.data:
+                target[:] = staged(root_local)
         else:
             target[:] = staged(0)
             runs = [target, *(staged(r) for r in range(1, self.local_size))]

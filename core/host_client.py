@@ -529,6 +529,8 @@ class HostClient(Client):
                 packet = host.encode(action.message)
                 for peer in list(self._group.links):
                     self._send(peer, packet)
+                if action.then_here:
+                    self._execute(self._core.receive(self._core.local_rank, action.message))
             elif isinstance(action, host.SubmitShare):
                 self._submit_share(action)
             else:

@@ -45,9 +45,9 @@ class Cluster:
         self.sent: list[host.Message] = []  # every message between workers, in the order sent
 
     def submit(self, h: int, lr: int, key: int, x: np.ndarray, *, op: wire.ReduceOp = wire.ReduceOp.SUM, root: int = 0,
-               mean: bool = False, timeout: float = 100.0) -> None:
+               mean: bool = False, timeout: float = 100.0, in_place: bool = False) -> None:
         future = ReduceFuture()
-        out = np.empty_like(x)
+        out = x if in_place else np.empty_like(x)
         hop = host.HostOp(key, key, x, out, x.dtype, op, root, mean, future, self.now + timeout, self.now, x.shape)
         self._apply((h, lr), self.cores[(h, lr)].submit(hop))
 
@@ -60,6 +60,8 @@ class Cluster:
                 for peer in range(self.local):
                     if peer != lr:
                         self.links.setdefault((h, lr, peer), []).append(host.decode(encoded))
+                if action.then_here:
+                    self._apply(worker, self.cores[worker].receive(lr, action.message))
             elif isinstance(action, host.SubmitShare):
                 self.submitted.append(action)
                 place = (lr, action.key, action.piece)
@@ -307,6 +309,22 @@ def test_one_host_mean_and_broadcast_finish_inside_the_host(whole_piece_bytes):
     for lr in range(3):
         np.testing.assert_array_equal(c.result(0, lr, 1).result, np.full(5000, 2.0, dtype=np.float32))
         assert (c.result(0, lr, 2).result == 2).all()
+    c.quiet()
+
+
+@WHOLE_OR_SHARED
+def test_one_host_in_place_operations_leave_every_worker_the_result_in_its_own_array(whole_piece_bytes):
+    # The root of an in-place broadcast copies nothing back (its frame holds its own bytes).
+    c = Cluster(1, 3, whole_piece_bytes=whole_piece_bytes)
+    arrays = {lr: (np.arange(70_000, dtype=np.float32) * (lr + 1), np.full(70_000, lr + 1, dtype=np.int32)) for lr in range(3)}
+    for lr, (broadcast, summed) in arrays.items():
+        c.submit(0, lr, 1, broadcast, op=wire.ReduceOp.BROADCAST, root=1, in_place=True)
+        c.submit(0, lr, 2, summed, in_place=True)
+    c.run()
+    for lr, (broadcast, summed) in arrays.items():
+        assert np.shares_memory(c.result(0, lr, 1).result, broadcast) and np.shares_memory(c.result(0, lr, 2).result, summed)
+        np.testing.assert_array_equal(broadcast, np.arange(70_000, dtype=np.float32) * 2)
+        np.testing.assert_array_equal(summed, np.full(70_000, 6, dtype=np.int32))
     c.quiet()
 
 
