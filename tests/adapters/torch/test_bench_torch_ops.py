@@ -1,6 +1,7 @@
-"""Smoke run of ``redsrv bench torch-ops`` (the per-operation comparison with gloo in
+"""Smoke runs of ``redsrv bench torch-ops`` (the per-operation comparison with gloo in
 docs/torch_backend.md): it runs, every requested cell is measured and checked, and the JSON
-holds the samples the table's medians come from; a wrong result makes it exit 1."""
+holds the samples the table's medians come from; a wrong result makes it exit 1. And of
+``redsrv bench fsdp``, FSDP2 steps on one host."""
 
 from __future__ import annotations
 
@@ -72,3 +73,20 @@ def test_balanced_orders_make_each_variant_follow_each_other_equally_often(k: in
     assert len(set(follows.values())) == 1, follows
     positions = Counter((position, v) for order in orders for position, v in enumerate(order))
     assert len(set(positions.values())) == 1, positions
+
+
+def test_bench_fsdp_smoke(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``redsrv bench fsdp`` trains both FSDP2 models, checks them against each other and reports
+    every timed step; its layers are large enough to take the one-host shared-memory gathers."""
+    from conftest import child_env
+
+    out = tmp_path / "fsdp.json"
+    done = subprocess.run([sys.executable, "-m", "redsrv", "bench", "fsdp", "--width", "1024", "--layers", "2",
+                           "--steps", "2", "--rounds", "2", "--json", str(out)],
+                          env=child_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["problems"] == []
+    assert len(result["step_ms"]["gloo"]) == len(result["step_ms"]["redsrv"]) == 4  # 2 rounds x 2 steps
+    assert result["ratio"] > 0 and len(result["ratios"]) == 2
+    assert any(line.startswith("redsrv/gloo") for line in done.stdout.splitlines()), done.stdout
