@@ -26,12 +26,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from redsrv.cli.fleet import free_port, start_reducers, stop_processes
+from redsrv.cli.fleet import free_port, run_local_workers, start_reducers, stop_processes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -53,24 +52,14 @@ def run(*, workers: int, width: int, layers: int, steps: int, rounds: int, json_
         raise SystemExit("redsrv bench fsdp: --workers at least 2, and --width, --layers, --steps, --rounds at least 1")
     # A one-host group never contacts the reducers; one is started so that REDSRV_HOST_REDUCE=flat works too.
     fleet = start_reducers(1)
-    out_path = json_path or os.path.join(os.getcwd(), f".fsdp-{os.getpid()}.json")
-    procs: list[subprocess.Popen[bytes]] = []
     try:
         spec = {"reducers": fleet.addresses, "world_size": workers, "store": f"tcp://127.0.0.1:{free_port()}",
-                "width": width, "layers": layers, "steps": steps, "rounds": rounds, "out": out_path}
-        for rank in range(workers):
-            procs.append(subprocess.Popen([sys.executable, "-m", "redsrv.bench.fsdp", json.dumps({**spec, "rank": rank})]))
-        codes = [p.wait(timeout=1800) for p in procs]
-        if any(codes):
-            print(f"workers exited with {codes}", file=sys.stderr)
-            return 1
-        with open(out_path) as f:
-            result = json.load(f)
-        if json_path is None:
-            os.remove(out_path)
+                "width": width, "layers": layers, "steps": steps, "rounds": rounds}
+        result = run_local_workers("redsrv.bench.fsdp", spec, workers, json_path)
     finally:
-        stop_processes(procs)
         stop_processes(fleet.procs)
+    if result is None:
+        return 1
     print(f"{'backend':<8} {'median step ms':>15} {'min-max ms':>17} {'steps':>6}")
     for name in ("gloo", "redsrv"):
         times = result["step_ms"][name]

@@ -28,12 +28,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from redsrv.cli.fleet import _Fleet, free_port, start_reducers, stop_processes
+from redsrv.cli.fleet import _Fleet, free_port, run_local_workers, start_reducers, stop_processes
 from redsrv.cli.units import size_in
 
 OPS = ("send_recv", "broadcast", "gather", "scatter", "all_to_all_single", "all_gather_into_tensor",
@@ -69,31 +68,21 @@ def run(*, workers: int, reducers: int, sizes_kib: list[int], ops: list[str], ro
     owned = fleet is None
     if fleet is None:
         fleet = start_reducers(reducers)
-    procs: list[subprocess.Popen[bytes]] = []
-    out_path = json_path or os.path.join(os.getcwd(), f".torch-ops-{os.getpid()}.json")
     try:
         spec = {"reducers": fleet.addresses, "world_size": workers, "store": f"tcp://127.0.0.1:{free_port()}",
-                "sizes_kib": sizes_kib, "ops": ops, "rounds": rounds, "out": out_path, "verify": verify}
-        for rank in range(workers):
-            procs.append(subprocess.Popen([sys.executable, "-m", "redsrv.bench.torch_ops", json.dumps({**spec, "rank": rank})]))
-        codes = [p.wait(timeout=1800) for p in procs]
-        if any(codes):
-            print(f"workers exited with {codes}", file=sys.stderr)
-            return 1
-        with open(out_path) as f:
-            results = json.load(f)
-        print_table(results)
-        if json_path is None:
-            os.remove(out_path)
-        wrong = [(row["op"], row["kib"], name, count) for row in results for name, count in row["wrong"].items() if count]
-        for op, kib, name, count in wrong:
-            print(f"redsrv bench torch-ops: WRONG RESULTS: {op} at {kib} KiB through {name}: {count} call(s) "
-                  "(on all ranks together)", file=sys.stderr)
-        return 1 if wrong else 0
+                "sizes_kib": sizes_kib, "ops": ops, "rounds": rounds, "verify": verify}
+        results = run_local_workers("redsrv.bench.torch_ops", spec, workers, json_path)
     finally:
-        stop_processes(procs)
         if owned:
             stop_processes(fleet.procs)
+    if results is None:
+        return 1
+    print_table(results)
+    wrong = [(row["op"], row["kib"], name, count) for row in results for name, count in row["wrong"].items() if count]
+    for op, kib, name, count in wrong:
+        print(f"redsrv bench torch-ops: WRONG RESULTS: {op} at {kib} KiB through {name}: {count} call(s) "
+              "(on all ranks together)", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 def print_table(results: list[dict[str, Any]]) -> None:

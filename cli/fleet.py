@@ -1,4 +1,5 @@
-"""A local reducer fleet: start reducer processes on free loopback ports and stop processes by pid.
+"""A local reducer fleet: start reducer processes on free loopback ports and stop processes by pid;
+and benchmark workers on this machine (:func:`run_local_workers`).
 
 Used by ``redsrv demo``, ``redsrv run``, ``redsrv soak``, ``redsrv plan --measure`` and the
 benchmarks, which all start reducers on this machine.
@@ -6,6 +7,8 @@ benchmarks, which all start reducers on this machine.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 import socket
@@ -14,6 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 #: What a reducer prints once it listens; group 2 is the port.
 LISTEN_LINE = re.compile(r"listening on (\S+):(\d+)")
@@ -90,3 +94,26 @@ def stop_on_signals() -> tuple[threading.Event, list[str]]:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     return stop, received
+
+
+def run_local_workers(module: str, spec: dict[str, Any], workers: int, json_path: str | None, *,
+                      timeout: float = 1800.0) -> Any:
+    """Run ``python -m module SPEC`` as ``workers`` processes here, each ``SPEC`` the JSON of
+    ``spec`` with its ``rank`` and ``out``: the file rank 0 writes its results to (``json_path``,
+    else a temporary one in the current folder, removed after). Returns what rank 0 wrote, or
+    None (having said why) when a worker failed; every worker is stopped before it returns."""
+    out_path = json_path or os.path.join(os.getcwd(), f".{module.rsplit('.', 1)[-1]}-{os.getpid()}.json")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank in range(workers):
+            procs.append(subprocess.Popen([sys.executable, "-m", module, json.dumps({**spec, "out": out_path, "rank": rank})]))
+        codes = [p.wait(timeout=timeout) for p in procs]
+        if any(codes):
+            print(f"workers exited with {codes}", file=sys.stderr)
+            return None
+        with open(out_path) as f:
+            return json.load(f)
+    finally:
+        stop_processes(procs)
+        if json_path is None and os.path.exists(out_path):
+            os.remove(out_path)
