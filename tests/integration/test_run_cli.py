@@ -93,12 +93,20 @@ def wait_or_dump(proc: subprocess.Popen, timeout: float, log: str) -> int:  # ty
                              + read(log)[-6000:]) from None
 
 
+def _interruptible() -> None:
+    # As Ctrl-C finds a command run from a terminal. A background job of a non-interactive shell
+    # (a CI runner's, a nohup'd script's) inherits SIGINT ignored, and Python then leaves it so:
+    # the launcher would never see this test's signal (its stacks, in a clean-clone run, showed it
+    # still waiting for its workers).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupt_stops_workers_and_reducers(procs, tmp_path) -> None:  # type: ignore[no-untyped-def]
     log = str(tmp_path / "run.log")
     with open(log, "w") as out:
         proc = procs.popen([*RUN, "-np", "2", sys.executable, "-c", WORKER],
                            env=child_env({"RUNTEST_BLOCK": "1", "PYTHONFAULTHANDLER": "1"}),
-                           stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
+                           stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.PIPE, preexec_fn=_interruptible)
         lines = wait_for_lines(log, 2)
         proc.send_signal(signal.SIGINT)
         assert wait_or_dump(proc, 30, log) == 130
