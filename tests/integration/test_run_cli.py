@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import psutil
+
 from conftest import child_env
 from tests_support import poll
 
@@ -87,8 +89,12 @@ def wait_or_dump(proc: subprocess.Popen, timeout: float, log: str) -> int:  # ty
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        children = psutil.Process(proc.pid).children(recursive=True)  # its workers and reducers, left behind by an abort
         proc.send_signal(signal.SIGABRT)
         proc.wait(timeout=30)
+        for child in children:
+            child.kill()
+        psutil.wait_procs(children, timeout=10)
         raise AssertionError(f"redsrv run still running {timeout} s after the signal; its log and stacks:\n"
                              + read(log)[-6000:]) from None
 
