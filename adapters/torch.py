@@ -825,13 +825,15 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         op = "sum" if opts is None else _reduce_op(opts, what)
         if tensor.numel() != output.numel() * self.size():
             raise ValueError(f"redsrv {what} needs an input of {self.size()} x {output.numel()} elements, got {tensor.numel()}")
-        part = _Staged(tensor.detach().clone(), op, what)  # a copy: reduced in place, the input stays
+        part = _Staged(tensor, op, what)
         seq, join = self._join(what, 1, output)
 
         def keep_mine(result: np.ndarray) -> None:
             output.copy_(part.unstage(result).view(self.size(), -1)[self.rank()].view(output.shape))
 
-        join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, 0), out=part.array), keep_mine)
+        # The sums land beside the input, which stays as it was (no copy of it first).
+        summed = np.empty_like(part.array)
+        join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, 0), out=summed), keep_mine)
         return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
