@@ -272,7 +272,8 @@ def _gather_bytes(client: Client, arr: np.ndarray, shapes: list[tuple[int, ...]]
 def _broadcasts(client: Client, arr: np.ndarray, targets: list[np.ndarray], key: Any,
                 timeout: float | None) -> concurrent.futures.Future[list[np.ndarray]]:
     """Rank ``r``'s bytes into ``targets[r]`` on every rank: one broadcast per rank with bytes,
-    rooted there. The own rank's bytes are copied locally as well as sent."""
+    rooted there, each received straight into its slot (the own rank's too: a slot that is the
+    input itself, as FSDP's all-gather passes it, then costs no copy)."""
     own = arr.view(np.uint8).reshape(-1)
     if own.size != targets[client.rank].size:
         raise ContributionMismatchError(f"allgather: rank {client.rank} passed {own.size} bytes, the slot holds "
@@ -281,12 +282,8 @@ def _broadcasts(client: Client, arr: np.ndarray, targets: list[np.ndarray], key:
     for root, target in enumerate(targets):
         if not target.size:
             continue
-        if root == client.rank:
-            future = client.broadcast_async(own, root=root, key=(key, "bytes", root), timeout=timeout)
-        else:  # received straight into its slot
-            future = client.broadcast_async(target, root=root, key=(key, "bytes", root), timeout=timeout, out=target)
-        futures.append(future)
-    targets[client.rank][...] = own
+        sent = own if root == client.rank else target  # only the root's contents travel
+        futures.append(client.broadcast_async(sent, root=root, key=(key, "bytes", root), timeout=timeout, out=target))
     combined: concurrent.futures.Future[list[np.ndarray]] = concurrent.futures.Future()
     remaining = [len(futures)]
     count_lock = threading.Lock()  # callbacks run on the completion thread, or here if a part is already done
