@@ -439,6 +439,7 @@ class _Join:
         self._lock = threading.Lock()
         self._failed = False
         self._exposed = False  # the work's future was handed out: callbacks may hang on it
+        self._exposure = threading.Lock()
         if parts == 0:
             self.future.set_result(value)
 
@@ -464,15 +465,19 @@ class _Join:
             return
 
         def settled(finished: Any) -> None:
-            if self._exposed:
-                completions.submit(done, finished)
-            else:
-                done(finished)
+            with self._exposure:
+                if not self._exposed:
+                    # Under the lock, so that a get_future() racing with this waits until the
+                    # future is set and its callbacks then run on its own thread, not here.
+                    done(finished)
+                    return
+            completions.submit(done, finished)
 
         concurrent.futures.Future.add_done_callback(reduced, settled)  # on the settling thread
 
     def expose(self) -> None:
-        self._exposed = True
+        with self._exposure:
+            self._exposed = True
 
     def work(self) -> Any:
         return _torch_c10d.FutureWork(self.future, lambda: self.what, on_get_future=self.expose)
@@ -569,7 +574,8 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
             # Non-roots must not see the result: reduce into a scratch copy there.
             out = part.array if part.in_place and self.rank() == root else None
             reduced = self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out)
-            join.add(reduced, part.write if self.rank() == root else _ignore)
+            keeps = self.rank() == root
+            join.add(reduced, part.write if keeps else _ignore, cheap=out is not None or not keeps)
         return join.work()
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
@@ -581,14 +587,15 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
             # The core's exact broadcast: the wire's dtypes travel as themselves (checked across
             # ranks), others as their bytes; the result lands in the tensor's memory when it can.
             host = _host(tensor)
-            array = _any_numpy(host)
-            moved = collectives.broadcast_exact_async(self.client, array, root=root, key=self._keys.key(seq, i), out=array)
-            join.add(moved, _ignore if self.rank() == root else _copy_back(host, tensor))
+            moved = collectives.broadcast_exact_in_place_async(self.client, _any_numpy(host), root=root,
+                                                               key=self._keys.key(seq, i))
+            in_place = host.data_ptr() == tensor.data_ptr()  # the result lands in the tensor itself
+            join.add(moved, _ignore if in_place or self.rank() == root else _copy_back(host, tensor), cheap=in_place)
         return join.work()
 
     def barrier(self, opts: Any = None) -> Any:
         seq, join = self._join("barrier", 1, [])
-        join.add(self.client.allreduce_async(np.ones(1, dtype=np.int32), key=self._keys.key(seq, 0)), _ignore)
+        join.add(self.client.allreduce_async(np.ones(1, dtype=np.int32), key=self._keys.key(seq, 0)), _ignore, cheap=True)
         return join.work()
 
     # --- through the peer links

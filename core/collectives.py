@@ -29,7 +29,7 @@ from . import wire
 from .client import Client
 from .errors import ContributionMismatchError, PeerTimeoutError
 
-__all__ = ["broadcast_exact_async", "broadcast_exact",
+__all__ = ["broadcast_exact_async", "broadcast_exact", "broadcast_exact_in_place_async",
            "allgather_async", "allgather", "allgather_into_async", "alltoall_async", "alltoall", "reducescatter_async",
            "split_sizes", "MAX_DIMS"]
 
@@ -61,14 +61,31 @@ def broadcast_exact_async(client: Client, x: np.ndarray, *, root: int = 0, key: 
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("out must be a C-contiguous, writeable array")
     result_array = np.empty_like(arr) if out is None else out
-    if _on_wire(arr.dtype):
-        send, into = arr.reshape(-1), result_array.reshape(-1)
-    else:
-        send, into = arr.reshape(-1).view(np.uint8), result_array.reshape(-1).view(np.uint8)
     result: concurrent.futures.Future[np.ndarray] = concurrent.futures.Future()
-    moved = client.broadcast_async(send, root=root, key=key, timeout=timeout, out=into)
+    moved = client.broadcast_async(_exact(arr), root=root, key=key, timeout=timeout, out=_exact(result_array))
     _chain(result, moved, lambda _landed: result_array.reshape(arr.shape))
     return result
+
+
+def broadcast_exact_in_place_async(client: Client, x: np.ndarray, *, root: int = 0, key: Any,
+                                   timeout: float | None = None) -> concurrent.futures.Future[np.ndarray]:
+    """:func:`broadcast_exact_async` with ``x`` (C-contiguous, writeable) as both the root's input
+    and every rank's result, returning the client's own future, settled with a flat view of ``x``.
+    No second future stands between the client and the caller, so a caller that only waits can
+    be woken by the thread that settles it (the c10d backend's broadcast: adapters/torch.py)."""
+    if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or not x.flags.writeable:
+        raise ValueError("an in-place broadcast needs a C-contiguous, writeable array")
+    if x.dtype.hasobject or x.dtype.itemsize == 0:
+        raise TypeError(f"broadcast_exact needs a fixed-size dtype, got {x.dtype}")
+    flat = _exact(x)
+    return client.broadcast_async(flat, root=root, key=key, timeout=timeout, out=flat)
+
+
+def _exact(arr: np.ndarray) -> np.ndarray:
+    """What a broadcast moves for ``arr``: the wire's dtypes as themselves (checked across
+    ranks), any other as its bytes."""
+    flat = arr.reshape(-1)
+    return flat if _on_wire(arr.dtype) else flat.view(np.uint8)
 
 
 def broadcast_exact(client: Client, x: np.ndarray, *, root: int = 0, key: Any, timeout: float | None = None,

@@ -96,6 +96,22 @@ def test_allgather_into_lands_every_slot(reducers: list[str]) -> None:
         assert out.tolist() == [r for r in range(n) for _ in range(5)]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int16, np.complex64])  # the last two travel as bytes
+def test_an_in_place_broadcast_leaves_the_roots_bytes_in_every_ranks_array(reducers: list[str], dtype: Any) -> None:
+    n = 3
+    inputs = [(np.random.default_rng(r).standard_normal((4, 5)) * 100).astype(dtype) for r in range(n)]
+    inputs[1][0, 0] = np.array(-0.0).astype(dtype)  # bit for bit: a negative zero survives
+
+    def body(c: redsrv.Client) -> np.ndarray:
+        mine = inputs[c.rank].copy()
+        landed = collectives.broadcast_exact_in_place_async(c, mine, root=1, key="bc").result(timeout=20)
+        assert np.shares_memory(landed, mine)  # the client's own future, settled with a view of the array
+        return mine
+
+    for got in on_every_rank(reducers, n, body, f"bc-in-place-{np.dtype(dtype)}"):
+        assert got.dtype == inputs[1].dtype and got.tobytes() == inputs[1].tobytes()
+
+
 def test_alltoall_with_splits_matches_the_definition(reducers: list[str]) -> None:
     n = 3
     splits = [[1, 2, 0], [0, 0, 3], [2, 1, 1]]

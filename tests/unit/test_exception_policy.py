@@ -106,6 +106,13 @@ def test_exact_broadcast_argument_misuse_before_anything_is_sent() -> None:
     raises_exactly(TypeError, lambda: collectives.broadcast_exact_async(client, np.array([object()]), key=0), "fixed-size")
     raises_exactly(ValueError, lambda: collectives.broadcast_exact_async(client, np.zeros(3), key=0, out=np.zeros(2)),
                    "out must be")
+    raises_exactly(ValueError, lambda: collectives.broadcast_exact_in_place_async(client, np.zeros((3, 2))[:, 0], key=0),
+                   "C-contiguous, writeable")
+    readonly = np.zeros(3)
+    readonly.flags.writeable = False
+    raises_exactly(ValueError, lambda: collectives.broadcast_exact_in_place_async(client, readonly, key=0), "writeable")
+    raises_exactly(TypeError, lambda: collectives.broadcast_exact_in_place_async(client, np.array([object()]), key=0),
+                   "fixed-size")
 
 
 def test_allgather_of_objects_is_a_type_error_before_anything_is_sent() -> None:

@@ -153,9 +153,12 @@ def main() -> None:
     # completes the work where it settles only while nobody holds its future).
     ran_on = []
     for _ in range(20):
-        work = dist.all_reduce(torch.ones(100), group=group, async_op=True)
-        chained = work.get_future().then(lambda _f: ran_on.append(threading.current_thread().name))
-        chained.wait()
+        for work in (dist.all_reduce(torch.ones(100), group=group, async_op=True),
+                     dist.broadcast(torch.ones(100), src=0, group=group, async_op=True),
+                     dist.reduce(torch.ones(100), dst=0, group=group, async_op=True),
+                     dist.barrier(group=group, async_op=True)):
+            chained = work.get_future().then(lambda _f: ran_on.append(threading.current_thread().name))
+            chained.wait()
     report["callback_threads"] = sorted(set(ran_on))
     dist.barrier(group=group)
 
