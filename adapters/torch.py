@@ -98,6 +98,11 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def _flat_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A flat NumPy view of a CPU, contiguous tensor whose dtype NumPy has (:data:`_AS_THEMSELVES`)."""
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy().reshape(-1)
+
+
 def _any_numpy(host: torch.Tensor) -> np.ndarray:
     """A NumPy array sharing the memory of ``host`` (flat, contiguous, CPU): of its own dtype where
     NumPy has one, else its bytes (float8, ...). For the core's exact broadcast, which moves any
@@ -369,6 +374,9 @@ _BITWISE = ("band", "bor", "bxor")
 #: Integer dtypes the wire lacks, carried in a wider one: sums, products and bitwise results
 #: wrap the same way modulo the narrow width, and comparisons are exact.
 _WIDENED = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+#: The wire's dtypes that NumPy views as themselves (all but bfloat16), by kind: a tensor of one,
+#: on the CPU and contiguous, goes to the client as a view of its memory (:class:`_Staged`).
+_AS_THEMSELVES = {dtype: "float" if dtype.is_floating_point else "int" for dtype in _ON_WIRE if dtype is not torch.bfloat16}
 
 
 def _op_name(op: Any) -> str:
@@ -391,6 +399,14 @@ class _Staged:
 
     def __init__(self, tensor: torch.Tensor, op: str, what: str) -> None:
         self.tensor = tensor
+        kind = _AS_THEMSELVES.get(tensor.dtype)
+        if kind is not None and tensor.is_cpu and tensor.is_contiguous() and not (
+                (op == "mean" and kind != "float") or (op in _BITWISE and kind == "float")):
+            # The common case, on every call of a training step: a view, and nothing else to decide.
+            self.host = tensor
+            self.array = _flat_numpy(tensor)
+            self.in_place = True
+            return
         host = _host(tensor)
         if tensor.is_complex():
             if op not in ("sum", "mean"):
@@ -431,8 +447,8 @@ class _Join:
     and no callback of anyone's can run there. Otherwise, and for parts that copy, on the
     client's completion thread (core/client_ops.py, ``ReduceFuture``)."""
 
-    def __init__(self, what: str, parts: int, value: Any) -> None:
-        self.what = what
+    def __init__(self, what: Callable[[], str], parts: int, value: Any) -> None:
+        self.what = what  # the operation's name for messages, built only when one is written
         self.future: torch.futures.Future[Any] = torch.futures.Future()
         self._remaining = parts
         self._value = value
@@ -480,7 +496,7 @@ class _Join:
             self._exposed = True
 
     def work(self) -> Any:
-        return _torch_c10d.FutureWork(self.future, lambda: self.what, on_get_future=self.expose)
+        return _torch_c10d.FutureWork(self.future, self.what, on_get_future=self.expose)
 
 
 def _ignore(_result: Any) -> None:
@@ -512,6 +528,8 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     def __init__(self, client: Client, *, rank: int, size: int, group_name: str = "",
                  peers: Any = None, owns_client: bool = True, verify_collectives: bool = True) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the Python trampoline's constructor
+        # rank() and size() are calls into C++; a collective's path reads these instead.
+        self._rank, self._size = rank, size
         self.client = client
         self._owns_client = owns_client
         self._verify = verify_collectives
@@ -540,7 +558,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         # thread; c10d already demands one order per group, KeySpace keeps numbering atomic.
         seq = self._keys.next_call()
         cfg = self.client.config
-        return seq, _Join(f"redsrv {what} #{seq} (job {cfg.job!r}, rank {cfg.rank})", parts, value)
+        return seq, _Join(lambda: f"redsrv {what} #{seq} (job {cfg.job!r}, rank {cfg.rank})", parts, value)
 
     # --- through the reducers
 
@@ -579,18 +597,21 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return join.work()
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
-        root = int(opts.rootRank)
-        if not 0 <= root < self.size():
-            raise ValueError(f"redsrv broadcast: root {root} is not a rank of this {self.size()}-rank group")
+        root = opts.rootRank
+        if not 0 <= root < self._size:
+            raise ValueError(f"redsrv broadcast: root {root} is not a rank of this {self._size}-rank group")
         seq, join = self._join("broadcast", len(tensors), tensors)
         for i, tensor in enumerate(tensors):
             # The core's exact broadcast: the wire's dtypes travel as themselves (checked across
             # ranks), others as their bytes; the result lands in the tensor's memory when it can.
-            host = _host(tensor)
-            moved = collectives.broadcast_exact_in_place_async(self.client, _any_numpy(host), root=root,
-                                                               key=self._keys.key(seq, i))
+            if tensor.dtype in _AS_THEMSELVES and tensor.is_cpu and tensor.is_contiguous():
+                host, array = tensor, _flat_numpy(tensor)
+            else:
+                host = _host(tensor)
+                array = _any_numpy(host)
+            moved = collectives.broadcast_exact_in_place_async(self.client, array, root=root, key=self._keys.key(seq, i))
             in_place = host.data_ptr() == tensor.data_ptr()  # the result lands in the tensor itself
-            join.add(moved, _ignore if in_place or self.rank() == root else _copy_back(host, tensor), cheap=in_place)
+            join.add(moved, _ignore if in_place or self._rank == root else _copy_back(host, tensor), cheap=in_place)
         return join.work()
 
     def barrier(self, opts: Any = None) -> Any:

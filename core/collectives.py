@@ -73,7 +73,8 @@ def broadcast_exact_in_place_async(client: Client, x: np.ndarray, *, root: int =
     and every rank's result, returning the client's own future, settled with a flat view of ``x``.
     No second future stands between the client and the caller, so a caller that only waits can
     be woken by the thread that settles it (the c10d backend's broadcast: adapters/torch.py)."""
-    if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or not x.flags.writeable:
+    flags = x.flags if isinstance(x, np.ndarray) else None
+    if flags is None or not (flags.c_contiguous and flags.writeable):
         raise ValueError("an in-place broadcast needs a C-contiguous, writeable array")
     if x.dtype.hasobject or x.dtype.itemsize == 0:
         raise TypeError(f"broadcast_exact needs a fixed-size dtype, got {x.dtype}")
@@ -243,8 +244,15 @@ def _contiguous(x: Any) -> np.ndarray:
 
 def _on_wire(dtype: np.dtype) -> bool:
     """Whether the wire carries ``dtype`` as itself (a byte-swapped float32 is not float32's bytes)."""
-    code = wire.DTYPE_NAMES.get(dtype.name)
-    return code is not None and dtype == wire.numpy_dtype(code)
+    known = _ON_WIRE.get(dtype)
+    if known is None:
+        code = wire.DTYPE_NAMES.get(dtype.name)
+        known = _ON_WIRE[dtype] = code is not None and dtype == wire.numpy_dtype(code)
+    return known
+
+
+#: :func:`_on_wire`'s answers: it runs on every broadcast, and there are few dtypes.
+_ON_WIRE: dict[np.dtype, bool] = {}
 
 
 def _dtype_tag(dtype: np.dtype) -> int:
