@@ -583,16 +583,16 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         """``dist.reduce``: an all-reduce of which only the root keeps the result (the reducers
         return it to every rank; others' tensors are left as they were)."""
         op = _reduce_op(opts, "reduce")
-        root = int(opts.rootRank)
-        if not 0 <= root < self.size():
-            raise ValueError(f"redsrv reduce: root {root} is not a rank of this {self.size()}-rank group")
+        root = opts.rootRank
+        if not 0 <= root < self._size:
+            raise ValueError(f"redsrv reduce: root {root} is not a rank of this {self._size}-rank group")
         staged = [_Staged(tensor, op, "reduce") for tensor in tensors]
         seq, join = self._join("reduce", len(staged), tensors)
+        keeps = self._rank == root
         for i, part in enumerate(staged):
             # Non-roots must not see the result: reduce into a scratch copy there.
-            out = part.array if part.in_place and self.rank() == root else None
+            out = part.array if part.in_place and keeps else None
             reduced = self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, i), out=out)
-            keeps = self.rank() == root
             join.add(reduced, part.write if keeps else _ignore, cheap=out is not None or not keeps)
         return join.work()
 
