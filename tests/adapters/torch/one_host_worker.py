@@ -160,6 +160,13 @@ def main() -> None:
             chained = work.get_future().then(lambda _f: ran_on.append(threading.current_thread().name))
             chained.wait()
     report["callback_threads"] = sorted(set(ran_on))
+    # A root outside the group is the caller's mistake, raised before anything is sent.
+    outside = dist.BroadcastOptions()
+    outside.rootRank = world
+    beyond = dist.ReduceOptions()
+    beyond.rootRank, beyond.reduceOp = world, R.SUM
+    report["bad root"] = {"broadcast": outcome(lambda: group.broadcast([torch.ones(3)], outside)),
+                          "reduce": outcome(lambda: group.reduce([torch.ones(3)], beyond))} if ours is not None else {}
     dist.barrier(group=group)
 
     # Ranks that disagree: every rank raises the typed error, and the group goes on.

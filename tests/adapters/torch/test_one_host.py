@@ -70,6 +70,9 @@ def _check_common(reports: list[dict]) -> None:  # type: ignore[type-arg]
         assert report["callback_threads"] and "redsrv-host" not in report["callback_threads"], report["callback_threads"]
         for what, text in report["mismatch"].items():
             assert text.startswith("ContributionMismatchError"), (report["rank"], what, text)
+        assert sorted(report["bad root"]) == ["broadcast", "reduce"]
+        for what, text in report["bad root"].items():
+            assert text.startswith("ValueError") and "is not a rank of this" in text, (report["rank"], what, text)
 
 
 @pytest.mark.parametrize("world", [2, 3])
