@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroupBase", "FutureWork", "DelegatedWork", "GroupSpec", "register", "check", "settle", "peer_group",
-           "group_hosts", "WorkList", "translate", "TESTED_TORCH"]
+__all__ = ["ProcessGroupBase", "FutureWork", "DelegatedWork", "LinksContext", "GroupSpec", "register", "check", "settle",
+           "peer_group", "group_hosts", "WorkList", "translate", "TESTED_TORCH"]
 
 #: The torch release these private names were checked against.
 TESTED_TORCH = "2.13"
@@ -171,14 +171,36 @@ def group_hosts(spec: GroupSpec, identity: str, timeout: float, what: str, resta
     return table
 
 
-class DelegatedWork(dist.Work):
-    """A gloo ``Work`` whose failures surface as redsrv's typed errors."""
+@dataclass(frozen=True)
+class LinksContext:
+    """What a group's peer-link errors say besides the operation: made once per group, so that
+    a call builds no message unless it fails."""
 
-    def __init__(self, inner: Any, what: str, timeout: float) -> None:
+    job: str
+    rank: int
+    timeout: float
+
+    def describe(self, op: str) -> str:
+        return f"redsrv {op} over peer links (job {self.job!r}, rank {self.rank})"
+
+
+class DelegatedWork(dist.Work):
+    """A gloo ``Work`` whose failures surface as redsrv's typed errors. ``op`` names the
+    operation in them (:meth:`LinksContext.describe`)."""
+
+    def __init__(self, inner: Any, op: str, context: LinksContext) -> None:
         super().__init__()
         self._inner = inner
-        self._what = what
-        self._timeout = timeout
+        self._op = op
+        self._context = context
+
+    @property
+    def _what(self) -> str:
+        return self._context.describe(self._op)
+
+    @property
+    def _timeout(self) -> float:
+        return self._context.timeout
 
     def _raise(self, exc: RuntimeError) -> None:
         translated = translate(exc, self._what, self._timeout)

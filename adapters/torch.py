@@ -535,6 +535,13 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         self._verify = verify_collectives
         self._peers = peers
         self._group_name = group_name
+        cfg = client.config
+        self._links_context = _torch_c10d.LinksContext(cfg.job, cfg.rank, cfg.op_timeout)
+        # A peer-link operation in the default case (no check, not routed to shared memory) does
+        # nothing but call the links: each microsecond here shows at 4-64 KiB, where gloo's own
+        # call takes 0.1-0.2 ms on one host (docs/torch_backend.md, "Where the bound stands").
+        self._unchecked_links = not verify_collectives
+        self._on_one_host = self.one_host
         # Operations are keyed ("c10d", sequence number, part): c10d's rule that every rank issues
         # a group's collectives in the same order makes the numbers agree.
         self._keys = commons.KeySpace("c10d")
@@ -629,10 +636,24 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return self._peers
 
     def _delegate(self, what: str, call: Callable[[Any], Any], instead: str = "") -> Any:
-        peers = self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
-        cfg = self.client.config
-        return _torch_c10d.DelegatedWork(call(peers), f"redsrv {what} over peer links (job {cfg.job!r}, rank {cfg.rank})",
-                                         cfg.op_timeout)
+        peers = self._peers
+        if peers is None:
+            self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+        return self._linked(call(peers), what)
+
+    def _linked(self, work: Any, op: str) -> Any:
+        """The one way out of every operation over the peer links: gloo's ``work``, whose
+        failures then surface as redsrv's typed errors naming ``op``."""
+        return _torch_c10d.DelegatedWork(work, op, self._links_context)
+
+    def _direct_links(self, nbytes: int = 0) -> Any:
+        """The peer links when an operation of ``nbytes`` a rank goes straight to them: links
+        present, no cross-rank check, and not an all-gather or reduce-scatter large enough for a
+        one-host group's shared memory (pass 0 for the other operations). Else None: the
+        operation takes its general path, which raises, checks or routes as it must."""
+        if self._peers is None or not self._unchecked_links or (self._on_one_host and nbytes >= ONE_HOST_GATHER_BYTES):
+            return None
+        return self._peers
 
     def _agreed(self, what: str, call: Callable[[Any], Any], describe: Callable[[], "_Signature"], instead: str = "") -> Any:
         """``_delegate`` after the ranks agreed on what they pass, when the group checks
@@ -669,15 +690,25 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         return True
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        peers = self._peers
+        if peers is not None:
+            return self._linked(peers.send(tensors, dst, tag), "send")
         return self._delegate("send", lambda peers: peers.send(tensors, dst, tag))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        peers = self._peers
+        if peers is not None:
+            return self._linked(peers.recv(tensors, src, tag), "recv")
         return self._delegate("recv", lambda peers: peers.recv(tensors, src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         return self._delegate("recv", lambda peers: peers.recv_anysource(tensors, tag))
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor], opts: Any) -> Any:  # type: ignore[override]
+        links = self._direct_links()
+        if links is not None:
+            return self._linked(links.gather(output_tensors, input_tensors, opts), "gather")
+
         def describe() -> _Signature:
             root, n = int(opts.rootRank), self.size()
             x = input_tensors[0]
@@ -690,6 +721,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                             "use all_gather, which the reducers can do without links")
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]], opts: Any) -> Any:  # type: ignore[override]
+        links = self._direct_links()
+        if links is not None:
+            return self._linked(links.scatter(output_tensors, input_tensors, opts), "scatter")
+
         def describe() -> _Signature:
             root, n = int(opts.rootRank), self.size()
             y = output_tensors[0]
@@ -702,6 +737,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
                             "use broadcast, which the reducers can do without links, and take your part")
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        links = self._direct_links()
+        if links is not None:
+            return self._linked(links.alltoall(output_tensors, input_tensors, _opts(opts, AllToAllOptions)), "all_to_all")
+
         def describe() -> _Signature:
             n = self.size()
             problem = None
@@ -715,6 +754,11 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int],  # noqa: A002 - c10d's name
                           input_split_sizes: list[int], opts: Any = None) -> Any:
+        links = self._direct_links()
+        if links is not None:
+            return self._linked(links.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                                    _opts(opts, AllToAllOptions)), "all_to_all_single")
+
         def describe() -> _Signature:
             n = self.size()
             sends, send_problem = _split_elements(input, input_split_sizes, n, "input")
@@ -729,6 +773,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> Any:
+        links = self._direct_links(_nbytes(input_tensors))
+        if links is not None:
+            return self._linked(links.allgather(output_tensors, input_tensors, _opts(opts, AllgatherOptions)), "all_gather")
+
         def describe() -> _Signature:
             return _gather_signature("all_gather", output_tensors, input_tensors, self.size())
 
@@ -756,6 +804,11 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.all_gather_into_tensor``."""
+        links = self._direct_links(tensor.numel() * tensor.element_size())
+        if links is not None:
+            return self._linked(links._allgather_base(output, tensor, _opts(opts, AllgatherOptions)),
+                                "all_gather_into_tensor")
+
         def describe() -> _Signature:
             problem = None
             if output.numel() != tensor.numel() * self.size() or output.dtype != tensor.dtype:
@@ -794,6 +847,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts: Any = None) -> Any:  # type: ignore[override]
         op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter")  # refuses what neither path has
+        links = self._direct_links(_nbytes(output_tensors[:1]))
+        if links is not None:
+            return self._linked(links.reduce_scatter(output_tensors, input_lists, _opts(opts, ReduceScatterOptions)),
+                                "reduce_scatter")
 
         def describe() -> _Signature:
             y, n = output_tensors[0], self.size()
@@ -811,6 +868,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
     def reduce_scatter_single(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any = None) -> Any:
         """``dist.reduce_scatter_tensor``."""
         op = "sum" if opts is None else _reduce_op(opts, "reduce_scatter_tensor")
+        links = self._direct_links(output.numel() * output.element_size())
+        if links is not None:
+            return self._linked(links._reduce_scatter_base(output, tensor, _opts(opts, ReduceScatterOptions)),
+                                "reduce_scatter_tensor")
 
         def describe() -> _Signature:
             problem = None

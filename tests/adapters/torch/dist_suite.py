@@ -57,10 +57,10 @@ ROUTES_FILE = "DIST_SUITE_ROUTES"
 
 def _record_routes(path: str) -> None:
     """Wrap the two doors of RedsrvProcessGroup: ``_join`` (every operation through the
-    reducers) and ``_delegate`` (every one over the peer links)."""
+    reducers) and ``_linked`` (every one over the peer links)."""
     from redsrv.adapters.torch import RedsrvProcessGroup
 
-    join, delegate = RedsrvProcessGroup._join, RedsrvProcessGroup._delegate
+    join, linked = RedsrvProcessGroup._join, RedsrvProcessGroup._linked
 
     def note(route: str, what: str) -> None:
         test = os.environ.get("DIST_SUITE_TEST", "?")  # set by setUp before the ranks are forked
@@ -71,12 +71,12 @@ def _record_routes(path: str) -> None:
         note("reducers", what)
         return join(self, what, parts, value)
 
-    def delegated(self, what, call, instead=""):  # type: ignore[no-untyped-def]
-        note("peer_links", what)
-        return delegate(self, what, call, instead)
+    def over_links(self, work, op):  # type: ignore[no-untyped-def]
+        note("peer_links", op)
+        return linked(self, work, op)
 
     RedsrvProcessGroup._join = joined  # type: ignore[method-assign]
-    RedsrvProcessGroup._delegate = delegated  # type: ignore[method-assign]
+    RedsrvProcessGroup._linked = over_links  # type: ignore[method-assign]
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
