@@ -41,6 +41,10 @@ TESTED_TORCH = "2.13"
 
 ProcessGroupBase = dist.ProcessGroup
 
+# The Work subclasses below are made on every collective: slots and a direct call of the base's
+# initialiser make one in about 0.36 us against 0.55 (timeit, this module's DelegatedWork).
+_WORK_INIT = dist.Work.__init__
+
 
 @dataclass(frozen=True)
 class GroupSpec:
@@ -76,9 +80,11 @@ class FutureWork(dist.Work):
     future DDP chains on.
     """
 
+    __slots__ = ("_raw", "_on_get_future", "_settled", "_describe")
+
     def __init__(self, future: torch.futures.Future[Any], describe: Callable[[], str],
                  on_get_future: Callable[[], None] | None = None) -> None:
-        super().__init__()
+        _WORK_INIT(self)
         self._raw = future
         self._on_get_future = on_get_future
         # Made on first use: most calls (a plain dist.all_reduce) never ask for either, and each
@@ -188,8 +194,10 @@ class DelegatedWork(dist.Work):
     """A gloo ``Work`` whose failures surface as redsrv's typed errors. ``op`` names the
     operation in them (:meth:`LinksContext.describe`)."""
 
+    __slots__ = ("_inner", "_op", "_context")
+
     def __init__(self, inner: Any, op: str, context: LinksContext) -> None:
-        super().__init__()
+        _WORK_INIT(self)
         self._inner = inner
         self._op = op
         self._context = context
