@@ -1,8 +1,9 @@
 """``redsrv bench torch-ops``: every c10d operation through the redsrv backend against gloo,
 in the same run, per message size.
 
-Worker processes on 127.0.0.1 (default 2) join one gloo group and one redsrv group (reducers
-started here). For each operation and size the groups take turns, in orders where each follows
+Worker processes on 127.0.0.1 (default 2) join a gloo group and a redsrv group (reducers
+started here), each used for nothing but the timed operations; barriers and timekeeping run on
+the default group. For each operation and size the groups take turns, in orders where each follows
 each other equally often (:func:`balanced_orders`): per rep, a barrier, then the operation timed
 on every rank (below 256 KiB, the mean of a batch of back-to-back calls); a rep's time is the
 slowest rank's, and the table gives the median over reps and the median ratio within back-to-back samples. A
