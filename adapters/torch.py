@@ -537,10 +537,6 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         self._group_name = group_name
         cfg = client.config
         self._links_context = _torch_c10d.LinksContext(cfg.job, cfg.rank, cfg.op_timeout)
-        # A peer-link operation in the default case (no check, not routed to shared memory) does
-        # nothing but call the links: each microsecond here shows at 4-64 KiB, where gloo's own
-        # call takes 0.1-0.2 ms on one host (docs/torch_backend.md, "Where the bound stands").
-        self._unchecked_links = not verify_collectives
         self._on_one_host = self.one_host
         # Operations are keyed ("c10d", sequence number, part): c10d's rule that every rank issues
         # a group's collectives in the same order makes the numbers agree.
@@ -628,18 +624,18 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     # --- through the peer links
 
-    def _peer(self, what: str, instead: str) -> Any:
+    def _peer(self, what: str, instead: str = "") -> Any:
+        """The peer links, or a ConfigError saying that ``what`` needs them and what to do
+        ``instead`` (by default: links, or a gloo group)."""
         if self._peers is None:
             raise ConfigError(
                 f"the redsrv backend's {what} needs links between the workers, and this group was created "
-                f"without them (register_backend(peer_links=False)); {instead}")
+                f"without them (register_backend(peer_links=False)); "
+                f"{instead or f'create the group with peer links, or use a gloo group for {what}'}")
         return self._peers
 
     def _delegate(self, what: str, call: Callable[[Any], Any], instead: str = "") -> Any:
-        peers = self._peers
-        if peers is None:
-            self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
-        return self._linked(call(peers), what)
+        return self._linked(call(self._peer(what, instead)), what)
 
     def _linked(self, work: Any, op: str) -> Any:
         """The one way out of every operation over the peer links: gloo's ``work``, whose
@@ -648,10 +644,12 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
 
     def _direct_links(self, nbytes: int = 0) -> Any:
         """The peer links when an operation of ``nbytes`` a rank goes straight to them: links
-        present, no cross-rank check, and not an all-gather or reduce-scatter large enough for a
-        one-host group's shared memory (pass 0 for the other operations). Else None: the
-        operation takes its general path, which raises, checks or routes as it must."""
-        if self._peers is None or not self._unchecked_links or (self._on_one_host and nbytes >= ONE_HOST_GATHER_BYTES):
+        present, no cross-rank check, and not bound for shared memory (:meth:`_shared_memory_size`;
+        pass 0 for the operations that never are). Else None: the operation takes its general path,
+        which raises, checks or routes as it must. The default case does nothing but this: each
+        microsecond shows at 4-64 KiB, where gloo's own call takes 0.1-0.2 ms on one host
+        (docs/torch_backend.md, "Where the bound stands (bfb88da)")."""
+        if self._peers is None or self._verify or self._shared_memory_size(nbytes):
             return None
         return self._peers
 
@@ -662,7 +660,7 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         sequence number, and every rank judges the same table, so a mismatch is a
         ContributionMismatchError on every rank before gloo sees a byte."""
         if self._verify:
-            self._peer(what, instead or f"create the group with peer links, or use a gloo group for {what}")
+            self._peer(what, instead)
             self._check_agreement(what, describe)
         return self._delegate(what, call, instead)
 
@@ -683,23 +681,22 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         shared memory instead of its peer links (one host, :data:`ONE_HOST_GATHER_BYTES`). Every
         rank decides alike when they pass the same sizes; ranks that do not are a mismatch under
         the check (which then runs first), and otherwise fail at the group's deadline."""
-        if not (self.one_host and nbytes >= ONE_HOST_GATHER_BYTES):
+        if not self._shared_memory_size(nbytes):
             return False
         if self._verify:
             self._check_agreement(what, describe)
         return True
 
+    def _shared_memory_size(self, nbytes: int) -> bool:
+        """Whether an all-gather or reduce-scatter of ``nbytes`` a rank is large enough for the
+        shared memory of a one-host group (:data:`ONE_HOST_GATHER_BYTES`)."""
+        return self._on_one_host and nbytes >= ONE_HOST_GATHER_BYTES
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        peers = self._peers
-        if peers is not None:
-            return self._linked(peers.send(tensors, dst, tag), "send")
-        return self._delegate("send", lambda peers: peers.send(tensors, dst, tag))
+        return self._linked(self._peer("send").send(tensors, dst, tag), "send")
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        peers = self._peers
-        if peers is not None:
-            return self._linked(peers.recv(tensors, src, tag), "recv")
-        return self._delegate("recv", lambda peers: peers.recv(tensors, src, tag))
+        return self._linked(self._peer("recv").recv(tensors, src, tag), "recv")
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         return self._delegate("recv", lambda peers: peers.recv_anysource(tensors, tag))
