@@ -1,4 +1,4 @@
-"""Builds the compiled data plane (native/plane.c and native/frames.c -> redsrv.core._plane); everything else is in
+"""Builds the compiled data plane (native/plane.c, frames.c and receiver.c -> redsrv.core._plane); everything else is in
 pyproject.toml.
 
 The extension is optional: where it cannot be compiled (no C compiler, no Python headers) the
@@ -67,7 +67,8 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("redsrv.core._plane", ["native/plane.c", "native/frames.c"], depends=["native/frames.h"],
+    ext_modules=[Extension("redsrv.core._plane", ["native/plane.c", "native/frames.c", "native/receiver.c"],
+                           depends=["native/frames.h", "native/receiver.h"],
                            extra_compile_args=compile_args,
                            extra_link_args=link_args)] if os.name == "posix" else [],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -25,7 +25,7 @@ class Channel:
 
     __slots__ = ("reducer", "index", "incarnation", "peer", "loop", "queued", "frames_received", "frames_acked",
                  "bytes_unacked", "ack_queued", "copies", "partial_copies", "result", "bitmap", "scratch",
-                 "push_scratch", "gone", "link", "kernels")
+                 "push_scratch", "gone", "link", "kernels", "slots")
 
     def __init__(self, reducer: int, index: int, incarnation: int, peer: str, loop: int = 0,
                  kernels: Kernels | None = None) -> None:
@@ -50,6 +50,9 @@ class Channel:
         self.gone = False  # lost or replaced: the core sends nothing more on it
         self.link: Any = None
         self.kernels = kernels or kernels_for("auto")  # the data plane's widening, narrowing and mean (core/plane.py)
+        # Where the plane has a result receiver (native/receiver.c): (key, chunk index) -> the
+        # ResultSlot a chunk's result lands in without the interpreter (ClientCore._push_frame).
+        self.slots: dict[tuple[int, int], Any] | None = {} if self.kernels.result_receiver is not None else None
 
     def take_scratch(self, nbytes: int, push: bool = False) -> np.ndarray:
         buf = self.push_scratch if push else self.scratch

@@ -142,14 +142,15 @@ class Connector:
         return PeerError(f"reducer {address} refused the connection: {failure.message}", **ctx)
 
 
-ReaderCallbacks = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+ReaderCallbacks = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any], Callable[..., Any]]
 
 
 class Stream:
     """One connection to one reducer: the core's :class:`Channel` for it, its socket, reader and
     writer (driven by the engine loop that owns the reducer; callers' threads may write too, under
-    that loop's lock). ``reader``: the engine's four reader callbacks, each called with this
-    stream first."""
+    that loop's lock). ``reader``: the engine's five reader callbacks (``FrameReader``'s four and
+    ``on_fast``), each called with this stream first. Where the channel takes result slots (the
+    native plane), the reader gets the plane's result receiver for this socket."""
 
     __slots__ = ("channel", "sock", "peer", "heartbeat", "reader", "writer", "events", "want_write", "dead", "closing")
 
@@ -160,13 +161,17 @@ class Stream:
         self.sock = sock
         self.peer = channel.peer
         self.heartbeat = heartbeat
-        on_header, on_payload, on_error, on_count = reader
+        on_header, on_payload, on_error, on_count, on_fast = reader
+        fast = None
+        if channel.slots is not None:
+            fast = channel.kernels.result_receiver(sock.fileno(), max_payload, channel.slots, C.MAX_RECEIVE_LOWAT_BYTES)
         self.reader = FrameReader(sock, max_payload=max_payload, now=now, data_frame=wire.FrameType.RESULT,
                                   sender="a reducer", on_header=functools.partial(on_header, self),
                                   on_payload=functools.partial(on_payload, self),
                                   on_error=functools.partial(on_error, self),
                                   on_count=functools.partial(on_count, self),
-                                  parser=channel.kernels.frames)
+                                  parser=channel.kernels.frames, fast=fast,
+                                  on_fast=functools.partial(on_fast, self) if fast is not None else None)
         self.writer = FrameWriter(sock, now)
         self.events = 0  # what the loop's selector watches
         self.want_write = False  # the writer holds frames the socket did not take (under the loop's lock)

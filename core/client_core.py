@@ -16,6 +16,9 @@ Events (methods) and the actions they return:
 - ``frame_header(channel, header, now)``: a RESULT header is in; where its payload lands
   (a :class:`Landing`, or ``SKIP``), and :class:`Fail` for a frame that does not fit.
 - ``payload_landed(channel)``: the payload is in; :class:`Complete` with the last chunk.
+- ``results_landed(channel, landed, frames, nbytes, safe)``: what the native plane's result
+  receiver landed (``native/receiver.c``): whole chunks, frame counts and the last SAFE;
+  :class:`Complete` with the last chunk.
 - ``error_frame(channel, frame, now)``, ``safe(channel, frames)``: ERROR and SAFE frames.
 - ``connection_lost(channel, kind, detail, direction, now)``: :class:`Reconnect` (within the
   reconnect window) or :class:`Fail` for every operation and :class:`Broken`.
@@ -131,7 +134,8 @@ Action = SendFrame | Complete | Fail | Reconnect | Retire | Broken | TracePull
 #: ClientCore's public methods: the events the engine feeds it (each returns actions), in the
 #: order docs/architecture.md lists them, and the queries that change nothing
 #: (tests/unit/test_architecture_docs.py holds the document to both).
-EVENTS = ("connected", "submit", "written", "frame_header", "payload_landed", "error_frame", "safe", "connection_lost",
+EVENTS = ("connected", "submit", "written", "frame_header", "payload_landed", "results_landed", "error_frame", "safe",
+          "connection_lost",
           "reconnected", "window_closed", "tick", "acknowledge", "fail_all", "close")
 QUERIES = ("reconnecting_to",)
 
@@ -219,7 +223,52 @@ class ClientCore:
         else:
             views = ConvertedFrame(header, arr, c.start, c.stop, wire_dt, channel)
         self.bytes_pushed += nbytes
+        if channel.slots is not None:
+            self._register_slot(channel, p)
         return SendFrame(channel, views, "push", push=p)
+
+    def _register_slot(self, channel: Channel, p: PendingPush) -> None:
+        """Before the chunk's push leaves: where its result lands, for the native receiver, when
+        landing it takes no decision beyond the bytes' place (no widening, no mean, no input to
+        keep first, no trace) and no piece of it came yet. Every other chunk's pieces go through
+        :meth:`frame_header` and :meth:`payload_landed`."""
+        op = p.op
+        place = (p.chunk.reducer, p.chunk.index)
+        chunk = op.chunks.get(place)
+        if (chunk is None or not chunk.count or op.mean or self.tracing or op.wire_dtype != op.out.dtype
+                or (op.in_place and self.config.reconnect_window > 0) or place in op.received):
+            return
+        self._drop_slot(op, place)  # a resend on a new connection: the old one's slot is void
+        assert channel.slots is not None
+        slot = channel.kernels.result_slot(op.out[chunk.start : chunk.stop].view(np.uint8), chunk.start, chunk.count,
+                                           op.wire_dtype.itemsize, p.wire_code, (op, chunk))
+        channel.slots[(op.key, chunk.index)] = slot
+        op.slots[place] = (channel, slot)
+
+    def _drop_slot(self, op: Op, place: tuple[int, int], now: float | None = None) -> None:
+        """No more pieces land in ``place``'s slot. With ``now``, the reference takes the chunk over
+        where the slot left it (its next piece comes through :meth:`frame_header`)."""
+        taken = op.slots.pop(place, None)
+        if taken is None:
+            return
+        channel, slot = taken
+        slot.cancel()
+        if channel.slots is not None:
+            channel.slots.pop((op.key, place[1]), None)
+        if now is not None and slot.pieces:
+            self._fold(op, slot)
+            op.received[place] = (slot.done, now)
+
+    def _drop_slots(self, op: Op) -> None:
+        for place in list(op.slots):
+            self._drop_slot(op, place)
+
+    @staticmethod
+    def _fold(op: Op, slot: Any) -> None:
+        """The landed pieces' contributors, as :meth:`payload_landed` folds each piece's."""
+        op.min_count = min(op.min_count, slot.min_contributors)
+        op.max_count = max(op.max_count, slot.max_contributors)
+        op.all_ranks &= int.from_bytes(slot.bitmap, "little")
 
     # --- receiving ---
 
@@ -229,6 +278,8 @@ class ClientCore:
         op = self.ops.get(key)
         place = (channel.reducer, chunk_index)
         chunk = op.chunks.get(place) if op is not None else None
+        if op is not None and op.slots:
+            self._drop_slot(op, place, now)  # a piece the native receiver did not take
         if op is None or chunk is None or channel.gone:
             channel.frames_received += 1
             return SKIP, []  # an operation that already failed or timed out
@@ -314,10 +365,48 @@ class ClientCore:
                 actions += self._complete(op)
         return 0, actions
 
+    def results_landed(self, channel: Channel, landed: list[Any], frames: int, nbytes: int,
+                       safe: int | None) -> list[Action]:
+        """The native receiver's news since it was last asked: ``frames`` RESULT frames read,
+        ``nbytes`` of their data landed, the slots whose last piece is in (in the order they
+        completed), and the count of the last SAFE it read. What :meth:`payload_landed` does
+        for a chunk's last piece, once per chunk."""
+        base = channel.frames_received
+        channel.frames_received += frames
+        self.bytes_pulled += nbytes
+        channel.bytes_unacked += nbytes
+        actions: list[Action] = []
+        op: Op
+        chunk: chunker.Chunk
+        for slot in landed:
+            op, chunk = slot.tag
+            place = (channel.reducer, chunk.index)
+            if op.slots.get(place, (None, None))[1] is slot:
+                del op.slots[place]
+            if channel.slots is not None and channel.slots.get((op.key, chunk.index)) is slot:
+                del channel.slots[(op.key, chunk.index)]
+            if slot.cancelled or self.ops.get(op.key) is not op:
+                continue
+            self._fold(op, slot)
+            if self.keep_copies:
+                kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype, op.out[chunk.start : chunk.stop],
+                            frame=base + slot.frame)
+                if not op.lend(kept):
+                    kept.data = kept.data.copy()
+                channel.copies[(op.key, chunk.index)] = kept
+            if op.chunks.pop(place, None) is not None:
+                op.pushes.pop(place, None)
+                if not op.chunks:
+                    actions += self._complete(op)
+        if safe is not None:
+            self.safe(channel, safe)
+        return actions
+
     def _complete(self, op: Op) -> list[Action]:
         if self.ops.get(op.key) is not op:
             return []  # failed or timed out meanwhile; the future already holds that error
         del self.ops[op.key]
+        self._drop_slots(op)
         self.completed += 1
         op.take_back_lent()  # the caller may overwrite ``out`` from now on
         contributors = Contributors(op.min_count, op.max_count,
@@ -430,6 +519,7 @@ class ClientCore:
             return []
         del self.ops[op.key]
         self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + 1
+        self._drop_slots(op)
         op.take_back_lent()
         return [Fail(op, error)]
 
@@ -444,6 +534,7 @@ class ClientCore:
             self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + len(ops)
         actions: list[Action] = []
         for op in ops:
+            self._drop_slots(op)
             op.take_back_lent()
             actions.append(Fail(op, error))
         actions.append(Broken(error))
@@ -459,6 +550,7 @@ class ClientCore:
         self.pending.clear()
         actions: list[Action] = []
         for op in ops:
+            self._drop_slots(op)
             op.take_back_lent()
             actions.append(Fail(op, error))
         return actions
@@ -515,6 +607,9 @@ class ClientCore:
             channel.partial_copies.clear()
             channel.result = None
             channel.gone = True
+            for slot in list(channel.slots.values()) if channel.slots else ():
+                op, chunk = slot.tag
+                self._drop_slot(op, (reducer, chunk.index))
         actions: list[Action] = [Retire(tuple(old))]
         if restarted:  # it lost what it had: give it the results some ranks may still lack
             for i, kept in enumerate(copies):

@@ -228,6 +228,18 @@ class ClientEngine:
             stream.reader.expect_at_least(more)
         return None
 
+    def on_fast(self, stream: Stream) -> None:
+        """The native receiver read from ``stream``: what it landed goes to the core."""
+        receiver = stream.reader.fast
+        landed = receiver.take_landed()
+        frames, nbytes, safe = receiver.take_counts()
+        if not frames and safe is None:
+            return
+        with self.lock:
+            actions = self.core.results_landed(stream.channel, landed, frames, nbytes, safe)
+        if actions:
+            self.run(actions)
+
     def on_error(self, stream: Stream, frame: wire.Error) -> None:
         self.call("error_frame", stream.channel, frame, time.monotonic())
         if frame.fatal:
@@ -261,7 +273,7 @@ class ClientEngine:
         channel = Channel(reducer, index, incarnation, peer_name(sock), loop=self.owner(reducer).index,
                           kernels=self.kernels)
         return Stream(channel, sock, heartbeat, time.monotonic(), self.config.max_frame_payload,
-                      (self.on_header, self.on_payload, self.on_error, self.on_count))
+                      (self.on_header, self.on_payload, self.on_error, self.on_count, self.on_fast))
 
     def _start_reconnecting(self) -> None:
         """A reducer was lost (the core decided): start the reconnect thread if it is not running."""

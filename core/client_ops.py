@@ -163,6 +163,8 @@ class Op:
     # What it takes to send each outstanding chunk again after a reconnect (R22).
     pushes: dict[tuple[int, int], PendingPush] = field(default_factory=dict)
     in_place: bool = False  # results land in the input: keep a chunk's input before its result lands
+    # Chunks whose result the native receiver lands: (reducer, index) -> (channel, ResultSlot).
+    slots: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     # Results kept for recovery as views of ``out`` (see Copy), until ``out`` goes back to the
     # caller; ``returned`` once it has, after which nothing more is lent.
     lent: list[Copy] = field(default_factory=list)

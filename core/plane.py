@@ -9,7 +9,10 @@ floats, dividing for a mean. Two implementations with one behaviour, chosen by
 
 Each plane also brings the frame parser its connections' decoders run on every frame
 (:attr:`Kernels.frames`): ``wire.parse_prefix`` and ``wire.parse_header``, or their C twins in
-``native/frames.c`` (``tests/unit/test_wire_fuzz.py`` feeds both the same byte streams).
+``native/frames.c`` (``tests/unit/test_wire_fuzz.py`` feeds both the same byte streams). The
+native plane adds the client's result receiver (:attr:`Kernels.result_receiver`,
+``native/receiver.c``), which lands steady RESULT frames and hands every other frame to that
+decoder.
 
 ``auto`` (the default) takes the native plane where it was built and the reference otherwise;
 ``native`` insists on it. Which plane a process runs is in ``redsrv plan``'s and the
@@ -21,6 +24,7 @@ from __future__ import annotations
 import importlib
 import logging
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -75,6 +79,10 @@ class Kernels:
     name = ""
     #: The checks every received frame's prefix and header go through (``wire.FrameDecoder``'s parser).
     frames: FrameParser = PYTHON_PARSER
+    #: ``ResultSlot`` and ``ResultReceiver`` of ``native/receiver.c``, which land a client's steady
+    #: RESULT frames without the interpreter; ``None``: every frame goes through the decoder.
+    result_slot: Any = None
+    result_receiver: Any = None
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         """``acc = op(acc, piece)`` element-wise; ``piece`` in ``acc``'s dtype or, for a float32
@@ -118,6 +126,7 @@ class NativeKernels(PythonKernels):
         assert _native is not None
         self._plane = _native
         self.frames = FrameParser(_native.parse_prefix, _native.parse_header)
+        self.result_slot, self.result_receiver = _native.ResultSlot, _native.ResultReceiver
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         acc_code, piece_code = _CODES.get(acc.dtype), _CODES.get(piece.dtype)

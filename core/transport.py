@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import collections
 import errno
+import os
 import selectors
 import socket
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from . import wire
 from .constants import MAX_RECEIVE_LOWAT_BYTES
 from .errors import RemoteProtocolError
 
-__all__ = ["FrameReader", "FrameWriter", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
+__all__ = ["FrameReader", "FrameWriter", "ReceiverOutcome", "ConnectionBroken", "configure_socket", "set_kernel_timeout",
            "set_send_lowat", "set_receive_buffer", "set_congestion_control", "choose_congestion_control",
            "congestion_control", "send_views", "peer_name", "SKIP", "WAIT", "Waker", "watch"]
 
@@ -135,6 +137,14 @@ _LOWAT_FROM = 64 * 1024
 #: A plain int: ``socket.MSG_DONTWAIT`` is an enum member, whose ``&`` runs Python code.
 _DONTWAIT = int(socket.MSG_DONTWAIT)
 
+
+class ReceiverOutcome:
+    """What the native result receiver's ``receive`` returns (``redsrv.core._plane.RECEIVE_*``;
+    ``tests/unit/test_receiver.py`` checks they agree)."""
+
+    DRAINED, LIMIT, HANDOFF, CLOSED, FAILED = range(5)
+
+
 #: What ``on_header`` returns instead of a ``(view, what)`` to receive the payload into.
 SKIP = "skip"  # read the payload and drop it
 WAIT = "wait"  # stop reading this connection now; the next ``read`` asks again (this header, or the next part of its payload)
@@ -169,14 +179,15 @@ class FrameReader:
     """
 
     __slots__ = ("sock", "peer", "decoder", "sender", "on_header", "on_payload", "on_error", "on_count", "lowat",
-                 "max_lowat", "last_recv", "stopped", "_waiting", "_lowat_after_frame")
+                 "max_lowat", "last_recv", "stopped", "_waiting", "_lowat_after_frame", "fast", "on_fast")
 
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
                  on_payload: Callable[[], tuple[memoryview, str] | str | None],
                  on_error: Callable[[wire.Error], None],
                  on_count: Callable[[wire.FrameType, int], None] | None = None,
-                 parser: wire.FrameParser = wire.PYTHON_PARSER) -> None:
+                 parser: wire.FrameParser = wire.PYTHON_PARSER, fast: Any = None,
+                 on_fast: Callable[[], None] | None = None) -> None:
         self.sock = sock
         self.peer = peer_name(sock)
         accept = {data_frame, wire.FrameType.HEARTBEAT, wire.FrameType.ERROR}
@@ -192,11 +203,15 @@ class FrameReader:
         self.stopped = False  # set by the owner when it closes the connection from a callback
         self._waiting = False
         self._lowat_after_frame = 1  # what expect_at_least asked for while a frame was ending
+        # The native plane's result receiver (native/receiver.c), which lands the frames it
+        # recognises and hands every other one to the decoder; ``on_fast`` takes what it landed.
+        self.fast, self.on_fast = fast, on_fast
 
     @property
     def what(self) -> str:
         """What the reader waits for, for timeout messages."""
-        return self.decoder.what
+        fast = self.fast
+        return fast.what if fast is not None and fast.busy else self.decoder.what
 
     def read(self, now: float, max_frames: int) -> None:
         """Receive what the socket holds, at most ``max_frames`` frames (so one busy connection
@@ -204,6 +219,10 @@ class FrameReader:
         frames = 0
         sock, decoder = self.sock, self.decoder
         self._waiting = drained = False
+        fast = self.fast
+        if fast is not None and not self.stopped and (fast.busy or decoder.between_frames):
+            if not self._receive_fast(fast, now, max_frames):
+                return
         # Bytes read ahead are in no socket buffer, so nothing would wake the loop for them:
         # they are decoded now, beyond max_frames if need be (a few small frames at most).
         while (frames < max_frames or decoder.held) and not self._waiting and not self.stopped:
@@ -238,6 +257,26 @@ class FrameReader:
                 raise ConnectionBroken("protocol", f"{exc} from {self.sender}") from None
             if event is not None and self._handle(event):
                 frames += 1
+
+    def _receive_fast(self, fast: Any, now: float, max_frames: int) -> bool:
+        """Let the native receiver land what it recognises; True when it handed the next frame
+        (and the bytes it read ahead of it) to the decoder."""
+        outcome = fast.receive(max_frames)
+        if fast.received:
+            self.last_recv = now
+        self.lowat = fast.lowat
+        assert self.on_fast is not None
+        self.on_fast()  # before the decoder's frame: a SAFE or a chunk the receiver landed came first
+        if outcome == ReceiverOutcome.HANDOFF:
+            self.decoder.hold(fast.take_held())
+            return not self.stopped
+        if outcome == ReceiverOutcome.CLOSED:
+            where = f" in the middle of {fast.what}" if fast.busy else ""
+            raise ConnectionBroken("eof", f"{self.peer} closed the connection{where}")
+        if outcome == ReceiverOutcome.FAILED:
+            detail = f"connection to {self.peer} failed while reading {fast.what}: {os.strerror(fast.error)}"
+            raise ConnectionBroken("reset", detail)
+        return False
 
     def _handle(self, event: wire.Event) -> bool:
         """Answer one decoder event; True when a frame ended."""
@@ -292,6 +331,9 @@ class FrameReader:
         collector, which an idle reducer may not run for a long time."""
         self.stopped = True
         self.decoder.release()
+        if self.fast is not None:
+            self.fast.release()
+        self.on_fast = None
         self.on_header = self.on_payload = self.on_error = _closed_callback  # type: ignore[assignment]
         self.on_count = None
 

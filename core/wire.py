@@ -723,6 +723,19 @@ class FrameDecoder:
             raise ValueError(f"end_payload() with {self._payload_left} bytes of the payload still to land")
         self._next_frame()
 
+    def hold(self, data: bytes) -> None:
+        """Bytes another reader took from the socket ahead of the next frame (the native plane's
+        result receiver, ``native/receiver.c``, which hands over every frame it does not land):
+        decoded as if this decoder had read them ahead itself. Between frames only."""
+        if not self.between_frames or len(data) > READ_AHEAD_BYTES:
+            raise ValueError(f"hold() of {len(data)} bytes while {self.what} is being decoded")
+        if data:
+            ahead = self._ahead
+            if ahead is None:
+                ahead = self._ahead = memoryview(bytearray(READ_AHEAD_BYTES))
+            ahead[: len(data)] = data
+            self._ahead_at, self._ahead_end = 0, len(data)
+
     @property
     def between_frames(self) -> bool:
         """No byte of the next frame has arrived."""

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "frames.h"
+#include "receiver.h"
 
 /* core/wire.py DType */
 enum { K_F32 = 1, K_F64 = 2, K_F16 = 3, K_BF16 = 4, K_I32 = 5, K_I64 = 6, K_I8 = 7, K_U8 = 8, K_BOOL = 9 };
@@ -315,12 +316,13 @@ static PyMethodDef plane_methods[] = {
 
 static struct PyModuleDef plane_module = {
     PyModuleDef_HEAD_INIT, "_plane",
-    "redsrv's compiled data plane (core/plane.py is the interface) and frame parser (native/frames.c).", -1,
+    "redsrv's compiled data plane (core/plane.py is the interface), frame parser (native/frames.c) and result "
+    "receiver (native/receiver.c).", -1,
     plane_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__plane(void) {
     PyObject *module = PyModule_Create(&plane_module);
-    if (module != NULL && frames_init(module) < 0) Py_CLEAR(module);
+    if (module != NULL && (frames_init(module) < 0 || receiver_init_module(module) < 0)) Py_CLEAR(module);
     return module;
 }

@@ -90,11 +90,13 @@ def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error(monkeyp
             x = np.arange(1000, dtype=np.float32)
             assert np.array_equal(client.allreduce(x, key=1), x)
 
-            def broken(self, channel):  # type: ignore[no-untyped-def]
+            def broken(self, channel, *args):  # type: ignore[no-untyped-def]
                 raise RuntimeError("injected bug")
 
-            # The bug goes into the core's handling of a landed result, which the loop calls.
+            # The bug goes into the core's handling of a landed result, which the loop calls: a
+            # piece at a time on the Python plane, a chunk at a time from the native receiver.
             monkeypatch.setattr(ClientCore, "payload_landed", broken)
+            monkeypatch.setattr(ClientCore, "results_landed", broken)
             started = time.monotonic()
             with pytest.raises(redsrv.PeerLostError, match="internal error"):
                 client.allreduce(x, key=2, timeout=30)
