@@ -30,6 +30,8 @@ from redsrv.cli.fleet import readline_within, stop_processes
 from redsrv.cli.units import parse_size
 from redsrv.core import client_engine, plane
 
+from .harness import command_line, provenance
+
 _LISTEN = re.compile(r"listening on (\S+):(\d+) incarnation")
 PATHS = ("receiver", "decoder")
 
@@ -40,6 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--sizes", nargs="+", default=["64KiB", "1MiB", "16MiB"], help="all-reduce sizes (default 64KiB 1MiB 16MiB)")
     p.add_argument("--reps", type=int, default=200, help="operations per size, path and round (default 200)")
     p.add_argument("--rounds", type=int, default=3, help="rounds; the two paths alternate within each (default 3)")
+    p.add_argument("--op", choices=["sum", "mean"], default="sum", help="the reduction (default sum)")
     p.add_argument("--json", default=None, help="also write the figures to this file")
     p.set_defaults(func=main)
 
@@ -62,7 +65,7 @@ def _thread_cpu(clocks: list[int]) -> float:
     return sum(time.clock_gettime(clock) for clock in clocks)
 
 
-def _measure(address: str, path: str, nbytes: int, reps: int) -> dict[str, float]:
+def _measure(address: str, path: str, nbytes: int, reps: int, op: str) -> dict[str, float]:
     original = client_engine.kernels_for
     client_engine.kernels_for = _kernels(path)  # type: ignore[assignment]
     try:
@@ -73,7 +76,7 @@ def _measure(address: str, path: str, nbytes: int, reps: int) -> dict[str, float
         x = (np.arange(nbytes // 4) % 4093).astype(np.float32)
         out = np.empty_like(x)
         for _ in range(3):  # warm-up
-            client.allreduce(x, out=out)
+            client.allreduce(x, op=op, out=out)
         clocks = [time.pthread_getcpuclockid(t.ident) for t in client.io_threads if t.ident is not None]
         channels = [c for reducer in client._machine.channels for c in reducer]
         frames_before = sum(c.frames_received for c in channels)
@@ -81,7 +84,7 @@ def _measure(address: str, path: str, nbytes: int, reps: int) -> dict[str, float
         times = []
         for _ in range(reps):
             started = time.perf_counter()
-            client.allreduce(x, out=out)
+            client.allreduce(x, op=op, out=out)
             times.append(time.perf_counter() - started)
             if not np.array_equal(out, x):
                 raise SystemExit(f"frame-path: a wrong result on the {path} path at {nbytes} bytes")
@@ -122,11 +125,11 @@ def main(args: argparse.Namespace) -> int:
             order = PATHS if round_index % 2 == 0 else PATHS[::-1]
             for nbytes in sizes:
                 for path in order:
-                    runs.setdefault((nbytes, path), []).append(_measure(address, path, nbytes, args.reps))
+                    runs.setdefault((nbytes, path), []).append(_measure(address, path, nbytes, args.reps, args.op))
     finally:
         stop_processes([reducer], 10.0)
     print(f"{'size':>9} {'path':>9} {'median ms':>10} {'frames/op':>10} {'I/O thread us/op':>17} "
-          f"{'us/frame':>9} {'process us/op':>14}   (median of {args.rounds} rounds, {args.reps} ops each)")
+          f"{'us/frame':>9} {'process us/op':>14}   ({args.op}; median of {args.rounds} rounds, {args.reps} ops each)")
     table = []
     for (nbytes, path), rows in runs.items():
         row = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
@@ -135,5 +138,5 @@ def main(args: argparse.Namespace) -> int:
               f"{row['io_us_per_op']:>17.0f} {row['io_us_per_frame']:>9.1f} {row['process_us_per_op']:>14.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "source": redsrv.__version__, "rows": table}, f, indent=1)
+            json.dump({"command": command_line("frame-path"), "op": args.op, **provenance(None), "rows": table}, f, indent=1)
     return 0

@@ -228,22 +228,43 @@ class ClientCore:
         return SendFrame(channel, views, "push", push=p)
 
     def _register_slot(self, channel: Channel, p: PendingPush) -> None:
-        """Before the chunk's push leaves: where its result lands, for the native receiver, when
-        landing it takes no decision beyond the bytes' place (no widening, no mean, no input to
-        keep first, no trace) and no piece of it came yet. Every other chunk's pieces go through
-        :meth:`frame_header` and :meth:`payload_landed`."""
+        """Before the chunk's push leaves: where its result lands, for the native receiver (not
+        for widened results or traces, nor for a chunk some piece of which came already). What
+        :meth:`frame_header` and :class:`Landing` do per piece happens here or once the chunk is
+        whole (:meth:`_finish_slot`): the input of an in-place operation is kept now (what
+        ``Landing.save_input`` keeps at the first piece), and a mean's sum lands in the copy kept
+        for recovery, as it came, to be divided into ``out``."""
         op = p.op
         place = (p.chunk.reducer, p.chunk.index)
         chunk = op.chunks.get(place)
-        if (chunk is None or not chunk.count or op.mean or self.tracing or op.wire_dtype != op.out.dtype
-                or (op.in_place and self.config.reconnect_window > 0) or place in op.received):
+        if chunk is None or not chunk.count or self.tracing or op.wire_dtype != op.out.dtype or place in op.received:
             return
         self._drop_slot(op, place)  # a resend on a new connection: the old one's slot is void
+        if op.in_place and self.config.reconnect_window > 0 and p.saved is None:
+            p.saved = p.arr[chunk.start : chunk.stop].copy()
+        kept = np.empty(chunk.count, op.wire_dtype) if op.mean and self.keep_copies else None
+        dest = kept if kept is not None else op.out[chunk.start : chunk.stop]
         assert channel.slots is not None
-        slot = channel.kernels.result_slot(op.out[chunk.start : chunk.stop].view(np.uint8), chunk.start, chunk.count,
-                                           op.wire_dtype.itemsize, p.wire_code, (op, chunk))
+        # A mean divides a chunk by one count: pieces with another count go to the reference.
+        slot = channel.kernels.result_slot(dest.view(np.uint8), chunk.start, chunk.count, op.wire_dtype.itemsize,
+                                           p.wire_code, (op, chunk, kept), one_count=op.mean)
         channel.slots[(op.key, chunk.index)] = slot
         op.slots[place] = (channel, slot)
+
+    @staticmethod
+    def _finish_slot(channel: Channel, op: Op, chunk: chunker.Chunk, kept: np.ndarray | None, slot: Any,
+                     done: int) -> None:
+        """A mean's division (``Landing.finish_bytes``) of the ``done`` elements the receiver
+        landed, all with one count (``one_count``)."""
+        if not op.mean or not done:
+            return
+        contributors = slot.min_contributors
+        target = op.out[chunk.start : chunk.start + done]
+        source = target if kept is None else kept[:done]
+        if contributors > 1:
+            channel.kernels.divide(target, source, contributors)
+        elif kept is not None:
+            np.copyto(target, source)
 
     def _drop_slot(self, op: Op, place: tuple[int, int], now: float | None = None) -> None:
         """No more pieces land in ``place``'s slot. With ``now``, the reference takes the chunk over
@@ -255,9 +276,15 @@ class ClientCore:
         slot.cancel()
         if channel.slots is not None:
             channel.slots.pop((op.key, place[1]), None)
-        if now is not None and slot.pieces:
-            self._fold(op, slot)
-            op.received[place] = (slot.done, now)
+        if now is None or not slot.pieces:
+            return
+        _, chunk, kept = slot.tag
+        self._fold(op, slot)
+        self._finish_slot(channel, op, chunk, kept, slot, slot.done)
+        op.received[place] = (slot.done, now)
+        if kept is not None:  # the mean's next pieces land after these in the same kept copy
+            channel.partial_copies[(op.key, chunk.index)] = Copy(op.key, op.out.size, chunk.start, chunk.index,
+                                                                 slot.dtype, kept)
 
     def _drop_slots(self, op: Op) -> None:
         for place in list(op.slots):
@@ -378,8 +405,9 @@ class ClientCore:
         actions: list[Action] = []
         op: Op
         chunk: chunker.Chunk
+        kept_sum: np.ndarray | None
         for slot in landed:
-            op, chunk = slot.tag
+            op, chunk, kept_sum = slot.tag
             place = (channel.reducer, chunk.index)
             if op.slots.get(place, (None, None))[1] is slot:
                 del op.slots[place]
@@ -388,11 +416,16 @@ class ClientCore:
             if slot.cancelled or self.ops.get(op.key) is not op:
                 continue
             self._fold(op, slot)
+            self._finish_slot(channel, op, chunk, kept_sum, slot, chunk.count)
             if self.keep_copies:
-                kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype, op.out[chunk.start : chunk.stop],
-                            frame=base + slot.frame)
-                if not op.lend(kept):
-                    kept.data = kept.data.copy()
+                if kept_sum is not None:  # a mean's sum, as it came
+                    kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype, kept_sum,
+                                frame=base + slot.frame)
+                else:  # lent from ``out``, where the result is as it came
+                    kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype,
+                                op.out[chunk.start : chunk.stop], frame=base + slot.frame)
+                    if not op.lend(kept):
+                        kept.data = kept.data.copy()
                 channel.copies[(op.key, chunk.index)] = kept
             if op.chunks.pop(place, None) is not None:
                 op.pushes.pop(place, None)
@@ -608,7 +641,7 @@ class ClientCore:
             channel.result = None
             channel.gone = True
             for slot in list(channel.slots.values()) if channel.slots else ():
-                op, chunk = slot.tag
+                op, chunk, _ = slot.tag
                 self._drop_slot(op, (reducer, chunk.index))
         actions: list[Action] = [Retire(tuple(old))]
         if restarted:  # it lost what it had: give it the results some ranks may still lack

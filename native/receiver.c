@@ -68,20 +68,22 @@ typedef struct {
     int pieces;              /* pieces landed */
     unsigned long long frame; /* the receiver's RESULT frame count when the last piece ended */
     int cancelled;
+    int one_count;           /* every piece must have the first one's contributor count (a mean) */
     PyObject *tag;           /* the core's, opaque here */
 } ResultSlot;
 
 static int slot_init(ResultSlot *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"dest", "start", "count", "itemsize", "dtype", "tag", NULL};
+    static char *names[] = {"dest", "start", "count", "itemsize", "dtype", "tag", "one_count", NULL};
     PyObject *dest, *tag;
     unsigned long long start, count, itemsize;
     unsigned int dtype;
+    int one_count = 0;
     if (self->tag != NULL) {
         PyErr_SetString(PyExc_TypeError, "ResultSlot is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OKKKIO:ResultSlot", names, &dest, &start, &count, &itemsize, &dtype,
-                                     &tag))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OKKKIO|$p:ResultSlot", names, &dest, &start, &count, &itemsize,
+                                     &dtype, &tag, &one_count))
         return -1;
     if (itemsize == 0 || itemsize > 8 || dtype > 255 || count == 0 || count > UINT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "ResultSlot: itemsize 1..8, dtype < 256 and 0 < count < 2**32");
@@ -100,6 +102,7 @@ static int slot_init(ResultSlot *self, PyObject *args, PyObject *kwds) {
     self->itemsize = itemsize;
     self->dtype = dtype;
     self->min_contributors = ULONG_MAX;
+    self->one_count = one_count;
     Py_INCREF(tag);
     self->tag = tag;
     return 0;
@@ -161,6 +164,7 @@ static PyMemberDef slot_members[] = {
     {"frame", T_ULONGLONG, offsetof(ResultSlot, frame), READONLY,
      "the receiver's count of RESULT frames (within its receive() call) at the last piece"},
     {"cancelled", T_INT, offsetof(ResultSlot, cancelled), READONLY, "cancel() was called"},
+    {"one_count", T_INT, offsetof(ResultSlot, one_count), READONLY, "pieces with another count than the first's go to the reference"},
     {"tag", T_OBJECT, offsetof(ResultSlot, tag), READONLY, "the registrant's"},
     {NULL, 0, 0, 0, NULL},
 };
@@ -177,7 +181,7 @@ static PyTypeObject ResultSlotType = {
     .tp_basicsize = sizeof(ResultSlot),
     .tp_dealloc = (destructor)slot_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "ResultSlot(dest, start, count, itemsize, dtype, tag): where one chunk's result lands.",
+    .tp_doc = "ResultSlot(dest, start, count, itemsize, dtype, tag, *, one_count=False): where one chunk's result lands.",
     .tp_methods = slot_methods,
     .tp_members = slot_members,
     .tp_getset = slot_getset,
@@ -340,7 +344,8 @@ static int land_result_header(ResultReceiver *self) {
      * compared without a sum that could wrap. */
     if (slot->cancelled || dtype != slot->dtype || count == 0 || count > slot->count - slot->done
         || offset != slot->start + slot->done || payload_len < bitmap_len
-        || payload_len - bitmap_len != count * slot->itemsize)
+        || payload_len - bitmap_len != count * slot->itemsize
+        || (slot->one_count && slot->pieces && contributors != slot->min_contributors))
         return 0;
     Py_INCREF(slot);
     Py_XSETREF(self->slot, slot);

@@ -280,6 +280,30 @@ def test_a_cancelled_slot_and_a_piece_out_of_order_go_to_the_reference() -> None
         sock.close()
 
 
+def test_a_mean_slot_takes_pieces_of_its_first_count_only() -> None:
+    """A mean divides a whole chunk by one count (ClientCore._finish_slot): a piece with another
+    count goes to the reference, and so does the rest of the chunk."""
+    sender, sock = tcp_pair()
+    owner = Owner(sock, fast=True)
+    assert owner.slots is not None
+    start, count = CHUNKS[(7, 1)]
+    view = owner.out[7][start : start + count].view(np.uint8)
+    owner.slots[(7, 1)] = slot = native.ResultSlot(view, start, count, 4, int(F32), (7, 1), one_count=True)
+    seen = []
+    reference_header = owner.on_header
+    owner.reader.on_header = lambda header: seen.append(header.fields[1]) or reference_header(header)  # type: ignore[assignment]
+    try:
+        sender.sendall(result(7, 1, start, 100, contributors=3) + result(7, 1, start + 100, 100, contributors=3)
+                       + result(7, 1, start + 200, 100, contributors=2))
+        owner.reader.read(0.0, 64)
+        assert slot.done == 200 and slot.cancelled and seen == [start + 200] and owner.done[(7, 1)] == 300
+        assert owner.contributors[(7, 1)] == [3, 3, 2, 2]
+    finally:
+        owner.reader.release()
+        sender.close()
+        sock.close()
+
+
 def test_a_piece_longer_than_its_slot_never_lands_there() -> None:
     """Nothing from the wire sizes a copy: a piece that claims more elements than its chunk has
     left goes to the reference (which skips it), and the memory after the slot stays untouched."""
