@@ -389,6 +389,18 @@ static int load_dtypes(PyObject *wire) {
     return status;
 }
 
+void frames_as_import_error(const char *who) {
+    /* An ImportError, whatever went wrong: core/plane.py then runs the Python plane under `auto`. */
+    if (PyErr_ExceptionMatches(PyExc_ImportError)) return;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    PyErr_Format(PyExc_ImportError, "%s cannot read core/wire.py's tables: %R", who, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+}
+
 int frames_init(PyObject *module) {
     PyObject *wire = PyImport_ImportModule("redsrv.core.wire");
     PyObject *errors = PyImport_ImportModule("redsrv.core.errors");
@@ -439,16 +451,7 @@ int frames_init(PyObject *module) {
     if (str_type == NULL || str_payload_len == NULL || str_fields == NULL) goto done;
     status = PyModule_AddFunctions(module, frames_methods);
 done:
-    /* An ImportError, whatever went wrong: core/plane.py then runs the Python plane under `auto`. */
-    if (status < 0 && !PyErr_ExceptionMatches(PyExc_ImportError)) {
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
-        PyErr_Format(PyExc_ImportError, "the frame parser cannot read core/wire.py's tables: %R", value);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(traceback);
-    }
+    if (status < 0) frames_as_import_error("the frame parser");
     Py_CLEAR(header_structs);
     Py_XDECREF(wire);
     Py_XDECREF(errors);

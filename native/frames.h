@@ -8,4 +8,7 @@
  * `module`; 0, or -1 with an exception set. */
 int frames_init(PyObject *module);
 
+/* With an exception set by a failed init of `who`: turn it into an ImportError that names it. */
+void frames_as_import_error(const char *who);
+
 #endif

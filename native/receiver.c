@@ -30,6 +30,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include "frames.h"
 #include "receiver.h"
 
 #define PREFIX_SIZE 12
@@ -673,15 +674,7 @@ changed:
     if (!PyErr_Occurred())
         PyErr_SetString(PyExc_ImportError, "wire's RESULT, SAFE or HEARTBEAT frames changed: update native/receiver.c");
 done:
-    if (status < 0 && !PyErr_ExceptionMatches(PyExc_ImportError)) {
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        PyErr_NormalizeException(&type, &value, &traceback);
-        PyErr_Format(PyExc_ImportError, "the result receiver cannot read core/wire.py's tables: %R", value);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(traceback);
-    }
+    if (status < 0) frames_as_import_error("the result receiver");
     Py_XDECREF(wire);
     Py_XDECREF(constants);
     Py_XDECREF(structs);

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -361,6 +363,30 @@ def test_a_stalled_piece_raises_the_low_water_mark_for_its_rest() -> None:
         owner.reader.release()
         sender.close()
         sock.close()
+
+
+def test_the_plane_refuses_to_load_where_wire_moved_a_field_the_receiver_reads() -> None:
+    """The receiver reads RESULT and SAFE headers by position: an import that finds another
+    layout fails (``auto`` then runs the Python plane) instead of landing bytes in the wrong
+    place."""
+    script = """
+import importlib, importlib.abc, struct, sys
+class HoldBack(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "redsrv.core._plane":
+            raise ImportError("held back")
+sys.meta_path.insert(0, hold := HoldBack())
+from redsrv.core import wire
+sys.meta_path.remove(hold)
+wire._HEADER_STRUCTS[wire.FrameType.RESULT] = struct.Struct("<QQIIBBHI")  # the pad byte made a field
+try:
+    importlib.import_module("redsrv.core._plane")
+except ImportError as exc:
+    print(exc)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "update native/receiver.c" in done.stdout
 
 
 # --- the differential fuzz -----------------------------------------------------------------
