@@ -135,8 +135,7 @@ Action = SendFrame | Complete | Fail | Reconnect | Retire | Broken | TracePull
 #: order docs/architecture.md lists them, and the queries that change nothing
 #: (tests/unit/test_architecture_docs.py holds the document to both).
 EVENTS = ("connected", "submit", "written", "frame_header", "payload_landed", "results_landed", "error_frame", "safe",
-          "connection_lost",
-          "reconnected", "window_closed", "tick", "acknowledge", "fail_all", "close")
+          "connection_lost", "reconnected", "window_closed", "tick", "acknowledge", "fail_all", "close")
 QUERIES = ("reconnecting_to",)
 
 

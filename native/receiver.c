@@ -109,10 +109,22 @@ static int slot_init(ResultSlot *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+/* The tag refers back to the operation that refers to its slots: the collector must see it. */
+static int slot_traverse(ResultSlot *self, visitproc visit, void *arg) {
+    Py_VISIT(self->tag);
+    return 0;
+}
+
+static int slot_clear(ResultSlot *self) {
+    Py_CLEAR(self->tag);
+    return 0;
+}
+
 static void slot_dealloc(ResultSlot *self) {
+    PyObject_GC_UnTrack(self);
     if (self->dest.obj != NULL) PyBuffer_Release(&self->dest);
     PyMem_Free(self->bitmap);
-    Py_XDECREF(self->tag);
+    slot_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -181,7 +193,10 @@ static PyTypeObject ResultSlotType = {
     .tp_name = "redsrv.core._plane.ResultSlot",
     .tp_basicsize = sizeof(ResultSlot),
     .tp_dealloc = (destructor)slot_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)slot_traverse,
+    .tp_clear = (inquiry)slot_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_doc = "ResultSlot(dest, start, count, itemsize, dtype, tag, *, one_count=False): where one chunk's result lands.",
     .tp_methods = slot_methods,
     .tp_members = slot_members,
@@ -249,10 +264,23 @@ static int receiver_init(ResultReceiver *self, PyObject *args, PyObject *kwds) {
     return 0;
 }
 
+static int receiver_traverse(ResultReceiver *self, visitproc visit, void *arg) {
+    Py_VISIT(self->slots);
+    Py_VISIT(self->landed);
+    Py_VISIT(self->slot);
+    return 0;
+}
+
+static int receiver_clear(ResultReceiver *self) {
+    Py_CLEAR(self->slots);
+    Py_CLEAR(self->landed);
+    Py_CLEAR(self->slot);
+    return 0;
+}
+
 static void receiver_dealloc(ResultReceiver *self) {
-    Py_XDECREF(self->slots);
-    Py_XDECREF(self->landed);
-    Py_XDECREF(self->slot);
+    PyObject_GC_UnTrack(self);
+    receiver_clear(self);
     PyMem_Free(self->ahead);
     PyMem_Free(self->bitmap);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -387,7 +415,7 @@ static int end_piece(ResultReceiver *self) {
 static PyObject *receiver_receive(ResultReceiver *self, PyObject *arg) {
     long max_frames = PyLong_AsLong(arg);
     if (max_frames == -1 && PyErr_Occurred()) return NULL;
-    if (self->ahead == NULL) {
+    if (self->ahead == NULL || self->slots == NULL || self->landed == NULL) {
         PyErr_SetString(PyExc_ValueError, "receive() on a released ResultReceiver");
         return NULL;
     }
@@ -523,7 +551,7 @@ static PyObject *receiver_take_landed(ResultReceiver *self, PyObject *unused) {
     if (fresh == NULL) return NULL;
     PyObject *landed = self->landed;
     self->landed = fresh;
-    return landed;
+    return landed != NULL ? landed : PyList_New(0);
 }
 
 static PyObject *receiver_take_counts(ResultReceiver *self, PyObject *unused) {
@@ -595,7 +623,10 @@ static PyTypeObject ResultReceiverType = {
     .tp_name = "redsrv.core._plane.ResultReceiver",
     .tp_basicsize = sizeof(ResultReceiver),
     .tp_dealloc = (destructor)receiver_dealloc,
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)receiver_traverse,
+    .tp_clear = (inquiry)receiver_clear,
+    .tp_free = PyObject_GC_Del,
     .tp_doc = "ResultReceiver(fd, max_payload, slots, max_lowat): a client connection's RESULT frames landed in C.",
     .tp_methods = receiver_methods,
     .tp_members = receiver_members,

@@ -12,10 +12,12 @@ outcomes and bounds have tests of their own below.
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -342,6 +344,28 @@ def test_slot_and_receiver_refuse_what_does_not_fit() -> None:
         native.ResultReceiver(-1, 1 << 20, {}, 1)
     with pytest.raises(TypeError):
         native.ResultReceiver(0, 1 << 20, [], 1)
+
+
+def test_a_slot_in_a_reference_cycle_is_collected() -> None:
+    """A slot's tag holds its operation, which holds its slots: the collector must see through it."""
+
+    class Marker:
+        pass
+
+    marker = Marker()
+    tag: list[object] = [marker]
+    slot = native.ResultSlot(np.zeros(4, np.float32).view(np.uint8), 0, 4, 4, int(F32), tag)
+    tag.append(slot)
+    sender, sock = tcp_pair()
+    table = {(1, 0): slot}
+    receiver = native.ResultReceiver(sock.fileno(), 1 << 20, table, 1)
+    table[(0, 0)] = receiver  # type: ignore[assignment]  # a receiver in a cycle too
+    gone = weakref.ref(marker)
+    del marker, tag, slot, table, receiver
+    gc.collect()
+    sender.close()
+    sock.close()
+    assert gone() is None
 
 
 def test_a_stalled_piece_raises_the_low_water_mark_for_its_rest() -> None:
