@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from conftest import child_env
 from redsrv.core import plane
+
+from conftest import child_env
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(plane.native_unavailable() is not None, reason="the native plane is not built")]
