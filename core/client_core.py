@@ -228,42 +228,51 @@ class ClientCore:
 
     def _register_slot(self, channel: Channel, p: PendingPush) -> None:
         """Before the chunk's push leaves: where its result lands, for the native receiver (not
-        for widened results or traces, nor for a chunk some piece of which came already). What
+        for traced operations, nor for a chunk some piece of which came already). What
         :meth:`frame_header` and :class:`Landing` do per piece happens here or once the chunk is
         whole (:meth:`_finish_slot`): the input of an in-place operation is kept now (what
-        ``Landing.save_input`` keeps at the first piece), and a mean's sum lands in the copy kept
-        for recovery, as it came, to be divided into ``out``."""
+        ``Landing.save_input`` keeps at the first piece); a result that is widened, or a mean's
+        sum kept for recovery, lands as it came in a buffer of the chunk's own (the copy kept for
+        recovery, where one is kept), to be widened or divided into ``out``."""
         op = p.op
         place = (p.chunk.reducer, p.chunk.index)
         chunk = op.chunks.get(place)
-        if chunk is None or not chunk.count or self.tracing or op.wire_dtype != op.out.dtype or place in op.received:
+        if chunk is None or not chunk.count or self.tracing or place in op.received:
             return
         self._drop_slot(op, place)  # a resend on a new connection: the old one's slot is void
         if op.in_place and self.config.reconnect_window > 0 and p.saved is None:
             p.saved = p.arr[chunk.start : chunk.stop].copy()
-        kept = np.empty(chunk.count, op.wire_dtype) if op.mean and self.keep_copies else None
-        dest = kept if kept is not None else op.out[chunk.start : chunk.stop]
+        as_came = None
+        if op.wire_dtype != op.out.dtype or (op.mean and self.keep_copies):
+            as_came = np.empty(chunk.count, op.wire_dtype)
+        dest = as_came if as_came is not None else op.out[chunk.start : chunk.stop]
         assert channel.slots is not None
         # A mean divides a chunk by one count: pieces with another count go to the reference.
         slot = channel.kernels.result_slot(dest.view(np.uint8), chunk.start, chunk.count, op.wire_dtype.itemsize,
-                                           p.wire_code, (op, chunk, kept), one_count=op.mean)
+                                           p.wire_code, (op, chunk, as_came), one_count=op.mean)
         channel.slots[(op.key, chunk.index)] = slot
         op.slots[place] = (channel, slot)
 
     @staticmethod
-    def _finish_slot(channel: Channel, op: Op, chunk: chunker.Chunk, kept: np.ndarray | None, slot: Any,
+    def _finish_slot(channel: Channel, op: Op, chunk: chunker.Chunk, as_came: np.ndarray | None, slot: Any,
                      done: int) -> None:
-        """A mean's division (``Landing.finish_bytes``) of the ``done`` elements the receiver
-        landed, all with one count (``one_count``)."""
-        if not op.mean or not done:
+        """``Landing.finish_bytes`` for the ``done`` elements the receiver landed (a mean's all
+        with one count, ``one_count``): widen them into ``out``, and take the mean."""
+        if not done or (as_came is None and not op.mean):
             return
         contributors = slot.min_contributors
         target = op.out[chunk.start : chunk.start + done]
-        source = target if kept is None else kept[:done]
-        if contributors > 1:
-            channel.kernels.divide(target, source, contributors)
-        elif kept is not None:
-            np.copyto(target, source)
+        if as_came is None:  # landed in ``out``: a mean divides it there
+            if contributors > 1:
+                channel.kernels.divide(target, target, contributors)
+        elif op.wire_dtype != op.out.dtype:
+            channel.kernels.cast(target, as_came[:done])
+            if op.mean and contributors > 1:
+                channel.kernels.divide(target, target, contributors)
+        elif contributors > 1:  # a mean's sum, kept as it came
+            channel.kernels.divide(target, as_came[:done], contributors)
+        else:
+            np.copyto(target, as_came[:done])
 
     def _drop_slot(self, op: Op, place: tuple[int, int], now: float | None = None) -> None:
         """No more pieces land in ``place``'s slot. With ``now``, the reference takes the chunk over
@@ -277,13 +286,13 @@ class ClientCore:
             channel.slots.pop((op.key, place[1]), None)
         if now is None or not slot.pieces:
             return
-        _, chunk, kept = slot.tag
+        _, chunk, as_came = slot.tag
         self._fold(op, slot)
-        self._finish_slot(channel, op, chunk, kept, slot, slot.done)
+        self._finish_slot(channel, op, chunk, as_came, slot, slot.done)
         op.received[place] = (slot.done, now)
-        if kept is not None:  # the mean's next pieces land after these in the same kept copy
+        if as_came is not None and self.keep_copies:  # the next pieces' copy goes on after these
             channel.partial_copies[(op.key, chunk.index)] = Copy(op.key, op.out.size, chunk.start, chunk.index,
-                                                                 slot.dtype, kept)
+                                                                 slot.dtype, as_came)
 
     def _drop_slots(self, op: Op) -> None:
         for place in list(op.slots):
@@ -404,9 +413,9 @@ class ClientCore:
         actions: list[Action] = []
         op: Op
         chunk: chunker.Chunk
-        kept_sum: np.ndarray | None
+        as_came: np.ndarray | None
         for slot in landed:
-            op, chunk, kept_sum = slot.tag
+            op, chunk, as_came = slot.tag
             place = (channel.reducer, chunk.index)
             if op.slots.get(place, (None, None))[1] is slot:
                 del op.slots[place]
@@ -415,10 +424,10 @@ class ClientCore:
             if slot.cancelled or self.ops.get(op.key) is not op:
                 continue
             self._fold(op, slot)
-            self._finish_slot(channel, op, chunk, kept_sum, slot, chunk.count)
+            self._finish_slot(channel, op, chunk, as_came, slot, chunk.count)
             if self.keep_copies:
-                if kept_sum is not None:  # a mean's sum, as it came
-                    kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype, kept_sum,
+                if as_came is not None:  # widened, or a mean's sum: kept as it came
+                    kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype, as_came,
                                 frame=base + slot.frame)
                 else:  # lent from ``out``, where the result is as it came
                     kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype,
