@@ -1,8 +1,9 @@
 /* redsrv.core._plane's result receiver: a client connection's steady RESULT frames landed in C.
  *
  * docs/architecture.md, "The socket loops in C", step 2 (the client's half). The client core
- * registers, before a chunk's push leaves, a ResultSlot: the bytes of the operation's output its
- * result lands in, its element range and wire dtype (ClientCore._push_frame). A ResultReceiver
+ * registers, before a chunk's push leaves, a ResultSlot: the bytes its result lands in (the
+ * operation's output, or a buffer of the chunk's own that Python widens or divides from), its
+ * element range and wire dtype (ClientCore._register_slot). A ResultReceiver
  * then moves the connection's bytes while they are the happy path: RESULT pieces that continue a
  * registered slot in order, SAFE frames and heartbeats. It lands each piece's data straight into
  * the slot (recv into the slot's memory, the GIL released), folds its contributor count and
