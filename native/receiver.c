@@ -582,10 +582,6 @@ static PyObject *receiver_get_busy(ResultReceiver *self, void *closure) {
     return PyBool_FromLong(self->stage != AT_FRAME || self->end > self->at);
 }
 
-static PyObject *receiver_get_between_frames(ResultReceiver *self, void *closure) {
-    return PyBool_FromLong(self->stage == AT_FRAME && self->end == self->at);
-}
-
 static PyObject *receiver_get_what(ResultReceiver *self, void *closure) {
     if (self->stage == IN_BITMAP) return PyUnicode_FromString("a result bitmap");
     if (self->stage == IN_DATA) return PyUnicode_FromString("a RESULT payload");
@@ -614,7 +610,6 @@ static PyMemberDef receiver_members[] = {
 
 static PyGetSetDef receiver_getset[] = {
     {"busy", (getter)receiver_get_busy, NULL, "holds bytes of a frame it has not finished", NULL},
-    {"between_frames", (getter)receiver_get_between_frames, NULL, "no byte of the next frame is held", NULL},
     {"what", (getter)receiver_get_what, NULL, "what it waits for, for timeout messages", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
