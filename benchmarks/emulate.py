@@ -11,8 +11,11 @@ is checked against the exact sum.
 Reported per size: median and min-max time, algbw (size / time) in GB/s and as a fraction of
 its bound (ring: G·n/(2(n-1)); redsrv: G·min(1, m/n)), the speedup gloo time / redsrv time
 beside its theory 2(n-1)/n·min(1, m/n), and whole-machine CPU busy during the timed reps
-(above 85% the result measures the CPU, not the network). G is the best TCP goodput at the
-configured rate: rate·(MTU-52)/(MTU+14) unless ``--measure-goodput``.
+(above 85% the result measures the CPU, not the network), CPU seconds per GB reduced (workers
+and reducers; the workers alone in brackets), and the share of that CPU spent in user space
+(the interpreter, NumPy, the plane's C: what a faster data plane in user space can save; the
+rest is the kernel's: copies, TCP, wake-ups and the emulated links' softirqs). G is the best TCP goodput at the configured rate:
+rate·(MTU-52)/(MTU+14) unless ``--measure-goodput``.
 
 Needs root and iproute2; removes every namespace and process it created on every exit path.
 """

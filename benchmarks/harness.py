@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from redsrv.bench.local import _CLOCK_TICKS, cpu_seconds
+from redsrv.bench.local import _CLOCK_TICKS, cpu_times
 from redsrv.bench.netns import DEFAULT_PREFIX, Cluster, EmulationError, our_namespaces, remove_namespaces, signals_deferred
 from redsrv.cli.fleet import readline_within, stop_processes
 
@@ -278,13 +278,16 @@ def merge_ranks(got: dict[int, dict[str, Any]], *, count_reducers: bool) -> dict
     reps = len(r0["times"])
     times = [max(got[r]["times"][k] for r in range(n)) for k in range(reps)]
     cpu = sum(got[r]["cpu_s"] for r in range(n)) + (r0["reducer_cpu_s"] if count_reducers else 0.0)
+    user = sum(got[r].get("cpu_user_s", 0.0) for r in range(n)) + (r0.get("reducer_cpu_user_s", 0.0) if count_reducers else 0.0)
     busy_total = r0["stat_total"]
     return {
         "times": times, "rank_times": [got[r]["times"] for r in range(n)], "correct": all(got[r]["correct"] for r in range(n)),
         "cpu_busy": r0["stat_busy"] / busy_total if busy_total else 0.0,
-        "cpu_steal": r0.get("stat_steal", 0) / busy_total if busy_total else 0.0, "cpu_s": cpu, "wall_s": sum(times),
-        "metered_s": r0.get("metered_s", sum(times)),
-        "worker_cpu_s": [got[r]["cpu_s"] for r in range(n)], "reducer_cpu_s": r0["reducer_cpu_s"], "cores": r0["cores"],
+        "cpu_steal": r0.get("stat_steal", 0) / busy_total if busy_total else 0.0, "cpu_s": cpu, "cpu_user_s": user,
+        "wall_s": sum(times), "metered_s": r0.get("metered_s", sum(times)),
+        "worker_cpu_s": [got[r]["cpu_s"] for r in range(n)],
+        "worker_cpu_user_s": [got[r].get("cpu_user_s", 0.0) for r in range(n)],
+        "reducer_cpu_s": r0["reducer_cpu_s"], "reducer_cpu_user_s": r0.get("reducer_cpu_user_s", 0.0), "cores": r0["cores"],
     }
 
 
@@ -465,26 +468,35 @@ class OtherLoad:
 
 class CpuMeter:
     """CPU spent during the timed parts of a block only: whole-machine busy, total and steal
-    jiffies, this process's CPU seconds (every thread: gloo's and redsrv's transport included)
-    and, where ``reducer_pids`` are given (rank 0), the reducers' CPU seconds; and the wall time
-    it ran (``metered_s``), against which shares of the machine are taken."""
+    jiffies, this process's CPU seconds (every thread: gloo's and redsrv's transport
+    included) and, where ``reducer_pids`` are given (rank 0), the reducers' CPU seconds, each also
+    as its user-space part; and the wall time it ran (``metered_s``), against which shares of the
+    machine are taken."""
 
     def __init__(self, reducer_pids: Sequence[int]) -> None:
         self.reducer_pids = list(reducer_pids)
-        self.own_s = self.reducers_s = self.wall_s = 0.0
+        self.own_s = self.own_user_s = self.reducers_s = self.reducers_user_s = self.wall_s = 0.0
         self.busy = self.total = self.steal = 0
-        self._start: tuple[tuple[int, int, int], float, float, float] | None = None
+        self._start: tuple[tuple[int, int, int], os.times_result, tuple[float, float], float] | None = None
+
+    def _reducers(self) -> tuple[float, float]:
+        times = [cpu_times(p) for p in self.reducer_pids]
+        return sum(u for u, _ in times), sum(s for _, s in times)
 
     def start(self) -> None:
-        self._start = (cpu_stat(), time.process_time(), sum(cpu_seconds(p) for p in self.reducer_pids), time.perf_counter())
+        self._start = (cpu_stat(), os.times(), self._reducers(), time.perf_counter())
 
     def stop(self) -> None:
         assert self._start is not None, "CpuMeter.stop() without start()"
-        (busy, total, steal), own, reducers, wall = self._start
+        (busy, total, steal), own, (reducers_user, reducers_system), wall = self._start
         s1 = cpu_stat()
         self.wall_s += time.perf_counter() - wall
-        self.own_s += time.process_time() - own
-        self.reducers_s += sum(cpu_seconds(p) for p in self.reducer_pids) - reducers
+        own1 = os.times()
+        self.own_user_s += own1.user - own.user
+        self.own_s += own1.user + own1.system - own.user - own.system
+        user1, system1 = self._reducers()
+        self.reducers_user_s += user1 - reducers_user
+        self.reducers_s += user1 + system1 - reducers_user - reducers_system
         self.busy += s1[0] - busy
         self.total += s1[1] - total
         self.steal += s1[2] - steal
@@ -492,7 +504,8 @@ class CpuMeter:
 
     def fields(self) -> dict[str, Any]:
         """The block fields :func:`merge_ranks` reads."""
-        return {"cpu_s": self.own_s, "reducer_cpu_s": self.reducers_s, "stat_busy": self.busy, "stat_total": self.total,
+        return {"cpu_s": self.own_s, "cpu_user_s": self.own_user_s, "reducer_cpu_s": self.reducers_s,
+                "reducer_cpu_user_s": self.reducers_user_s, "stat_busy": self.busy, "stat_total": self.total,
                 "stat_steal": self.steal, "cores": os.cpu_count(), "metered_s": self.wall_s}
 
 

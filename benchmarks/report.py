@@ -108,6 +108,10 @@ class Row:
     # The workers' share alone: what the training hosts pay, reducers being hosts of their own on
     # a real cluster (here the kernel's softirq work lands in whichever process's context runs it).
     worker_cpu_s_per_gb: float = 0.0
+    # Of our processes' CPU (workers, plus reducers where counted), the share spent in user space:
+    # the interpreter, NumPy and the plane's C, what a faster data plane can save. The rest is the
+    # kernel's (copies, TCP, the emulated links' softirqs), paid per byte whatever moves it.
+    user_share: float = 0.0
     speedup: float | None = None  # gloo median / redsrv median, redsrv rows only
     speedup_min: float | None = None  # over rounds
     speedup_max: float | None = None
@@ -150,7 +154,7 @@ def summarise(blocks: Sequence[dict[str, Any]], *, goodput: float, colocated: bo
             cpu_steal=statistics.median(b.get("cpu_steal", 0.0) for b in bs), own_cpu_share=cpu / (wall * cores) if wall else 0.0,
             cpu_s_per_gb=cpu / reduced_gb if reduced_gb else 0.0, correct=all(b["correct"] for b in bs),
             worker_cpu_s_per_gb=sum(sum(b.get("worker_cpu_s", [])) for b in bs) / reduced_gb if reduced_gb else 0.0,
-            per_host=per_host))
+            user_share=sum(b.get("cpu_user_s", 0.0) for b in bs) / cpu if cpu else 0.0, per_host=per_host))
     by_key = {(r.n, r.size_bytes, r.impl): r for r in rows}
     for r in rows:
         ring = by_key.get((r.n, r.size_bytes, "gloo"))
@@ -182,7 +186,8 @@ def _time(s: float) -> str:
 
 def format_table(rows: Sequence[Row]) -> str:
     head = (f"{'n':>2} {'m':>2} {'size':>8} {'impl':<11} {'median':>10} {'min-max':>19} {'algbw GB/s':>10} "
-            f"{'of bound':>8} {'speedup (theory)':>17} {'rounds':>13} {'CPU busy/ours':>13} {'CPU s/GB (workers)':>18}  note")
+            f"{'of bound':>8} {'speedup (theory)':>17} {'rounds':>13} {'CPU busy/ours':>13} {'CPU s/GB (workers)':>18} "
+            f"{'in user':>7}  note")
     lines = [head, "-" * len(head)]
     for r in rows:
         spd = ""
@@ -198,7 +203,8 @@ def format_table(rows: Sequence[Row]) -> str:
             f"{r.n:>2} {r.m:>2} {format_size(r.size_bytes):>8} {r.impl:<11} {_time(r.median_s):>10} "
             f"{_time(r.min_s) + '-' + _time(r.max_s):>19} {r.algbw_gbps:>10.4f} {r.fraction_of_bound:>8.3f} {spd:>17} "
             f"{rng:>13} {f'{r.cpu_busy:.0%}/{r.own_cpu_share:.0%}':>13} "
-            f"{f'{r.cpu_s_per_gb:.2f} ({r.worker_cpu_s_per_gb:.2f})':>18}  {'; '.join(notes)}")
+            f"{f'{r.cpu_s_per_gb:.2f} ({r.worker_cpu_s_per_gb:.2f})':>18} {f'{r.user_share:.0%}':>7}  "
+            f"{'; '.join(notes)}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -82,6 +83,38 @@ def test_summary_speedup_is_the_ratio_of_medians():
     table = report.format_table(rows)
     assert "1.42x (1.50x)" in table and "64 MiB" in table
     assert f"{2 / reduced_gb:.2f} ({1 / reduced_gb:.2f})" in table
+
+
+def test_summary_gives_the_share_of_our_cpu_in_user_space():
+    # redsrv: of 1 CPU s per block, 0.4 in user space
+    blocks = [dict(_block("redsrv", r, [0.6]), cpu_user_s=0.4) for r in range(3)]
+    blocks.append(_block("gloo", 0, [0.9]))  # a block from before the split: no user time
+    rows = {r.impl: r for r in report.summarise(blocks, goodput=0.1196, colocated=False)}
+    assert (rows["redsrv"].user_share, rows["gloo"].user_share) == (pytest.approx(0.4), 0.0)
+    assert "  40%  " in report.format_table([rows["redsrv"]])
+    assert rows["redsrv"].as_dict()["user_share"] == pytest.approx(0.4)
+
+
+def test_cpu_meter_tells_user_space_from_the_kernel():
+    from redsrv.bench import harness
+
+    meter = harness.CpuMeter([])
+    meter.start()
+    deadline = time.process_time() + 0.3
+    while time.process_time() < deadline:  # the interpreter: user time (the clock itself is a system call)
+        sum(range(100_000))
+    meter.stop()
+    spun = meter.fields()
+    assert spun["cpu_s"] >= 0.25 and spun["cpu_user_s"] >= 0.8 * spun["cpu_s"], spun
+    meter = harness.CpuMeter([])
+    meter.start()
+    deadline = time.process_time() + 0.3
+    with open("/dev/zero", "rb", buffering=0) as zero:
+        while time.process_time() < deadline:  # the kernel's copies: system time
+            zero.read(1 << 20)
+    meter.stop()
+    copied = meter.fields()
+    assert copied["cpu_s"] >= 0.25 and copied["cpu_user_s"] <= 0.5 * copied["cpu_s"], copied
 
 
 def test_plot_writes_a_png(tmp_path):
