@@ -79,7 +79,7 @@ def expected_result(nbytes: int, rank: int, n: int, op: str, wire_dtype: str | N
     >>> x.tolist(), want.tolist()
     ([1.0, 4.0, 3.0, 2.0], [0.5, 3.5, 2.5, 1.5])
     """
-    from redsrv.bench.harness import exact_data  # harness imports this module (cpu_seconds)
+    from redsrv.bench.harness import exact_data  # harness imports this module (cpu_times)
 
     x, total = exact_data(np.dtype(np.float32), nbytes, rank, n)
     if op == "sum":
