@@ -111,13 +111,19 @@ class _Conn:
         self.peer = peer_name(sock)
         self.label = label
         self.joined = False
-        self.reader = FrameReader(sock, max_payload=daemon.settings.max_frame_payload, now=now,
-                                  data_frame=wire.FrameType.PUSH, sender="a worker after the handshake",
-                                  on_header=functools.partial(daemon._begin_push, self),
-                                  on_payload=functools.partial(daemon._on_payload, self),
-                                  on_error=functools.partial(daemon._on_error, self),
-                                  on_count=functools.partial(daemon._on_count, self),
-                                  parser=daemon.kernels.frames)
+        on_header = functools.partial(daemon._begin_push, self)
+        on_payload = functools.partial(daemon._on_payload, self)
+        on_count = functools.partial(daemon._on_count, self)
+        max_payload = daemon.settings.max_frame_payload
+        # On the native plane pushes, ACKs and heartbeats are read in C (native/pushes.c), which
+        # asks these same callbacks; every other frame goes to the decoder.
+        receiver = daemon.kernels.push_receiver
+        fast = None if receiver is None else receiver(sock.fileno(), max_payload, C.MAX_RECEIVE_LOWAT_BYTES, on_header,
+                                                      on_payload, on_count, WAIT, SKIP)
+        self.reader = FrameReader(sock, max_payload=max_payload, now=now, data_frame=wire.FrameType.PUSH,
+                                  sender="a worker after the handshake", on_header=on_header, on_payload=on_payload,
+                                  on_error=functools.partial(daemon._on_error, self), on_count=on_count,
+                                  parser=daemon.kernels.frames, fast=fast)
         self.writer = FrameWriter(sock, now)
         self.ticket: PushTicket | None = None
         self.skip_left = 0  # bytes of the current push still to read and drop (resent, or nobody's any more)

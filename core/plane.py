@@ -11,8 +11,9 @@ Each plane also brings the frame parser its connections' decoders run on every f
 (:attr:`Kernels.frames`): ``wire.parse_prefix`` and ``wire.parse_header``, or their C twins in
 ``native/frames.c`` (``tests/unit/test_wire_fuzz.py`` feeds both the same byte streams). The
 native plane adds the client's result receiver (:attr:`Kernels.result_receiver`,
-``native/receiver.c``), which lands steady RESULT frames and hands every other frame to that
-decoder.
+``native/receiver.c``), which lands steady RESULT frames, and the reducer's push receiver
+(:attr:`Kernels.push_receiver`, ``native/pushes.c``), which reads PUSH, ACK and heartbeat
+frames; both hand every other frame to that decoder.
 
 ``auto`` (the default) takes the native plane where it was built and the reference otherwise;
 ``native`` insists on it. Which plane a process runs is in ``redsrv plan``'s and the
@@ -83,6 +84,10 @@ class Kernels:
     #: RESULT frames without the interpreter; ``None``: every frame goes through the decoder.
     result_slot: Any = None
     result_receiver: Any = None
+    #: ``PushReceiver`` of ``native/pushes.c``, which reads a reducer connection's PUSH, ACK and
+    #: heartbeat frames and asks the daemon's callbacks as ``transport.FrameReader`` does;
+    #: ``None``: the decoder reads every frame.
+    push_receiver: Any = None
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         """``acc = op(acc, piece)`` element-wise; ``piece`` in ``acc``'s dtype or, for a float32
@@ -127,6 +132,7 @@ class NativeKernels(PythonKernels):
         self._plane = _native
         self.frames = FrameParser(_native.parse_prefix, _native.parse_header)
         self.result_slot, self.result_receiver = _native.ResultSlot, _native.ResultReceiver
+        self.push_receiver = _native.PushReceiver
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         acc_code, piece_code = _CODES.get(acc.dtype), _CODES.get(piece.dtype)

@@ -139,7 +139,7 @@ _DONTWAIT = int(socket.MSG_DONTWAIT)
 
 
 class ReceiverOutcome:
-    """What the native result receiver's ``receive`` returns (``redsrv.core._plane.RECEIVE_*``;
+    """What the native receivers' ``receive`` returns (``redsrv.core._plane.RECEIVE_*``;
     ``tests/unit/test_receiver.py`` checks they agree)."""
 
     DRAINED, LIMIT, HANDOFF, CLOSED, FAILED = range(5)
@@ -176,10 +176,16 @@ class FrameReader:
     Between frames the decoder reads ahead (``wire.READ_AHEAD_BYTES``): a result's prefix, header,
     bitmap and the first bytes of its data, or several small frames, in one ``recv``. Bytes read
     ahead are decoded before ``read`` returns, since no poll would report them again.
+
+    On the native plane a receiver in C (``fast``) reads first whenever the decoder is between
+    frames: the client's ``ResultReceiver`` (``native/receiver.c``), which lands the results it
+    recognises and tells ``on_fast``, or the reducer's ``PushReceiver`` (``native/pushes.c``),
+    which reads pushes, ACKs and heartbeats and asks this reader's callbacks itself. Either hands
+    any other frame, with the bytes it read ahead, to the decoder.
     """
 
     __slots__ = ("sock", "peer", "decoder", "sender", "on_header", "on_payload", "on_error", "on_count", "lowat",
-                 "max_lowat", "last_recv", "stopped", "_waiting", "_lowat_after_frame", "fast", "on_fast")
+                 "_max_lowat", "last_recv", "_stopped", "_waiting", "_lowat_after_frame", "fast", "on_fast", "_fast_views")
 
     def __init__(self, sock: socket.socket, *, max_payload: int, now: float, data_frame: wire.FrameType, sender: str,
                  on_header: Callable[[wire.FrameHeader], HeaderStep],
@@ -198,14 +204,39 @@ class FrameReader:
         self.sender = sender
         self.on_header, self.on_payload, self.on_error, self.on_count = on_header, on_payload, on_error, on_count
         self.lowat = 1
-        self.max_lowat = MAX_RECEIVE_LOWAT_BYTES  # the owner may lower it
+        # The native plane's receiver (native/receiver.c or native/pushes.c), which reads the frames
+        # it recognises and hands every other one to the decoder; ``on_fast`` takes what it landed.
+        self.fast, self.on_fast = fast, on_fast
+        # The push receiver lands payloads in this reader's owner's views, as the decoder does.
+        self._fast_views = fast is not None and hasattr(fast, "landed")
+        self._max_lowat = MAX_RECEIVE_LOWAT_BYTES
         self.last_recv = now  # the last time any byte arrived: the owner's frozen-peer clock
-        self.stopped = False  # set by the owner when it closes the connection from a callback
+        self._stopped = False
         self._waiting = False
         self._lowat_after_frame = 1  # what expect_at_least asked for while a frame was ending
-        # The native plane's result receiver (native/receiver.c), which lands the frames it
-        # recognises and hands every other one to the decoder; ``on_fast`` takes what it landed.
-        self.fast, self.on_fast = fast, on_fast
+
+    @property
+    def stopped(self) -> bool:
+        """Set by the owner when it closes the connection from a callback: nothing more is read."""
+        return self._stopped
+
+    @stopped.setter
+    def stopped(self, value: bool) -> None:
+        self._stopped = value
+        if value and self._fast_views:
+            self.fast.stop()  # it may be inside one of this reader's callbacks
+
+    @property
+    def max_lowat(self) -> int:
+        """The largest low-water mark set while a payload lands (4 MiB unless the owner lowers
+        it to the part of a payload it acts on)."""
+        return self._max_lowat
+
+    @max_lowat.setter
+    def max_lowat(self, nbytes: int) -> None:
+        self._max_lowat = nbytes
+        if self._fast_views:
+            self.fast.max_lowat = nbytes
 
     @property
     def what(self) -> str:
@@ -265,8 +296,8 @@ class FrameReader:
         if fast.received:
             self.last_recv = now
         self.lowat = fast.lowat
-        assert self.on_fast is not None
-        self.on_fast()  # before the decoder's frame: a SAFE or a chunk the receiver landed came first
+        if self.on_fast is not None:
+            self.on_fast()  # before the decoder's frame: a SAFE or a chunk the receiver landed came first
         if outcome == ReceiverOutcome.HANDOFF:
             self.decoder.hold(fast.take_held())
             return not self.stopped
@@ -349,6 +380,8 @@ class FrameReader:
     @property
     def payload_received(self) -> int:
         """Bytes of the current data frame's payload target received so far (0 between payloads)."""
+        if self._fast_views and self.fast.busy:
+            return int(self.fast.landed)
         return self.decoder.landed
 
     def _set_lowat(self, nbytes: int) -> None:

@@ -207,32 +207,17 @@ static int check_header(int code, const uint64_t *f, uint64_t payload_len) {
     return 0;
 }
 
-/* parse_header(frame_type, header, payload_len) -> FrameHeader */
-static PyObject *frames_parse_header(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "parse_header() takes 3 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    /* The type and length come from parse_prefix; anything else is the caller's mistake. */
-    long code = PyLong_AsLong(args[0]);
-    if (code == -1 && PyErr_Occurred()) return NULL;
-    if (code < 0 || code > 255 || kinds[code].member == NULL) {
-        PyErr_Format(PyExc_ValueError, "parse_header() of frame type %ld, which does not exist", code);
-        return NULL;
-    }
-    unsigned long long payload_len = PyLong_AsUnsignedLongLong(args[2]);
-    if (payload_len == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+/* The FrameHeader of a frame of type `code` whose header (of that type's size) is at `p`, or NULL
+ * with the rules' RemoteProtocolError (or an allocation failure) set. */
+static PyObject *build_header(int code, const unsigned char *p, uint64_t payload_len) {
     const frame_kind *kind = &kinds[code];
-    Py_buffer view;
-    if (take(args[1], &view, kind->size) < 0) return NULL;
     uint64_t ints[MAX_FIELDS];
     const unsigned char *strings[MAX_FIELDS];
     int lengths[MAX_FIELDS];
-    int n = read_fields(kind, view.buf, ints, strings, lengths);
+    int n = read_fields(kind, p, ints, strings, lengths);
     PyObject *fields = NULL, *header = NULL;
-    if (check_header((int)code, ints, payload_len) < 0) goto done;
-    if ((fields = PyTuple_New(n)) == NULL) goto done;
+    if (check_header(code, ints, payload_len) < 0) return NULL;
+    if ((fields = PyTuple_New(n)) == NULL) return NULL;
     for (int i = 0; i < n; i++) {
         PyObject *item = strings[i] != NULL ? PyBytes_FromStringAndSize((const char *)strings[i], lengths[i])
                                             : PyLong_FromUnsignedLongLong(ints[i]);
@@ -256,6 +241,42 @@ static PyObject *frames_parse_header(PyObject *self, PyObject *const *args, Py_s
     if (failed) Py_CLEAR(header);
 done:
     Py_XDECREF(fields);
+    return header;
+}
+
+PyObject *frames_header(int code, const unsigned char *header, uint64_t payload_len) {
+    if (code < 0 || code > 255 || kinds[code].member == NULL) {
+        PyErr_Format(PyExc_ValueError, "frames_header() of frame type %d, which does not exist", code);
+        return NULL;
+    }
+    return build_header(code, header, payload_len);
+}
+
+Py_ssize_t frames_header_size(int code) {
+    return code < 0 || code > 255 || kinds[code].member == NULL ? -1 : kinds[code].size;
+}
+
+int frames_is_protocol_error(void) { return PyErr_ExceptionMatches(protocol_error); }
+
+/* parse_header(frame_type, header, payload_len) -> FrameHeader */
+static PyObject *frames_parse_header(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "parse_header() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    /* The type and length come from parse_prefix; anything else is the caller's mistake. */
+    long code = PyLong_AsLong(args[0]);
+    if (code == -1 && PyErr_Occurred()) return NULL;
+    if (code < 0 || code > 255 || kinds[code].member == NULL) {
+        PyErr_Format(PyExc_ValueError, "parse_header() of frame type %ld, which does not exist", code);
+        return NULL;
+    }
+    unsigned long long payload_len = PyLong_AsUnsignedLongLong(args[2]);
+    if (payload_len == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (take(args[1], &view, kinds[code].size) < 0) return NULL;
+    PyObject *header = build_header((int)code, view.buf, payload_len);
     PyBuffer_Release(&view);
     return header;
 }

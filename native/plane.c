@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "frames.h"
+#include "pushes.h"
 #include "receiver.h"
 
 /* core/wire.py DType */
@@ -316,13 +317,15 @@ static PyMethodDef plane_methods[] = {
 
 static struct PyModuleDef plane_module = {
     PyModuleDef_HEAD_INIT, "_plane",
-    "redsrv's compiled data plane (core/plane.py is the interface), frame parser (native/frames.c) and result "
-    "receiver (native/receiver.c).", -1,
+    "redsrv's compiled data plane (core/plane.py is the interface), frame parser (native/frames.c), result "
+    "receiver (native/receiver.c) and push receiver (native/pushes.c).", -1,
     plane_methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__plane(void) {
     PyObject *module = PyModule_Create(&plane_module);
-    if (module != NULL && (frames_init(module) < 0 || receiver_init_module(module) < 0)) Py_CLEAR(module);
+    if (module != NULL
+        && (frames_init(module) < 0 || receiver_init_module(module) < 0 || pushes_init_module(module) < 0))
+        Py_CLEAR(module);
     return module;
 }
