@@ -210,11 +210,15 @@ static int hold_at_least(PushReceiver *self, Py_ssize_t need) {
             self->end -= self->at;
             self->at = 0;
         }
-        Py_ssize_t got = receive_into(self, self->ahead + self->end, (size_t)(read_ahead_bytes - self->end));
+        Py_ssize_t room = read_ahead_bytes - self->end;
+        Py_ssize_t got = receive_into(self, self->ahead + self->end, (size_t)room);
         if (got == -1) return 0;
         if (got == -2) return FAILED;
         if (got == 0) return CLOSED;
         self->end += got;
+        /* A short read drained the socket: the poll wakes the loop for the rest, so another
+         * recv now would only return EAGAIN (FrameReader.read's `drained`). */
+        if (got < room && self->end - self->at < need) return 0;
     }
     return 1;
 }
@@ -417,6 +421,11 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
                     break;
                 }
                 self->view_got += (uint64_t)got;
+                if ((uint64_t)got < want) { /* drained: wait for the rest, as after EAGAIN */
+                    want -= (uint64_t)got;
+                    outcome = (uint64_t)self->view.len >= LOWAT_FROM && set_lowat(self, want) < 0 ? FAILED : DRAINED;
+                    break;
+                }
                 continue;
             }
             self->payload_left -= (uint64_t)self->view.len;
@@ -481,6 +490,7 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
                     break;
                 }
                 self->payload_left -= (uint64_t)got;
+                if ((size_t)got < want && self->payload_left) break; /* drained */
                 continue;
             }
             frames++;
@@ -499,9 +509,9 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
         self->ahead = NULL;
         self->at = self->end = 0;
     }
-    Py_DECREF(self);
-    if (failed) return NULL;
-    return PyLong_FromLong(self->stopped && outcome != CLOSED && outcome != FAILED ? DRAINED : outcome);
+    if (self->stopped && outcome != CLOSED && outcome != FAILED) outcome = DRAINED;
+    Py_DECREF(self); /* last: a callback may have dropped every other reference */
+    return failed ? NULL : PyLong_FromLong(outcome);
 }
 
 static PyObject *pr_take_held(PushReceiver *self, PyObject *unused) {

@@ -328,11 +328,15 @@ static int hold_at_least(ResultReceiver *self, Py_ssize_t need) {
             self->end -= self->at;
             self->at = 0;
         }
-        Py_ssize_t got = receive_into(self, self->ahead + self->end, (size_t)(read_ahead_bytes - self->end));
+        Py_ssize_t room = read_ahead_bytes - self->end;
+        Py_ssize_t got = receive_into(self, self->ahead + self->end, (size_t)room);
         if (got == -1) return 0;
         if (got == -2) return FAILED;
         if (got == 0) return CLOSED;
         self->end += got;
+        /* A short read drained the socket: the poll wakes the loop for the rest, so another
+         * recv now would only return EAGAIN (FrameReader.read's `drained`). */
+        if (got < room && self->end - self->at < need) return 0;
     }
     return 1;
 }
@@ -523,6 +527,13 @@ static PyObject *receiver_receive(ResultReceiver *self, PyObject *arg) {
                 }
                 self->piece_at += (uint64_t)got;
                 self->piece_left -= (uint64_t)got;
+                if (self->piece_left) { /* a short read drained the socket: wait for the rest, as after EAGAIN */
+                    if (self->piece_count * self->slot->itemsize >= LOWAT_FROM && set_lowat(self, self->piece_left) < 0)
+                        outcome = FAILED;
+                    else
+                        outcome = DRAINED;
+                    break;
+                }
                 continue;
             }
             int ended = end_piece(self);
