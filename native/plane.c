@@ -21,6 +21,7 @@
 #include "frames.h"
 #include "pushes.h"
 #include "receiver.h"
+#include "stream.h"
 
 /* core/wire.py DType */
 enum { K_F32 = 1, K_F64 = 2, K_F16 = 3, K_BF16 = 4, K_I32 = 5, K_I64 = 6, K_I8 = 7, K_U8 = 8, K_BOOL = 9 };
@@ -325,7 +326,8 @@ static struct PyModuleDef plane_module = {
 PyMODINIT_FUNC PyInit__plane(void) {
     PyObject *module = PyModule_Create(&plane_module);
     if (module != NULL
-        && (frames_init(module) < 0 || receiver_init_module(module) < 0 || pushes_init_module(module) < 0))
+        && (frames_init(module) < 0 || stream_init_module(module) < 0 || receiver_init_module(module) < 0
+            || pushes_init_module(module) < 0))
         Py_CLEAR(module);
     return module;
 }

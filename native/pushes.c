@@ -38,45 +38,31 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include <errno.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/types.h>
 
 #include "frames.h"
 #include "pushes.h"
+#include "stream.h"
 
-#define PREFIX_SIZE 12
-#define LOWAT_FROM (64 * 1024)
+#define PREFIX_SIZE STREAM_PREFIX_SIZE
+#define LOWAT_FROM STREAM_LOWAT_FROM
 #define DISCARD_BYTES (64 * 1024)
-
-/* receive() outcomes: receiver.c's RECEIVE_* values */
-enum { DRAINED = 0, LIMIT = 1, HANDOFF = 2, CLOSED = 3, FAILED = 4 };
 /* where the receiver is in the stream */
 enum { AT_FRAME = 0, ASK_HEADER = 1, IN_VIEW = 2, ASK_PAYLOAD = 3, DISCARDING = 4 };
 
-static unsigned char magic[4];
-static unsigned protocol_version, k_push, k_ack, k_heartbeat;
-static Py_ssize_t push_header_size, ack_header_size, read_ahead_bytes;
+static unsigned k_push, k_ack, k_heartbeat;
+static Py_ssize_t push_header_size, ack_header_size;
 static PyObject *ack_member; /* wire.FrameType.ACK, what on_count is told */
 static unsigned char discard_scratch[DISCARD_BYTES];
 
-static uint64_t read_le(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = n - 1; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
-
 typedef struct {
     PyObject_HEAD
-    int fd;
+    stream_in in;            /* the socket, what was read ahead, the low-water mark (max_lowat: the
+                              * owner lowers it to its cut-through piece) */
     uint64_t max_payload;
-    uint64_t max_lowat;      /* FrameReader.max_lowat: the owner lowers it to its cut-through piece */
     PyObject *on_header, *on_payload, *on_count;
     PyObject *wait, *skip;   /* the owner's WAIT and SKIP answers (transport.WAIT, transport.SKIP) */
-    unsigned char *ahead;    /* bytes read ahead: [at, end) not yet consumed */
-    Py_ssize_t at, end;
     int stage;
     PyObject *header;        /* the current push's FrameHeader */
     uint64_t payload_left;   /* of the current push: bytes not yet landed in a view or dropped */
@@ -85,9 +71,6 @@ typedef struct {
     PyObject *what;          /* what the owner calls that view */
     uint64_t ack;            /* the largest ACK count read and not yet told */
     int has_ack;
-    int lowat;               /* SO_RCVLOWAT as last set */
-    int received;            /* a byte arrived during the last receive() */
-    int error;               /* errno of a FAILED receive() */
     int stopped;             /* the owner closed the connection */
     int running;             /* inside receive(): release() frees nothing */
     int released;
@@ -114,15 +97,8 @@ static int pr_init(PushReceiver *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "PushReceiver: on_header, on_payload and on_count must be callable");
         return -1;
     }
-    self->ahead = PyMem_Malloc((size_t)read_ahead_bytes);
-    if (self->ahead == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    self->fd = fd;
+    if (stream_open(&self->in, fd, stream_read_ahead, max_lowat) < 0) return -1;
     self->max_payload = max_payload;
-    self->max_lowat = max_lowat;
-    self->lowat = 1;
     self->on_header = Py_NewRef(on_header);
     self->on_payload = Py_NewRef(on_payload);
     self->on_count = Py_NewRef(on_count);
@@ -165,74 +141,15 @@ static int pr_clear(PushReceiver *self) {
 static void pr_dealloc(PushReceiver *self) {
     PyObject_GC_UnTrack(self);
     pr_clear(self);
-    PyMem_Free(self->ahead);
+    stream_close(&self->in);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* recv() without the GIL: > 0 bytes, 0 end of stream, -1 nothing there, -2 an error (self->error). */
-static Py_ssize_t receive_into(PushReceiver *self, void *into, size_t want) {
-    ssize_t got;
-    int err = 0;
-    do {
-        Py_BEGIN_ALLOW_THREADS
-        got = recv(self->fd, into, want, MSG_DONTWAIT);
-        err = errno;
-        Py_END_ALLOW_THREADS
-    } while (got < 0 && err == EINTR);
-    if (got < 0) {
-        if (err == EAGAIN || err == EWOULDBLOCK) return -1;
-        self->error = err;
-        return -2;
-    }
-    if (got > 0) self->received = 1;
-    return (Py_ssize_t)got;
-}
-
-static int set_lowat(PushReceiver *self, uint64_t nbytes) {
-    int value = nbytes > self->max_lowat ? (int)self->max_lowat : (int)nbytes;
-    if (value < 1) value = 1;
-    if (value != self->lowat) {
-        if (setsockopt(self->fd, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof value) < 0) {
-            self->error = errno;
-            return -1;
-        }
-        self->lowat = value;
-    }
-    return 0;
-}
-
-/* Read ahead until `need` bytes of the frame's start are held: 1, 0 (the socket is drained), or
- * a receive outcome (CLOSED, FAILED). */
-static int hold_at_least(PushReceiver *self, Py_ssize_t need) {
-    while (self->end - self->at < need) {
-        if (self->at) { /* keep the frame's start at the front: the buffer's room is for what follows */
-            memmove(self->ahead, self->ahead + self->at, (size_t)(self->end - self->at));
-            self->end -= self->at;
-            self->at = 0;
-        }
-        Py_ssize_t room = read_ahead_bytes - self->end;
-        Py_ssize_t got = receive_into(self, self->ahead + self->end, (size_t)room);
-        if (got == -1) return 0;
-        if (got == -2) return FAILED;
-        if (got == 0) return CLOSED;
-        self->end += got;
-        /* A short read drained the socket: the poll wakes the loop for the rest, so another
-         * recv now would only return EAGAIN (FrameReader.read's `drained`). */
-        if (got < room && self->end - self->at < need) return 0;
-    }
-    return 1;
-}
-
-static void consume(PushReceiver *self, Py_ssize_t n) {
-    self->at += n;
-    if (self->at == self->end) self->at = self->end = 0;
-}
-
-/* The header size of the frame whose prefix is held when it may be one of ours (PUSH, ACK,
+/* The header size of the frame whose prefix is `p` when it may be one of ours (PUSH, ACK,
  * HEARTBEAT as the rules allow them), else -1: the reference decides. */
-static Py_ssize_t our_header_size(const PushReceiver *self) {
-    const unsigned char *p = self->ahead + self->at;
-    if (memcmp(p, magic, 4) != 0 || p[4] != protocol_version) return -1;
+static Py_ssize_t our_header_size(const unsigned char *p, const void *receiver) {
+    const PushReceiver *self = receiver;
+    if (!stream_prefix_is_ours(p)) return -1;
     unsigned code = p[5];
     uint64_t header_len = read_le(p + 6, 2), payload_len = read_le(p + 8, 4);
     if (payload_len > self->max_payload) return -1;
@@ -292,13 +209,13 @@ static int end_push(PushReceiver *self) {
     Py_CLEAR(self->what);
     self->stage = AT_FRAME;
     /* A small header must wake the loop again (FrameReader._frame_over). */
-    return set_lowat(self, 1);
+    return stream_set_lowat(&self->in, 1);
 }
 
 static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
     long max_frames = PyLong_AsLong(arg);
     if (max_frames == -1 && PyErr_Occurred()) return NULL;
-    if (self->released || self->ahead == NULL) {
+    if (self->released || self->in.ahead == NULL) {
         PyErr_SetString(PyExc_ValueError, "receive() on a released PushReceiver");
         return NULL;
     }
@@ -308,31 +225,22 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
     }
     Py_INCREF(self); /* a callback may drop the owner's last reference */
     self->running = 1;
-    self->received = 0;
+    self->in.received = 0;
     long frames = 0;
     int outcome = DRAINED, failed = 0;
     while (!self->stopped) {
         if (self->stage == AT_FRAME) {
-            if (frames >= max_frames && self->at == self->end) {
+            if (frames >= max_frames && self->in.at == self->in.end) {
                 outcome = LIMIT;
                 break;
             }
-            int held = hold_at_least(self, PREFIX_SIZE);
+            Py_ssize_t header_size;
+            int held = stream_hold_frame(&self->in, our_header_size, self, &header_size);
             if (held != 1) {
-                outcome = held == 0 ? DRAINED : held;
+                outcome = held;
                 break;
             }
-            Py_ssize_t header_size = our_header_size(self);
-            if (header_size < 0) {
-                outcome = HANDOFF;
-                break;
-            }
-            held = hold_at_least(self, PREFIX_SIZE + header_size);
-            if (held != 1) {
-                outcome = held == 0 ? DRAINED : held;
-                break;
-            }
-            const unsigned char *p = self->ahead + self->at;
+            const unsigned char *p = self->in.ahead + self->in.at;
             unsigned code = p[5];
             if (code == k_ack) {
                 uint64_t count = read_le(p + PREFIX_SIZE, 8);
@@ -340,9 +248,9 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
                 self->has_ack = 1;
             }
             if (code != k_push) { /* an ACK or a heartbeat, whole */
-                consume(self, PREFIX_SIZE + header_size);
+                stream_consume(&self->in, PREFIX_SIZE + header_size);
                 frames++;
-                if (set_lowat(self, 1) < 0) {
+                if (stream_set_lowat(&self->in, 1) < 0) {
                     outcome = FAILED;
                     break;
                 }
@@ -361,7 +269,7 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
             }
             Py_XSETREF(self->header, header);
             self->payload_left = payload_len;
-            consume(self, PREFIX_SIZE + header_size);
+            stream_consume(&self->in, PREFIX_SIZE + header_size);
             self->stage = ASK_HEADER;
         }
         if (self->stage == ASK_HEADER) {
@@ -394,39 +302,16 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
             }
         }
         if (self->stage == IN_VIEW) {
-            uint64_t want = (uint64_t)self->view.len - self->view_got;
-            unsigned char *into = (unsigned char *)self->view.buf + self->view_got;
-            Py_ssize_t have = self->end - self->at;
-            if (have > 0 && want) {
-                uint64_t n = (uint64_t)have < want ? (uint64_t)have : want;
-                memcpy(into, self->ahead + self->at, (size_t)n);
-                consume(self, (Py_ssize_t)n);
-                self->view_got += n;
-                want -= n;
-                into += n;
-            }
-            if (want) {
-                Py_ssize_t got = receive_into(self, into, (size_t)want);
-                if (got == -1) {
-                    /* One wake-up for the rest of a large view (FrameReader.read's low-water mark). */
-                    outcome = (uint64_t)self->view.len >= LOWAT_FROM && set_lowat(self, want) < 0 ? FAILED : DRAINED;
-                    break;
-                }
-                if (got < 0) {
-                    outcome = FAILED;
-                    break;
-                }
-                if (got == 0) {
-                    outcome = CLOSED;
-                    break;
-                }
-                self->view_got += (uint64_t)got;
-                if ((uint64_t)got < want) { /* drained: wait for the rest, as after EAGAIN */
-                    want -= (uint64_t)got;
-                    outcome = (uint64_t)self->view.len >= LOWAT_FROM && set_lowat(self, want) < 0 ? FAILED : DRAINED;
-                    break;
-                }
-                continue;
+            uint64_t moved, want = (uint64_t)self->view.len - self->view_got;
+            int status = stream_take(&self->in, (unsigned char *)self->view.buf + self->view_got, want, &moved);
+            self->view_got += moved;
+            if (status != 1) {
+                /* One wake-up for the rest of a large view (FrameReader.read's low-water mark). */
+                if (status == DRAINED && (uint64_t)self->view.len >= LOWAT_FROM
+                    && stream_set_lowat(&self->in, want - moved) < 0)
+                    status = FAILED;
+                outcome = status;
+                break;
             }
             self->payload_left -= (uint64_t)self->view.len;
             drop_view(self);
@@ -471,26 +356,14 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
             continue;
         }
         if (self->stage == DISCARDING) {
-            Py_ssize_t have = self->end - self->at;
-            if (have > 0 && self->payload_left) {
-                uint64_t n = (uint64_t)have < self->payload_left ? (uint64_t)have : self->payload_left;
-                consume(self, (Py_ssize_t)n);
-                self->payload_left -= n;
-            }
             if (self->payload_left) {
-                size_t want = self->payload_left < DISCARD_BYTES ? (size_t)self->payload_left : DISCARD_BYTES;
-                Py_ssize_t got = receive_into(self, discard_scratch, want);
-                if (got == -1) break;
-                if (got < 0) {
-                    outcome = FAILED;
+                uint64_t moved, want = self->payload_left < DISCARD_BYTES ? self->payload_left : DISCARD_BYTES;
+                int status = stream_take(&self->in, discard_scratch, want, &moved);
+                self->payload_left -= moved;
+                if (status != 1) {
+                    outcome = status;
                     break;
                 }
-                if (got == 0) {
-                    outcome = CLOSED;
-                    break;
-                }
-                self->payload_left -= (uint64_t)got;
-                if ((size_t)got < want && self->payload_left) break; /* drained */
                 continue;
             }
             frames++;
@@ -505,9 +378,7 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
     self->running = 0;
     if (self->released) {
         drop_view(self);
-        PyMem_Free(self->ahead);
-        self->ahead = NULL;
-        self->at = self->end = 0;
+        stream_close(&self->in);
     }
     if (self->stopped && outcome != CLOSED && outcome != FAILED) outcome = DRAINED;
     Py_DECREF(self); /* last: a callback may have dropped every other reference */
@@ -519,8 +390,8 @@ static PyObject *pr_take_held(PushReceiver *self, PyObject *unused) {
         PyErr_SetString(PyExc_ValueError, "take_held() in the middle of a frame");
         return NULL;
     }
-    PyObject *held = PyBytes_FromStringAndSize((const char *)self->ahead + self->at, self->end - self->at);
-    if (held != NULL) self->at = self->end = 0;
+    PyObject *held = PyBytes_FromStringAndSize((const char *)self->in.ahead + self->in.at, self->in.end - self->in.at);
+    if (held != NULL) self->in.at = self->in.end = 0;
     return held;
 }
 
@@ -541,16 +412,14 @@ static PyObject *pr_release(PushReceiver *self, PyObject *unused) {
     Py_CLEAR(self->on_count);
     if (!self->running) { /* else receive() frees them as it returns */
         drop_view(self);
-        PyMem_Free(self->ahead);
-        self->ahead = NULL;
-        self->at = self->end = 0;
+        stream_close(&self->in);
     }
     self->stage = AT_FRAME;
     Py_RETURN_NONE;
 }
 
 static PyObject *pr_get_busy(PushReceiver *self, void *closure) {
-    return PyBool_FromLong(self->stage != AT_FRAME || self->end > self->at);
+    return PyBool_FromLong(self->stage != AT_FRAME || self->in.end > self->in.at);
 }
 
 static PyObject *pr_get_landed(PushReceiver *self, void *closure) {
@@ -562,8 +431,8 @@ static PyObject *pr_get_what(PushReceiver *self, void *closure) {
     if ((self->stage == IN_VIEW || self->stage == ASK_PAYLOAD) && self->what != NULL) return Py_NewRef(self->what);
     if (self->stage == DISCARDING) return PyUnicode_FromString("a discarded payload");
     if (self->stage == ASK_HEADER) return PyUnicode_FromString("a PUSH header");
-    if (self->end - self->at >= PREFIX_SIZE) {
-        unsigned code = self->ahead[self->at + 5];
+    if (self->in.end - self->in.at >= PREFIX_SIZE) {
+        unsigned code = self->in.ahead[self->in.at + 5];
         if (code == k_push) return PyUnicode_FromString("a PUSH header");
         if (code == k_ack) return PyUnicode_FromString("a ACK header");
     }
@@ -571,7 +440,7 @@ static PyObject *pr_get_what(PushReceiver *self, void *closure) {
 }
 
 static PyObject *pr_get_max_lowat(PushReceiver *self, void *closure) {
-    return PyLong_FromUnsignedLongLong(self->max_lowat);
+    return PyLong_FromUnsignedLongLong(self->in.max_lowat);
 }
 
 static int pr_set_max_lowat(PushReceiver *self, PyObject *value, void *closure) {
@@ -581,7 +450,7 @@ static int pr_set_max_lowat(PushReceiver *self, PyObject *value, void *closure) 
         PyErr_SetString(PyExc_ValueError, "max_lowat: 1 <= max_lowat < 2**31");
         return -1;
     }
-    self->max_lowat = v;
+    self->in.max_lowat = v;
     return 0;
 }
 
@@ -599,9 +468,9 @@ static PyMethodDef pr_methods[] = {
 };
 
 static PyMemberDef pr_members[] = {
-    {"lowat", T_INT, offsetof(PushReceiver, lowat), READONLY, "SO_RCVLOWAT as last set"},
-    {"received", T_INT, offsetof(PushReceiver, received), READONLY, "a byte arrived in the last receive()"},
-    {"error", T_INT, offsetof(PushReceiver, error), READONLY, "errno of the last RECEIVE_FAILED"},
+    {"lowat", T_INT, offsetof(PushReceiver, in.lowat), READONLY, "SO_RCVLOWAT as last set"},
+    {"received", T_INT, offsetof(PushReceiver, in.received), READONLY, "a byte arrived in the last receive()"},
+    {"error", T_INT, offsetof(PushReceiver, in.error), READONLY, "errno of the last RECEIVE_FAILED"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -633,63 +502,21 @@ static PyTypeObject PushReceiverType = {
 
 /* --- module ---------------------------------------------------------------------------------- */
 
-static PyObject *frame_type(PyObject *wire, const char *name) {
-    PyObject *types = PyObject_GetAttrString(wire, "FrameType");
-    PyObject *member = types ? PyObject_GetAttrString(types, name) : NULL;
-    Py_XDECREF(types);
-    return member;
-}
-
-/* wire._HEADER_STRUCTS[FrameType.<name>].format is `format`: the positions this file reads. */
-static int format_is(PyObject *wire, const char *name, const char *format) {
-    PyObject *structs = PyObject_GetAttrString(wire, "_HEADER_STRUCTS");
-    PyObject *member = frame_type(wire, name);
-    PyObject *packer = structs && member && PyDict_Check(structs) ? PyDict_GetItemWithError(structs, member) : NULL;
-    PyObject *got = packer ? PyObject_GetAttrString(packer, "format") : NULL;
-    int same = got != NULL && PyUnicode_Check(got) && PyUnicode_CompareWithASCIIString(got, format) == 0;
-    Py_XDECREF(structs);
-    Py_XDECREF(member);
-    Py_XDECREF(got);
-    return same;
-}
-
-static int code_of(PyObject *wire, const char *name, unsigned *out) {
-    PyObject *member = frame_type(wire, name);
-    PyObject *value = member ? PyObject_GetAttrString(member, "value") : NULL;
-    long v = value ? PyLong_AsLong(value) : -1;
-    Py_XDECREF(member);
-    Py_XDECREF(value);
-    if (v < 0 || v > 255) return -1;
-    *out = (unsigned)v;
-    return 0;
-}
-
 int pushes_init_module(PyObject *module) {
     PyObject *wire = PyImport_ImportModule("redsrv.core.wire");
-    PyObject *constants = PyImport_ImportModule("redsrv.core.constants");
-    PyObject *magic_obj = constants ? PyObject_GetAttrString(constants, "MAGIC") : NULL;
-    PyObject *version = constants ? PyObject_GetAttrString(constants, "PROTOCOL_VERSION") : NULL;
-    PyObject *ahead = wire ? PyObject_GetAttrString(wire, "READ_AHEAD_BYTES") : NULL;
+    PyObject *types = wire ? PyObject_GetAttrString(wire, "FrameType") : NULL;
     int status = -1;
-    if (magic_obj == NULL || version == NULL || ahead == NULL) goto done;
-    if (!PyBytes_Check(magic_obj) || PyBytes_GET_SIZE(magic_obj) != 4) goto changed;
-    memcpy(magic, PyBytes_AS_STRING(magic_obj), 4);
-    long v = PyLong_AsLong(version);
-    read_ahead_bytes = PyLong_AsSsize_t(ahead);
-    if (PyErr_Occurred()) goto done;
-    if (v < 0 || v > 255 || read_ahead_bytes < 256 || read_ahead_bytes > (1 << 20)) goto changed;
-    protocol_version = (unsigned)v;
-    if (code_of(wire, "PUSH", &k_push) < 0 || code_of(wire, "ACK", &k_ack) < 0
-        || code_of(wire, "HEARTBEAT", &k_heartbeat) < 0)
+    if (types == NULL) goto done;
+    if (stream_frame_code(wire, "PUSH", &k_push) < 0 || stream_frame_code(wire, "ACK", &k_ack) < 0
+        || stream_frame_code(wire, "HEARTBEAT", &k_heartbeat) < 0)
         goto changed;
     /* The sizes come from frames.c's tables (wire's struct formats); the ACK's count is read here. */
     push_header_size = frames_header_size((int)k_push);
     ack_header_size = frames_header_size((int)k_ack);
-    if (push_header_size <= 0 || PREFIX_SIZE + push_header_size > read_ahead_bytes || ack_header_size != 8
-        || frames_header_size((int)k_heartbeat) != 0 || !format_is(wire, "ACK", "<Q"))
+    if (push_header_size <= 0 || PREFIX_SIZE + push_header_size > stream_read_ahead || ack_header_size != 8
+        || frames_header_size((int)k_heartbeat) != 0 || !stream_header_format_is(wire, "ACK", "<Q"))
         goto changed;
-    ack_member = frame_type(wire, "ACK");
-    if (ack_member == NULL) goto done;
+    if ((ack_member = PyObject_GetAttrString(types, "ACK")) == NULL) goto done;
     if (PyType_Ready(&PushReceiverType) < 0) goto done;
     if (PyModule_AddObjectRef(module, "PushReceiver", (PyObject *)&PushReceiverType) < 0) goto done;
     status = 0;
@@ -700,9 +527,6 @@ changed:
 done:
     if (status < 0) frames_as_import_error("the push receiver");
     Py_XDECREF(wire);
-    Py_XDECREF(constants);
-    Py_XDECREF(magic_obj);
-    Py_XDECREF(version);
-    Py_XDECREF(ahead);
+    Py_XDECREF(types);
     return status;
 }

@@ -25,35 +25,23 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include <errno.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/socket.h>
-#include <sys/types.h>
 
 #include "frames.h"
 #include "receiver.h"
+#include "stream.h"
 
-#define PREFIX_SIZE 12
+#define PREFIX_SIZE STREAM_PREFIX_SIZE
 #define RESULT_HEADER_SIZE 32
 #define COUNT_HEADER_SIZE 8
-#define LOWAT_FROM (64 * 1024)
+#define LOWAT_FROM STREAM_LOWAT_FROM
 
-/* receive() outcomes (the module's RECEIVE_* constants) */
-enum { DRAINED = 0, LIMIT = 1, HANDOFF = 2, CLOSED = 3, FAILED = 4 };
 /* where the receiver is in the stream */
 enum { AT_FRAME = 0, IN_BITMAP = 1, IN_DATA = 2 };
 
-static unsigned char magic[4];
-static unsigned protocol_version, k_result, k_safe, k_heartbeat;
+static unsigned k_result, k_safe, k_heartbeat;
 static uint64_t max_bitmap_bytes;
-static Py_ssize_t read_ahead_bytes;
-
-static uint64_t read_le(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = n - 1; i >= 0; i--) v = v << 8 | p[i];
-    return v;
-}
 
 /* --- ResultSlot ------------------------------------------------------------------------------ */
 
@@ -210,13 +198,10 @@ static PyTypeObject ResultSlotType = {
 
 typedef struct {
     PyObject_HEAD
-    int fd;
+    stream_in in;            /* the socket, what was read ahead, the low-water mark */
     uint64_t max_payload;
-    uint64_t max_lowat;      /* the FrameReader's max_lowat */
     PyObject *slots;         /* dict: (key, chunk index) -> ResultSlot, the core's */
     PyObject *landed;        /* list of slots whose last piece landed, taken by take_landed() */
-    unsigned char *ahead;    /* bytes read ahead: [at, end) not yet consumed */
-    Py_ssize_t at, end;
     int stage;
     ResultSlot *slot;        /* the piece being landed (a strong reference) */
     uint64_t piece_at, piece_left;   /* bytes: where in the slot's dest, and how many to go */
@@ -228,9 +213,6 @@ typedef struct {
     unsigned long long landed_bytes; /* result data bytes landed since take_counts() */
     unsigned long long safe;         /* the last SAFE's count */
     int has_safe;
-    int lowat;               /* SO_RCVLOWAT as last set */
-    int received;            /* a byte arrived during the last receive() */
-    int error;               /* errno of a FAILED receive() */
 } ResultReceiver;
 
 static int receiver_init(ResultReceiver *self, PyObject *args, PyObject *kwds) {
@@ -249,17 +231,14 @@ static int receiver_init(ResultReceiver *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "ResultReceiver: a file descriptor and 1 <= max_lowat < 2**31");
         return -1;
     }
-    self->ahead = PyMem_Malloc((size_t)read_ahead_bytes);
+    if (stream_open(&self->in, fd, stream_read_ahead, max_lowat) < 0) return -1;
     self->bitmap = PyMem_Malloc(max_bitmap_bytes ? (size_t)max_bitmap_bytes : 1);
     self->landed = PyList_New(0);
-    if (self->ahead == NULL || self->bitmap == NULL || self->landed == NULL) {
+    if (self->bitmap == NULL || self->landed == NULL) {
         PyErr_NoMemory();
         return -1;
     }
-    self->fd = fd;
     self->max_payload = max_payload;
-    self->max_lowat = max_lowat;
-    self->lowat = 1;
     Py_INCREF(slots);
     self->slots = slots;
     return 0;
@@ -282,70 +261,16 @@ static int receiver_clear(ResultReceiver *self) {
 static void receiver_dealloc(ResultReceiver *self) {
     PyObject_GC_UnTrack(self);
     receiver_clear(self);
-    PyMem_Free(self->ahead);
+    stream_close(&self->in);
     PyMem_Free(self->bitmap);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* recv() without the GIL: > 0 bytes, 0 end of stream, -1 nothing there, -2 an error (self->error). */
-static Py_ssize_t receive_into(ResultReceiver *self, void *into, size_t want) {
-    ssize_t got;
-    int err = 0;
-    do {
-        Py_BEGIN_ALLOW_THREADS
-        got = recv(self->fd, into, want, MSG_DONTWAIT);
-        err = errno;
-        Py_END_ALLOW_THREADS
-    } while (got < 0 && err == EINTR);
-    if (got < 0) {
-        if (err == EAGAIN || err == EWOULDBLOCK) return -1;
-        self->error = err;
-        return -2;
-    }
-    if (got > 0) self->received = 1;
-    return (Py_ssize_t)got;
-}
-
-static int set_lowat(ResultReceiver *self, uint64_t nbytes) {
-    int value = nbytes > self->max_lowat ? (int)self->max_lowat : (int)nbytes;
-    if (value < 1) value = 1;
-    if (value != self->lowat) {
-        if (setsockopt(self->fd, SOL_SOCKET, SO_RCVLOWAT, &value, sizeof value) < 0) {
-            self->error = errno;
-            return -1;
-        }
-        self->lowat = value;
-    }
-    return 0;
-}
-
-/* Read ahead until `need` bytes of the frame's start are held: 1, 0 (the socket is drained), or
- * a receive outcome (CLOSED, FAILED). */
-static int hold_at_least(ResultReceiver *self, Py_ssize_t need) {
-    while (self->end - self->at < need) {
-        if (self->at) { /* keep the frame's start at the front: the buffer's room is for what follows */
-            memmove(self->ahead, self->ahead + self->at, (size_t)(self->end - self->at));
-            self->end -= self->at;
-            self->at = 0;
-        }
-        Py_ssize_t room = read_ahead_bytes - self->end;
-        Py_ssize_t got = receive_into(self, self->ahead + self->end, (size_t)room);
-        if (got == -1) return 0;
-        if (got == -2) return FAILED;
-        if (got == 0) return CLOSED;
-        self->end += got;
-        /* A short read drained the socket: the poll wakes the loop for the rest, so another
-         * recv now would only return EAGAIN (FrameReader.read's `drained`). */
-        if (got < room && self->end - self->at < need) return 0;
-    }
-    return 1;
-}
-
 /* The size of the header of the frame whose prefix is held when that frame may be the happy
  * path (RESULT, SAFE, HEARTBEAT as wire's rules allow them), else -1: the reference decides. */
-static Py_ssize_t happy_header_size(const ResultReceiver *self) {
-    const unsigned char *p = self->ahead + self->at;
-    if (memcmp(p, magic, 4) != 0 || p[4] != protocol_version) return -1;
+static Py_ssize_t happy_header_size(const unsigned char *p, const void *receiver) {
+    const ResultReceiver *self = receiver;
+    if (!stream_prefix_is_ours(p)) return -1;
     unsigned code = p[5];
     uint64_t header_len = read_le(p + 6, 2), payload_len = read_le(p + 8, 4);
     if (payload_len > self->max_payload) return -1;
@@ -358,9 +283,9 @@ static Py_ssize_t happy_header_size(const ResultReceiver *self) {
 /* The result header is held: 1 when its piece continues a registered slot (the receiver then
  * lands it), 0 when the reference decides, -1 with an exception set. */
 static int land_result_header(ResultReceiver *self) {
-    const unsigned char *h = self->ahead + self->at + PREFIX_SIZE;
+    const unsigned char *h = self->in.ahead + self->in.at + PREFIX_SIZE;
     /* key, offset, count, chunk, dtype, pad, contributors, bitmap_len (wire's "<QQIIBxHI") */
-    uint64_t payload_len = read_le(self->ahead + self->at + 8, 4);
+    uint64_t payload_len = read_le(self->in.ahead + self->in.at + 8, 4);
     uint64_t key = read_le(h, 8), offset = read_le(h + 8, 8), count = read_le(h + 16, 4), chunk = read_le(h + 20, 4);
     unsigned dtype = h[24];
     unsigned long contributors = (unsigned long)read_le(h + 26, 2);
@@ -389,7 +314,7 @@ static int land_result_header(ResultReceiver *self) {
     self->contributors = contributors;
     self->bitmap_len = bitmap_len;
     self->bitmap_got = 0;
-    self->at += PREFIX_SIZE + RESULT_HEADER_SIZE;
+    stream_consume(&self->in, PREFIX_SIZE + RESULT_HEADER_SIZE);
     self->stage = bitmap_len ? IN_BITMAP : IN_DATA;
     return 1;
 }
@@ -414,50 +339,40 @@ static int end_piece(ResultReceiver *self) {
     }
     Py_CLEAR(self->slot);
     /* One wake-up for the rest of the chunk (FrameReader.expect_at_least), else the next header. */
-    return set_lowat(self, left_after >= LOWAT_FROM ? left_after : 1) < 0 ? -2 : 0;
+    return stream_set_lowat(&self->in, left_after >= LOWAT_FROM ? left_after : 1) < 0 ? -2 : 0;
 }
 
 static PyObject *receiver_receive(ResultReceiver *self, PyObject *arg) {
     long max_frames = PyLong_AsLong(arg);
     if (max_frames == -1 && PyErr_Occurred()) return NULL;
-    if (self->ahead == NULL || self->slots == NULL || self->landed == NULL) {
+    if (self->in.ahead == NULL || self->slots == NULL || self->landed == NULL) {
         PyErr_SetString(PyExc_ValueError, "receive() on a released ResultReceiver");
         return NULL;
     }
     long frames = 0;
     int outcome = DRAINED;
-    self->received = 0;
+    self->in.received = 0;
     for (;;) {
         if (self->stage == AT_FRAME) {
-            if (frames >= max_frames && self->at == self->end) {
+            if (frames >= max_frames && self->in.at == self->in.end) {
                 outcome = LIMIT;
                 break;
             }
-            int held = hold_at_least(self, PREFIX_SIZE);
+            Py_ssize_t header_size;
+            int held = stream_hold_frame(&self->in, happy_header_size, self, &header_size);
             if (held != 1) {
-                outcome = held == 0 ? DRAINED : held;
+                outcome = held;
                 break;
             }
-            Py_ssize_t header_size = happy_header_size(self);
-            if (header_size < 0) {
-                outcome = HANDOFF;
-                break;
-            }
-            held = hold_at_least(self, PREFIX_SIZE + header_size);
-            if (held != 1) {
-                outcome = held == 0 ? DRAINED : held;
-                break;
-            }
-            unsigned code = self->ahead[self->at + 5];
+            unsigned code = self->in.ahead[self->in.at + 5];
             if (code != k_result) { /* SAFE or a heartbeat: whole */
                 if (code == k_safe) {
-                    self->safe = read_le(self->ahead + self->at + PREFIX_SIZE, 8);
+                    self->safe = read_le(self->in.ahead + self->in.at + PREFIX_SIZE, 8);
                     self->has_safe = 1;
                 }
-                self->at += PREFIX_SIZE + header_size;
-                if (self->at == self->end) self->at = self->end = 0;
+                stream_consume(&self->in, PREFIX_SIZE + header_size);
                 frames++;
-                if (set_lowat(self, 1) < 0) {
+                if (stream_set_lowat(&self->in, 1) < 0) {
                     outcome = FAILED;
                     break;
                 }
@@ -471,70 +386,29 @@ static PyObject *receiver_receive(ResultReceiver *self, PyObject *arg) {
             }
         }
         if (self->stage == IN_BITMAP) {
-            uint64_t missing = self->bitmap_len - self->bitmap_got;
-            Py_ssize_t have = self->end - self->at;
-            if (have > 0) {
-                uint64_t n = (uint64_t)have < missing ? (uint64_t)have : missing;
-                memcpy(self->bitmap + self->bitmap_got, self->ahead + self->at, (size_t)n);
-                self->bitmap_got += n;
-                self->at += (Py_ssize_t)n;
-                missing -= n;
-            }
-            if (missing) {
-                Py_ssize_t got = receive_into(self, self->bitmap + self->bitmap_got, (size_t)missing);
-                if (got < 0) {
-                    outcome = got == -1 ? DRAINED : FAILED;
-                    break;
-                }
-                if (got == 0) {
-                    outcome = CLOSED;
-                    break;
-                }
-                self->bitmap_got += (uint64_t)got;
-                continue;
+            uint64_t moved;
+            int status =
+                stream_take(&self->in, self->bitmap + self->bitmap_got, self->bitmap_len - self->bitmap_got, &moved);
+            self->bitmap_got += moved;
+            if (status != 1) {
+                outcome = status;
+                break;
             }
             self->stage = IN_DATA;
         }
         if (self->stage == IN_DATA) {
+            uint64_t moved;
             unsigned char *into = (unsigned char *)self->slot->dest.buf + self->piece_at;
-            Py_ssize_t have = self->end - self->at;
-            if (have > 0 && self->piece_left) {
-                uint64_t n = (uint64_t)have < self->piece_left ? (uint64_t)have : self->piece_left;
-                memcpy(into, self->ahead + self->at, (size_t)n);
-                self->at += (Py_ssize_t)n;
-                self->piece_at += n;
-                self->piece_left -= n;
-                into += n;
-            }
-            if (self->at == self->end) self->at = self->end = 0;
-            if (self->piece_left) {
-                Py_ssize_t got = receive_into(self, into, (size_t)self->piece_left);
-                if (got == -1) {
-                    /* One wake-up for the rest of a large payload (FrameReader.read's low-water mark). */
-                    if (self->piece_count * self->slot->itemsize >= LOWAT_FROM && set_lowat(self, self->piece_left) < 0)
-                        outcome = FAILED;
-                    else
-                        outcome = DRAINED;
-                    break;
-                }
-                if (got < 0) {
-                    outcome = FAILED;
-                    break;
-                }
-                if (got == 0) {
-                    outcome = CLOSED;
-                    break;
-                }
-                self->piece_at += (uint64_t)got;
-                self->piece_left -= (uint64_t)got;
-                if (self->piece_left) { /* a short read drained the socket: wait for the rest, as after EAGAIN */
-                    if (self->piece_count * self->slot->itemsize >= LOWAT_FROM && set_lowat(self, self->piece_left) < 0)
-                        outcome = FAILED;
-                    else
-                        outcome = DRAINED;
-                    break;
-                }
-                continue;
+            int status = stream_take(&self->in, into, self->piece_left, &moved);
+            self->piece_at += moved;
+            self->piece_left -= moved;
+            if (status != 1) {
+                /* One wake-up for the rest of a large payload (FrameReader.read's low-water mark). */
+                if (status == DRAINED && self->piece_count * self->slot->itemsize >= LOWAT_FROM
+                    && stream_set_lowat(&self->in, self->piece_left) < 0)
+                    status = FAILED;
+                outcome = status;
+                break;
             }
             int ended = end_piece(self);
             if (ended == -1) return NULL;
@@ -553,8 +427,8 @@ static PyObject *receiver_take_held(ResultReceiver *self, PyObject *unused) {
         PyErr_SetString(PyExc_ValueError, "take_held() in the middle of a frame");
         return NULL;
     }
-    PyObject *held = PyBytes_FromStringAndSize((const char *)self->ahead + self->at, self->end - self->at);
-    if (held != NULL) self->at = self->end = 0;
+    PyObject *held = PyBytes_FromStringAndSize((const char *)self->in.ahead + self->in.at, self->in.end - self->in.at);
+    if (held != NULL) self->in.at = self->in.end = 0;
     return held;
 }
 
@@ -579,9 +453,7 @@ static PyObject *receiver_take_counts(ResultReceiver *self, PyObject *unused) {
 
 static PyObject *receiver_release(ResultReceiver *self, PyObject *unused) {
     Py_CLEAR(self->slot);
-    PyMem_Free(self->ahead);
-    self->ahead = NULL;
-    self->at = self->end = 0;
+    stream_close(&self->in);
     self->stage = AT_FRAME;
     PyObject *fresh = PyList_New(0);
     if (fresh == NULL) return NULL;
@@ -590,13 +462,13 @@ static PyObject *receiver_release(ResultReceiver *self, PyObject *unused) {
 }
 
 static PyObject *receiver_get_busy(ResultReceiver *self, void *closure) {
-    return PyBool_FromLong(self->stage != AT_FRAME || self->end > self->at);
+    return PyBool_FromLong(self->stage != AT_FRAME || self->in.end > self->in.at);
 }
 
 static PyObject *receiver_get_what(ResultReceiver *self, void *closure) {
     if (self->stage == IN_BITMAP) return PyUnicode_FromString("a result bitmap");
     if (self->stage == IN_DATA) return PyUnicode_FromString("a RESULT payload");
-    return PyUnicode_FromString(self->end > self->at ? "a frame header" : "a frame");
+    return PyUnicode_FromString(self->in.end > self->in.at ? "a frame header" : "a frame");
 }
 
 static PyMethodDef receiver_methods[] = {
@@ -613,9 +485,9 @@ static PyMethodDef receiver_methods[] = {
 };
 
 static PyMemberDef receiver_members[] = {
-    {"lowat", T_INT, offsetof(ResultReceiver, lowat), READONLY, "SO_RCVLOWAT as last set"},
-    {"received", T_INT, offsetof(ResultReceiver, received), READONLY, "a byte arrived in the last receive()"},
-    {"error", T_INT, offsetof(ResultReceiver, error), READONLY, "errno of the last RECEIVE_FAILED"},
+    {"lowat", T_INT, offsetof(ResultReceiver, in.lowat), READONLY, "SO_RCVLOWAT as last set"},
+    {"received", T_INT, offsetof(ResultReceiver, in.received), READONLY, "a byte arrived in the last receive()"},
+    {"error", T_INT, offsetof(ResultReceiver, in.error), READONLY, "errno of the last RECEIVE_FAILED"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -644,67 +516,26 @@ static PyTypeObject ResultReceiverType = {
 
 /* --- module ---------------------------------------------------------------------------------- */
 
-static int member_code(PyObject *wire, const char *name, unsigned *out) {
-    PyObject *types = PyObject_GetAttrString(wire, "FrameType");
-    PyObject *member = types ? PyObject_GetAttrString(types, name) : NULL;
-    PyObject *value = member ? PyObject_GetAttrString(member, "value") : NULL;
-    long v = value ? PyLong_AsLong(value) : -1;
-    Py_XDECREF(types);
-    Py_XDECREF(member);
-    Py_XDECREF(value);
-    if (v < 0 || v > 255) return -1;
-    *out = (unsigned)v;
-    return 0;
-}
-
-static int header_format_is(PyObject *structs, PyObject *wire, const char *name, const char *format) {
-    PyObject *types = PyObject_GetAttrString(wire, "FrameType");
-    PyObject *member = types ? PyObject_GetAttrString(types, name) : NULL;
-    PyObject *packer = member ? PyDict_GetItemWithError(structs, member) : NULL;
-    PyObject *got = packer ? PyObject_GetAttrString(packer, "format") : NULL;
-    int same = got != NULL && PyUnicode_Check(got) && PyUnicode_CompareWithASCIIString(got, format) == 0;
-    Py_XDECREF(types);
-    Py_XDECREF(member);
-    Py_XDECREF(got);
-    return same;
-}
-
 int receiver_init_module(PyObject *module) {
     PyObject *wire = PyImport_ImportModule("redsrv.core.wire");
     PyObject *constants = PyImport_ImportModule("redsrv.core.constants");
-    PyObject *structs = wire ? PyObject_GetAttrString(wire, "_HEADER_STRUCTS") : NULL;
-    PyObject *magic_obj = constants ? PyObject_GetAttrString(constants, "MAGIC") : NULL;
-    PyObject *version = constants ? PyObject_GetAttrString(constants, "PROTOCOL_VERSION") : NULL;
     PyObject *world = constants ? PyObject_GetAttrString(constants, "MAX_WORLD_SIZE") : NULL;
-    PyObject *ahead = wire ? PyObject_GetAttrString(wire, "READ_AHEAD_BYTES") : NULL;
     int status = -1;
-    if (structs == NULL || magic_obj == NULL || version == NULL || world == NULL || ahead == NULL) goto done;
-    if (!PyDict_Check(structs) || !PyBytes_Check(magic_obj) || PyBytes_GET_SIZE(magic_obj) != 4) goto changed;
-    memcpy(magic, PyBytes_AS_STRING(magic_obj), 4);
-    long v = PyLong_AsLong(version);
+    if (world == NULL) goto done;
     unsigned long long w = PyLong_AsUnsignedLongLong(world);
-    read_ahead_bytes = PyLong_AsSsize_t(ahead);
     if (PyErr_Occurred()) goto done;
-    if (v < 0 || v > 255 || w == 0 || w > (1ULL << 32) || read_ahead_bytes < PREFIX_SIZE + RESULT_HEADER_SIZE
-        || read_ahead_bytes > (1 << 20))
-        goto changed;
-    protocol_version = (unsigned)v;
+    if (w == 0 || w > (1ULL << 32) || stream_read_ahead < PREFIX_SIZE + RESULT_HEADER_SIZE) goto changed;
     max_bitmap_bytes = (w + 7) / 8;
-    if (member_code(wire, "RESULT", &k_result) < 0 || member_code(wire, "SAFE", &k_safe) < 0
-        || member_code(wire, "HEARTBEAT", &k_heartbeat) < 0)
+    if (stream_frame_code(wire, "RESULT", &k_result) < 0 || stream_frame_code(wire, "SAFE", &k_safe) < 0
+        || stream_frame_code(wire, "HEARTBEAT", &k_heartbeat) < 0)
         goto changed;
-    /* The positions land_result_header and take_frame read. */
-    if (!header_format_is(structs, wire, "RESULT", "<QQIIBxHI") || !header_format_is(structs, wire, "SAFE", "<Q")
-        || !header_format_is(structs, wire, "HEARTBEAT", "<"))
+    /* The positions land_result_header and receive() read. */
+    if (!stream_header_format_is(wire, "RESULT", "<QQIIBxHI") || !stream_header_format_is(wire, "SAFE", "<Q")
+        || !stream_header_format_is(wire, "HEARTBEAT", "<"))
         goto changed;
     if (PyType_Ready(&ResultSlotType) < 0 || PyType_Ready(&ResultReceiverType) < 0) goto done;
     if (PyModule_AddObjectRef(module, "ResultSlot", (PyObject *)&ResultSlotType) < 0
-        || PyModule_AddObjectRef(module, "ResultReceiver", (PyObject *)&ResultReceiverType) < 0
-        || PyModule_AddIntConstant(module, "RECEIVE_DRAINED", DRAINED) < 0
-        || PyModule_AddIntConstant(module, "RECEIVE_LIMIT", LIMIT) < 0
-        || PyModule_AddIntConstant(module, "RECEIVE_HANDOFF", HANDOFF) < 0
-        || PyModule_AddIntConstant(module, "RECEIVE_CLOSED", CLOSED) < 0
-        || PyModule_AddIntConstant(module, "RECEIVE_FAILED", FAILED) < 0)
+        || PyModule_AddObjectRef(module, "ResultReceiver", (PyObject *)&ResultReceiverType) < 0)
         goto done;
     status = 0;
     goto done;
@@ -715,10 +546,6 @@ done:
     if (status < 0) frames_as_import_error("the result receiver");
     Py_XDECREF(wire);
     Py_XDECREF(constants);
-    Py_XDECREF(structs);
-    Py_XDECREF(magic_obj);
-    Py_XDECREF(version);
     Py_XDECREF(world);
-    Py_XDECREF(ahead);
     return status;
 }

@@ -22,6 +22,16 @@ from worker_main import make_input
 __all__ = ["make_input", "poll", "rank_order_sum", "read_frames", "read_one_operation", "rss_bytes", "scripted_handshake",
            "wait_for_open_operations", "why_no_namespaces", "wait_all", "worker_results"]
 
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A connected TCP pair on loopback: (sender, receiver), the receiver non-blocking (as an event
+    loop's data connection is)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+    receiver.setblocking(False)
+    return sender, receiver
+
+
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> None:  # type: ignore[type-arg]
     """Wait for every process within one deadline; any still running then is left to the
     caller's tracker, which ends it (a test names the missing results instead of hanging)."""

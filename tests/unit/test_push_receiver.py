@@ -30,6 +30,8 @@ from redsrv.core import plane, wire
 from redsrv.core.constants import MAX_RECEIVE_LOWAT_BYTES
 from redsrv.core.transport import SKIP, WAIT, ConnectionBroken, FrameReader
 
+from tests_support import tcp_pair
+
 native = plane._native
 pytestmark = pytest.mark.skipif(native is None, reason="redsrv.core._plane is not built")
 
@@ -40,14 +42,6 @@ fuzz = settings(max_examples=max(EXAMPLES // 3, 20), deadline=None,
 F32 = wire.DType.FLOAT32
 INC = 0x5EED
 MAX_PAYLOAD = 1 << 20
-
-
-def tcp_pair() -> tuple[socket.socket, socket.socket]:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        sender = socket.create_connection(server.getsockname())
-        receiver, _ = server.accept()
-    receiver.setblocking(False)
-    return sender, receiver
 
 
 class Owner:

@@ -28,6 +28,8 @@ from redsrv.core import plane, transport, wire
 from redsrv.core.constants import MAX_RECEIVE_LOWAT_BYTES
 from redsrv.core.transport import SKIP, ConnectionBroken, FrameReader
 
+from tests_support import tcp_pair
+
 native = plane._native
 pytestmark = pytest.mark.skipif(native is None, reason="redsrv.core._plane is not built")
 
@@ -39,14 +41,6 @@ F32 = wire.DType.FLOAT32
 #: (key, chunk index) -> (first element, elements): three chunks of one operation, one of another.
 CHUNKS = {(7, 0): (0, 40), (7, 1): (40, 300), (7, 2): (340, 20000), (9, 0): (0, 16)}
 TOTAL = 20340
-
-
-def tcp_pair() -> tuple[socket.socket, socket.socket]:
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        sender = socket.create_connection(server.getsockname())
-        receiver, _ = server.accept()
-    receiver.setblocking(False)
-    return sender, receiver
 
 
 class Owner:
