@@ -554,4 +554,8 @@ def send_views(sock: socket.socket, views: list[memoryview], flags: int, peer: s
                 sent = 0
         while views and not len(views[0]):
             views.pop(0)
+        if views and flags & _DONTWAIT:
+            # A short write: the socket buffer is full, and another sendmsg now would only fail
+            # with EAGAIN (a system call and an exception for nothing). The poll says when it drained.
+            return views
     return views

@@ -22,6 +22,7 @@ from redsrv.core.transport import (
     FrameReader,
     FrameWriter,
     congestion_control,
+    send_views,
     set_congestion_control,
 )
 
@@ -405,3 +406,35 @@ def test_congestion_control_is_chosen_per_connection_and_a_refusal_is_reported_n
     with x, y:
         assert set_congestion_control(x, "cubic") == "not a TCP connection"
         assert congestion_control(x) == ""
+
+
+def test_a_short_non_blocking_write_returns_at_once_without_another_system_call() -> None:
+    """A ``sendmsg`` that took less than everything found the socket buffer full: the next one
+    could only fail with EAGAIN, so ``send_views`` hands the rest back after one call."""
+    sender, receiver = socket.socketpair()
+    sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    sender.setblocking(False)
+
+    class Counting:
+        calls = 0
+
+        def sendmsg(self, views: list[memoryview], ancillary: list[object], flags: int) -> int:
+            Counting.calls += 1
+            return sender.sendmsg(views, ancillary, flags)  # type: ignore[arg-type]
+
+    try:
+        payload = bytes(range(256)) * 16384  # 4 MiB: more than any socket buffer takes at once
+        rest = send_views(Counting(), [memoryview(b"head"), memoryview(payload)], socket.MSG_DONTWAIT, "peer")  # type: ignore[arg-type]
+        assert Counting.calls == 1 and 0 < sum(len(v) for v in rest) < len(payload)
+        got = bytearray()
+        receiver.settimeout(5.0)
+        for _ in range(100_000):  # drain and send the rest, as the writer does on EPOLLOUT
+            got += receiver.recv(1 << 20)
+            if rest:
+                rest = send_views(Counting(), rest, socket.MSG_DONTWAIT, "peer")  # type: ignore[arg-type]
+            if not rest and len(got) == len(payload) + 4:
+                break
+        assert bytes(got) == b"head" + payload
+    finally:
+        sender.close()
+        receiver.close()
