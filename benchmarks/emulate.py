@@ -14,8 +14,8 @@ beside its theory 2(n-1)/n·min(1, m/n), and whole-machine CPU busy during the t
 (above 85% the result measures the CPU, not the network), CPU seconds per GB reduced (workers
 and reducers; the workers alone in brackets), and the share of that CPU spent in user space
 (the interpreter, NumPy, the plane's C: what a faster data plane in user space can save; the
-rest is the kernel's: copies, TCP, wake-ups and the emulated links' softirqs). G is the best TCP goodput at the configured rate:
-rate·(MTU-52)/(MTU+14) unless ``--measure-goodput``.
+rest is the kernel's: copies, TCP, wake-ups and the emulated links' softirqs). G is the best
+TCP goodput at the configured rate: rate·(MTU-52)/(MTU+14) unless ``--measure-goodput``.
 
 Needs root and iproute2; removes every namespace and process it created on every exit path.
 """
