@@ -7,7 +7,9 @@ connection cost one wake-up and one GIL hand-off per frame, which on a loaded ho
 a small all-reduce's time and most of the reducer's CPU per chunk. Large payloads are received
 with a low-water mark (``SO_RCVLOWAT``), so the loop wakes once per result piece (see
 ``DaemonSettings.result_piece_bytes``), not once per few segments, and tells the state machine
-how much of each payload is in so it can forward sums before whole chunks arrive.
+how much of each payload is in so it can forward sums before whole chunks arrive. On the native
+plane that reading (pushes, ACKs, heartbeats) runs in C, ``native/pushes.c``, which asks this
+daemon's callbacks where each push lands, as the Python reader does.
 
 Handshakes run on the loop too, with no thread of their own: an accepted connection is a
 ``_Pending`` whose sans-IO :class:`~.handshake.ServerHandshake` is fed at most the bytes it asks
