@@ -330,7 +330,7 @@ class Client:
         future.key = key
         future._completions = self._completions
         given_out = out
-        out = np.empty(arr.size, dtype=arr.dtype) if given_out is None else given_out.reshape(-1)
+        out = self._engine.outputs.empty(arr.size, arr.dtype) if given_out is None else given_out.reshape(-1)
         item = wire_dt.itemsize
         reducers = chunker.placement(arr.size * item, self.num_reducers, C.MIN_SPAN_BYTES, key_u64)
         chunk_elements = chunker.full_chunk(arr.size, len(reducers), max(1, self.config.chunk_bytes // item),

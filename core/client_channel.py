@@ -6,6 +6,7 @@ Plain data and byte work for :mod:`client_core`; no sockets, threads, locks or c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -85,11 +86,12 @@ class Landing:
         self.save: PendingPush | None = None  # copy this chunk's input before the result overwrites it
         self.keep = False
 
-    def save_input(self) -> None:
-        """Before the first piece of an in-place result lands: keep the input it overwrites (R22)."""
+    def save_input(self, copy: Callable[[np.ndarray], np.ndarray]) -> None:
+        """Before the first piece of an in-place result lands: keep the input it overwrites (R22),
+        copied by ``copy``."""
         push = self.save
         if push is not None and push.saved is None:
-            push.saved = push.arr[self.chunk.start : self.chunk.stop].copy()
+            push.saved = copy(push.arr[self.chunk.start : self.chunk.stop])
 
     def finish_bytes(self, channel: Channel) -> None:
         """The payload is in: widen it, take the mean, keep the copy for recovery."""

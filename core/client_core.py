@@ -40,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from . import chunker, wire
+from . import constants as C
+from .buffer_pool import OutputPool
 from .client_channel import SKIP, Channel, ConvertedFrame, Landing
 from .client_ops import Contributors, Copy, Op, PendingPush, label
 from .config import Config
@@ -149,6 +151,8 @@ class ClientCore:
         self.window = config.push_window_chunks
         # Keep each result until every rank has it, for a reducer that restarts before they do.
         self.keep_copies = config.reconnect_window > 0 and config.mode is wire.StragglerMode.ALL
+        # The copies kept for recovery and the inputs saved before an in-place result: reused memory.
+        self.chunk_buffers = OutputPool(keep_per_size=C.COPY_POOL_KEEP_PER_SIZE)
         self.ops: dict[int, Op] = {}
         self.pending: collections.deque[PendingPush] = collections.deque()  # chunks not yet handed to a stream
         self.channels: list[list[Channel]] = [[] for _ in incarnations]
@@ -241,10 +245,10 @@ class ClientCore:
             return
         self._drop_slot(op, place)  # a resend on a new connection: the old one's slot is void
         if op.in_place and self.config.reconnect_window > 0 and p.saved is None:
-            p.saved = p.arr[chunk.start : chunk.stop].copy()
+            p.saved = self.chunk_buffers.copy(p.arr[chunk.start : chunk.stop])
         as_came = None
         if op.wire_dtype != op.out.dtype or (op.mean and self.keep_copies):
-            as_came = np.empty(chunk.count, op.wire_dtype)
+            as_came = self.chunk_buffers.empty(chunk.count, op.wire_dtype)
         dest = as_came if as_came is not None else op.out[chunk.start : chunk.stop]
         assert channel.slots is not None
         # A mean divides a chunk by one count: pieces with another count go to the reference.
@@ -359,9 +363,9 @@ class ClientCore:
         if kept is None:
             as_landed = op.wire_dtype == op.out.dtype and not op.mean
             kept = Copy(op.key, op.out.size, chunk.start, chunk.index, wire.dtype_code(op.wire_dtype),
-                        op.out[chunk.start : chunk.stop] if as_landed else np.empty(chunk.count, op.wire_dtype))
+                        op.out[chunk.start : chunk.stop] if as_landed else self.chunk_buffers.empty(chunk.count, op.wire_dtype))
             if as_landed and not op.lend(kept):
-                kept.data = np.empty(chunk.count, op.wire_dtype)  # ``out`` is the caller's again (the op failed)
+                kept.data = self.chunk_buffers.empty(chunk.count, op.wire_dtype)  # ``out`` is the caller's again (the op failed)
             channel.partial_copies[place] = kept
         return kept
 
@@ -433,7 +437,7 @@ class ClientCore:
                     kept = Copy(op.key, op.out.size, chunk.start, chunk.index, slot.dtype,
                                 op.out[chunk.start : chunk.stop], frame=base + slot.frame)
                     if not op.lend(kept):
-                        kept.data = kept.data.copy()
+                        kept.data = self.chunk_buffers.copy(kept.data)
                 channel.copies[(op.key, chunk.index)] = kept
             if op.chunks.pop(place, None) is not None:
                 op.pushes.pop(place, None)
@@ -449,7 +453,7 @@ class ClientCore:
         del self.ops[op.key]
         self._drop_slots(op)
         self.completed += 1
-        op.take_back_lent()  # the caller may overwrite ``out`` from now on
+        op.take_back_lent(self.chunk_buffers.copy)  # the caller may overwrite ``out`` from now on
         contributors = Contributors(op.min_count, op.max_count,
                                     tuple(r for r in range(self.config.world_size) if op.all_ranks >> r & 1))
         return [Complete(op, op.out.reshape(op.shape) if op.given_out is None else op.given_out, contributors)]
@@ -517,6 +521,8 @@ class ClientCore:
         does it, they span the reducers); ACKs due on ``channels``; pieces of results whose
         operation failed are dropped."""
         actions = self._expire(now) if expire else []
+        if expire:
+            self.chunk_buffers.release_idle(now)
         for channel in channels:
             if channel.partial_copies:
                 for place in [place for place in channel.partial_copies if place[0] not in self.ops]:
@@ -561,7 +567,7 @@ class ClientCore:
         del self.ops[op.key]
         self.failed[type(error).__name__] = self.failed.get(type(error).__name__, 0) + 1
         self._drop_slots(op)
-        op.take_back_lent()
+        op.take_back_lent(self.chunk_buffers.copy)
         return [Fail(op, error)]
 
     def fail_all(self, error: BaseException) -> list[Action]:
@@ -576,7 +582,7 @@ class ClientCore:
         actions: list[Action] = []
         for op in ops:
             self._drop_slots(op)
-            op.take_back_lent()
+            op.take_back_lent(self.chunk_buffers.copy)
             actions.append(Fail(op, error))
         actions.append(Broken(error))
         return actions
@@ -592,7 +598,7 @@ class ClientCore:
         actions: list[Action] = []
         for op in ops:
             self._drop_slots(op)
-            op.take_back_lent()
+            op.take_back_lent(self.chunk_buffers.copy)
             actions.append(Fail(op, error))
         return actions
 
@@ -655,7 +661,7 @@ class ClientCore:
         if restarted:  # it lost what it had: give it the results some ranks may still lack
             for i, kept in enumerate(copies):
                 target = channels[i % len(channels)]
-                data = kept.own()  # the frame may leave after ``out`` went back to the caller
+                data = kept.own(self.chunk_buffers.copy)  # the frame may leave after ``out`` went back to the caller
                 header = wire.push_header(wire.Push(kept.key, target.incarnation, kept.total, kept.offset, data.size,
                                                     kept.index, kept.dtype, wire.ReduceOp.SETTLED), data.nbytes)
                 actions.append(SendFrame(target, [memoryview(header), data.view(np.uint8).data], "settled"))

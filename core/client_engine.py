@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import constants as C
 from . import wire
+from .buffer_pool import OutputPool
 from .client_channel import Channel, Landing
 from .client_connect import Connector, Stream, close_streams, run_callbacks, say_goodbye, shutdown
 from .client_core import Action, Broken, ClientCore, Complete, Fail, Reconnect, Retire, SendFrame, TracePull
@@ -69,6 +70,7 @@ class ClientEngine:
         self.connector = connector
         self.lock = threading.Lock()
         self.kernels = kernels_for(config.data_plane)  # every channel's byte work (core/plane.py)
+        self.outputs = OutputPool()  # the results of operations given no ``out``
         self.timeline = timeline
         self.pushed_at: dict[tuple[int, int, int], float] = {}  # (key, reducer, chunk) -> push end, for the timeline
         self.stop = threading.Event()  # one for every loop: the client is closing
@@ -207,7 +209,7 @@ class ClientEngine:
             self.run(actions)
         if not isinstance(landing, Landing):
             return SKIP
-        landing.save_input()
+        landing.save_input(self.core.chunk_buffers.copy)
         if landing.in_bitmap:
             return memoryview(channel.bitmap)[: landing.bitmap_len], "a result bitmap"
         return landing.data
@@ -532,6 +534,8 @@ class IOLoop:
             actions = engine.core.tick(now, [stream.channel for stream in live], self.index == 0)
         acked = {id(action.channel) for action in actions if isinstance(action, SendFrame)}
         engine.run(actions)
+        if self.index == 0:
+            engine.outputs.release_idle(now)
         for stream in live:
             writer = stream.writer
             if id(stream.channel) not in acked and not writer.out and now - writer.last_send >= stream.heartbeat:

@@ -131,11 +131,11 @@ class Copy:
     lender: Op | None = None  # the operation whose ``out`` ``data`` views, while it does
     settled: bool = False  # the reducer said every rank has it: nobody needs it any more
 
-    def own(self) -> np.ndarray:
-        """``data`` in a buffer of its own: copied out of the lender's ``out`` first if it is
-        still lent (by the core, so not after ``out`` went back to the caller)."""
+    def own(self, copy: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """``data`` in a buffer of its own: copied (by ``copy``) out of the lender's ``out`` first
+        if it is still lent (by the core, so not after ``out`` went back to the caller)."""
         if self.lender is not None:
-            self.data, self.lender = self.data.copy(), None
+            self.data, self.lender = copy(self.data), None
         return self.data
 
 
@@ -179,15 +179,15 @@ class Op:
         self.lent.append(kept)
         return True
 
-    def take_back_lent(self) -> None:
+    def take_back_lent(self, copy: Callable[[np.ndarray], np.ndarray]) -> None:
         """Before the caller gets ``out`` back (the operation completes or fails): each result
-        still lent that some rank may lack gets a copy of its own, since the caller may now
-        overwrite ``out``."""
+        still lent that some rank may lack gets a copy of its own (made by ``copy``), since the
+        caller may now overwrite ``out``."""
         self.returned = True
         for kept in self.lent:
             if kept.lender is self:
                 if not kept.settled:
-                    kept.data = kept.data.copy()
+                    kept.data = copy(kept.data)
                 kept.lender = None
         self.lent.clear()
 

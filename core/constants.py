@@ -326,3 +326,20 @@ DEFAULT_ELASTIC_RESET_LIMIT = 100
 #: it answers "not yet" (the worker then asks again, within its own elastic timeout): short enough
 #: that a worker whose driver died notices within this, long enough to cost nothing.
 RENDEZVOUS_POLL_S = 5.0
+
+#: Arrays a client allocates per operation (results of operations given no ``out``, copies kept
+#: for recovery) of at least this size land in memory a dropped one left behind
+#: (``buffer_pool.OutputPool``): glibc's default mmap threshold, above which a fresh array is a
+#: new mapping whose page faults cost far more than the pool's bookkeeping.
+OUTPUT_POOL_MIN_BYTES = 128 * 1024
+
+#: Free result blocks a client keeps per size: a loop that holds one result while the next
+#: arrives needs two.
+OUTPUT_POOL_KEEP_PER_SIZE = 2
+
+#: Free chunk-sized blocks a client keeps per size for the copies it keeps for recovery: an
+#: operation's chunks, where its results outrun the reducers' SAFE frames.
+COPY_POOL_KEEP_PER_SIZE = 64
+
+#: At most this much free memory in each of a client's two pools.
+OUTPUT_POOL_MAX_FREE_BYTES = 256 << 20

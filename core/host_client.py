@@ -45,6 +45,7 @@ import numpy as np
 
 from . import constants as C
 from . import host, wire
+from .buffer_pool import OutputPool
 from .client import Client, _open_clients, resolve_config
 from .client_ops import Completions, ReduceFuture, label, set_exception
 from .config import Config
@@ -283,6 +284,7 @@ class HostClient(Client):
         self.config = config
         self._auto_keys = itertools.count()
         self._completions = Completions("redsrv-done")
+        self._outputs = OutputPool()  # the results of operations given no ``out``
         self._live: set[int] = set()  # keys whose futures are not settled yet
         self._live_lock = threading.Lock()
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
@@ -411,7 +413,7 @@ class HostClient(Client):
         future = ReduceFuture()
         future.key = key
         future._completions = self._completions
-        flat_out = np.empty(arr.size, dtype=arr.dtype) if out is None else out.reshape(-1)
+        flat_out = self._outputs.empty(arr.size, arr.dtype) if out is None else out.reshape(-1)
         now = time.monotonic()
         timeout = self.config.op_timeout if timeout is None else timeout
         op = host.HostOp(key_u64, key, arr, flat_out, wire_dt, op_code, root, mean, future, now + timeout, now, shape, out)
@@ -481,6 +483,7 @@ class HostClient(Client):
                     now = time.monotonic()
                     if now >= next_tick:
                         self._execute(self._core.tick(now))
+                        self._outputs.release_idle(now)
                         next_tick = now + C.TICK_INTERVAL_S
         except BaseException as exc:  # a bug here must fail every operation at once, not leave them to time out
             log.exception("the host-level engine failed")

@@ -98,7 +98,7 @@ def land(core: ClientCore, channel: Channel, head: wire.FrameHeader, data: np.nd
     if landing == SKIP:
         return False, actions
     assert isinstance(landing, Landing)
-    landing.save_input()
+    landing.save_input(core.chunk_buffers.copy)
     bitmap = memoryview(channel.bitmap)[: landing.bitmap_len]
     bitmap[:] = bytes([(1 << WORLD) - 1])
     view, _what = landing.data
