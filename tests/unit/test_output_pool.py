@@ -14,6 +14,8 @@ import redsrv
 from redsrv.core import constants as C
 from redsrv.core.buffer_pool import OutputPool
 
+from tests_support import poll
+
 pytestmark = pytest.mark.timeout(60)
 
 COUNT = 1 << 18  # float32 elements: 1 MiB, the pool's smallest size
@@ -130,5 +132,22 @@ def test_a_client_reuses_a_dropped_result_and_never_one_the_caller_holds() -> No
             fourth = client.allreduce(inputs[3])  # ``second`` and ``third`` are held: fresh memory
             assert not np.shares_memory(fourth, second) and not np.shares_memory(fourth, third)
             assert (fourth == 3).all() and (third == 2).all() and (second == 1).all()
+    finally:
+        daemon.stop()
+
+
+def test_a_client_gives_free_result_memory_back_once_unused_for_a_while() -> None:
+    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
+    host, port = daemon.start()
+    try:
+        with redsrv.Client([f"{host}:{port}"], rank=0, world_size=1, job="outputs-idle") as client:
+            dropped = client.allreduce(np.ones(COUNT, dtype=np.float32))
+            assert (dropped == 1).all()
+            del dropped
+            gc.collect()
+            pools = [client._engine.outputs, client._machine.chunk_buffers]
+            assert pools[0].free_bytes == COUNT * 4
+            poll(lambda: all(pool.free_bytes == 0 for pool in pools), C.POOL_IDLE_RELEASE_S + 5,
+                 "the client's tick giving idle result memory back")
     finally:
         daemon.stop()
