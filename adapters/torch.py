@@ -917,9 +917,10 @@ class RedsrvProcessGroup(_torch_c10d.ProcessGroupBase):
         def keep_mine(result: np.ndarray) -> None:
             output.copy_(part.unstage(result).view(self.size(), -1)[self.rank()].view(output.shape))
 
-        # The sums land beside the input, which stays as it was (no copy of it first).
-        summed = np.empty_like(part.array)
-        join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, 0), out=summed), keep_mine)
+        # The sums land in a new array beside the input, which stays as it was (no copy of it
+        # first); the client reuses the memory of one dropped (core/buffer_pool.py), so a
+        # reduce-scatter every step maps no fresh pages.
+        join.add(self.client.allreduce_async(part.array, op=op, key=self._keys.key(seq, 0)), keep_mine)
         return join.work()
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
