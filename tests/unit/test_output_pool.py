@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
@@ -113,41 +114,41 @@ def test_results_dropped_on_other_threads_come_back_whole() -> None:
     assert {_address(a) for a in again} <= addresses
 
 
-def test_a_client_reuses_a_dropped_result_and_never_one_the_caller_holds() -> None:
+@pytest.fixture
+def client() -> Iterator[redsrv.Client]:
+    """A one-rank client of an in-process reducer."""
     daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
     host, port = daemon.start()
     try:
-        with redsrv.Client([f"{host}:{port}"], rank=0, world_size=1, job="outputs") as client:
-            inputs = [np.full(COUNT * 3, step, dtype=np.float32) for step in range(4)]
-            held = client.allreduce(inputs[0])
-            second = client.allreduce(inputs[1])
-            assert not np.shares_memory(held, second)
-            assert (held == 0).all() and (second == 1).all()
-            where = _address(held)
-            del held
-            gc.collect()
-            third = client.allreduce(inputs[2])
-            assert _address(third) == where
-            assert (third == 2).all() and (second == 1).all()
-            fourth = client.allreduce(inputs[3])  # ``second`` and ``third`` are held: fresh memory
-            assert not np.shares_memory(fourth, second) and not np.shares_memory(fourth, third)
-            assert (fourth == 3).all() and (third == 2).all() and (second == 1).all()
+        with redsrv.Client([f"{host}:{port}"], rank=0, world_size=1, job="outputs") as one_rank:
+            yield one_rank
     finally:
         daemon.stop()
 
 
-def test_a_client_gives_free_result_memory_back_once_unused_for_a_while() -> None:
-    daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
-    host, port = daemon.start()
-    try:
-        with redsrv.Client([f"{host}:{port}"], rank=0, world_size=1, job="outputs-idle") as client:
-            dropped = client.allreduce(np.ones(COUNT, dtype=np.float32))
-            assert (dropped == 1).all()
-            del dropped
-            gc.collect()
-            pools = [client._engine.outputs, client._machine.chunk_buffers]
-            assert pools[0].free_bytes == COUNT * 4
-            poll(lambda: all(pool.free_bytes == 0 for pool in pools), C.POOL_IDLE_RELEASE_S + 5,
-                 "the client's tick giving idle result memory back")
-    finally:
-        daemon.stop()
+def test_a_client_reuses_a_dropped_result_and_never_one_the_caller_holds(client: redsrv.Client) -> None:
+    inputs = [np.full(COUNT * 3, step, dtype=np.float32) for step in range(4)]
+    held = client.allreduce(inputs[0])
+    second = client.allreduce(inputs[1])
+    assert not np.shares_memory(held, second)
+    assert (held == 0).all() and (second == 1).all()
+    where = _address(held)
+    del held
+    gc.collect()
+    third = client.allreduce(inputs[2])
+    assert _address(third) == where
+    assert (third == 2).all() and (second == 1).all()
+    fourth = client.allreduce(inputs[3])  # ``second`` and ``third`` are held: fresh memory
+    assert not np.shares_memory(fourth, second) and not np.shares_memory(fourth, third)
+    assert (fourth == 3).all() and (third == 2).all() and (second == 1).all()
+
+
+def test_a_client_gives_free_result_memory_back_once_unused_for_a_while(client: redsrv.Client) -> None:
+    dropped = client.allreduce(np.ones(COUNT, dtype=np.float32))
+    assert (dropped == 1).all()
+    del dropped
+    gc.collect()
+    pools = [client._engine.outputs, client._machine.chunk_buffers]
+    assert pools[0].free_bytes == COUNT * 4
+    poll(lambda: all(pool.free_bytes == 0 for pool in pools), C.POOL_IDLE_RELEASE_S + 5,
+         "the client's tick giving idle result memory back")
