@@ -1,11 +1,12 @@
-"""Reusable memory: the reducer's payload buffers (:class:`BufferPool`) and the results a client
-allocates for operations given no ``out`` (:class:`OutputPool`).
+"""Reusable memory: the reducer's payload buffers (:class:`BufferPool`), and what a client
+allocates per operation, its results where no ``out`` was given and the copies it keeps for
+recovery (:class:`OutputPool`).
 
-An operation without ``out`` used to get fresh memory from ``np.empty``: above glibc's mmap
-threshold (32 MiB at most) every result was a new mapping whose pages the kernel faulted in and
-zeroed while the result arrived, and unmapped when the caller dropped it. On loopback that was
-about a fifth of a worker's CPU per 64 MiB all-reduce (docs/performance.md, "Results in reused
-memory").
+A client used to take these from ``np.empty``: above glibc's mmap threshold (which it raises up
+to 32 MiB as mapped blocks are freed) each was a new mapping whose pages the kernel faulted in and
+zeroed while the result arrived, and unmapped when it was dropped. In a loop of 64 MiB
+all-reduces on loopback that was a quarter to a half of a worker's CPU (docs/performance.md,
+"Results in reused memory").
 """
 
 from __future__ import annotations

@@ -211,9 +211,10 @@ class Client:
         result (results are received straight into it, so a training loop that passes the same
         buffer every step allocates nothing); it may be ``x`` itself for an in-place reduction.
         Its contents are undefined if the operation fails. Without ``out`` the result is a new
-        array whose memory may be that of a result the caller dropped (``buffer_pool.OutputPool``:
-        no page faults for a fresh mapping every step); it does not own its data
-        (``flags.owndata`` is False), and nothing else uses that memory while any array of it lives.
+        array; one of 128 KiB or more may use the memory of a result the caller dropped
+        (``buffer_pool.OutputPool``: no page faults for a fresh mapping every step) and then does
+        not own its data (``flags.owndata`` is False). Nothing else uses that memory while any
+        array of it lives.
         """
         if op not in OPS:
             raise LocalProtocolError(f"op must be one of {OPS}, got {op!r}")

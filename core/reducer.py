@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from . import constants as C
+from .buffer_pool import BufferPool
 from .combine import ACCUMULATION_DTYPES, Combiner
 from .plane import Kernels
 from .reducer_actions import (
@@ -53,7 +54,7 @@ from .reducer_actions import (
     SendResult,
     SendSafe,
 )
-from .reducer_buffers import BufferPool, _SharedBuffer
+from .reducer_buffers import _SharedBuffer
 from .reducer_chunks import (
     CHUNK_TRANSITIONS,
     ChunkState,

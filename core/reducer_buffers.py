@@ -16,7 +16,7 @@ import numpy as np
 
 from .buffer_pool import BufferPool
 
-__all__ = ["BufferPool"]
+__all__ = ["_SharedBuffer"]
 
 class _SharedBuffer:
     """A pool buffer with a reference count; returns to the pool when the count reaches 0.

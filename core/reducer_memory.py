@@ -16,9 +16,9 @@ from collections.abc import Callable
 import numpy as np
 
 from . import constants as C
+from .buffer_pool import BufferPool
 from .combine import Combiner
 from .reducer_actions import Action, Log, SendError
-from .reducer_buffers import BufferPool
 from .reducer_jobs import JobStats, MemoryState, PushTicket, _Conn, _Job, _Wait
 from .wire import Error, ErrorCode
 
