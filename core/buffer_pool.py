@@ -11,6 +11,7 @@ all-reduces on loopback that was a quarter to a half of a worker's CPU (docs/per
 
 from __future__ import annotations
 
+import collections
 import mmap
 import threading
 import time
@@ -93,18 +94,22 @@ class BufferPool:
 
 class _Lease:
     """One pooled block lent to the arrays of a result: NumPy keeps it as their base (every view
-    of the result refers to it, directly or through the result), so it goes back to the pool
-    only once no array uses the memory any more."""
+    of the result refers to it, directly or through the result), so it goes back only once no
+    array uses the memory any more.
 
-    __slots__ = ("block", "pool", "__array_interface__")
+    It goes back to a queue, not to the pool: ``__del__`` runs wherever the last reference went,
+    which may be a garbage collection started by an allocation inside the pool's own lock on the
+    same thread, where taking that lock again would deadlock."""
 
-    def __init__(self, block: np.ndarray, pool: BufferPool) -> None:
-        self.block, self.pool = block, pool
+    __slots__ = ("block", "returned", "__array_interface__")
+
+    def __init__(self, block: np.ndarray, returned: collections.deque[np.ndarray]) -> None:
+        self.block, self.returned = block, returned
         self.__array_interface__ = {"data": (block.ctypes.data, False), "shape": (block.nbytes,), "typestr": "|u1",
                                     "version": 3}
 
     def __del__(self) -> None:
-        self.pool.give(self.block)
+        self.returned.append(self.block)  # atomic, takes no lock
 
 
 class OutputPool:
@@ -127,9 +132,11 @@ class OutputPool:
         self.min_bytes = min_bytes
         self._blocks = BufferPool(keep_per_size, max_free_bytes)
         self._blocks.release_idle(time.monotonic())  # starts the idle clock: a first block is not idle at once
+        self._returned: collections.deque[np.ndarray] = collections.deque()  # blocks no array uses any more
 
     @property
     def free_bytes(self) -> int:
+        self._take_back()
         return self._blocks.free_bytes
 
     def empty(self, count: int, dtype: np.dtype) -> np.ndarray:
@@ -137,7 +144,8 @@ class OutputPool:
         nbytes = count * dtype.itemsize
         if nbytes < self.min_bytes:
             return np.empty(count, dtype)
-        return np.asarray(_Lease(self._blocks.take(nbytes), self._blocks)).view(dtype)
+        self._take_back()
+        return np.asarray(_Lease(self._blocks.take(nbytes), self._returned)).view(dtype)
 
     def copy(self, array: np.ndarray) -> np.ndarray:
         """A flat copy of ``array``, as ``array.ravel().copy()``."""
@@ -147,4 +155,14 @@ class OutputPool:
 
     def release_idle(self, now: float | None = None) -> int:
         """Give the free blocks of sizes not taken for a while back to the system; the bytes dropped."""
+        self._take_back()
         return self._blocks.release_idle(time.monotonic() if now is None else now)
+
+    def _take_back(self) -> None:
+        returned = self._returned
+        while returned:
+            try:
+                block = returned.popleft()
+            except IndexError:  # another thread took the last one
+                return
+            self._blocks.give(block)

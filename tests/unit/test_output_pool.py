@@ -89,6 +89,18 @@ def test_free_blocks_nobody_took_for_a_while_go_back_to_the_system() -> None:
     assert pool.free_bytes == 0
 
 
+def test_a_result_dropped_while_its_pool_is_locked_does_not_deadlock() -> None:
+    """As when a garbage collection, started by an allocation inside the pool's own critical
+    section, collects the last reference to a result on the same thread."""
+    pool = OutputPool()
+    result = pool.empty(COUNT, np.dtype(np.float32))
+    where = _address(result)
+    with pool._blocks._lock:
+        del result  # the lease's __del__ runs here, on the thread holding the lock
+    assert pool.free_bytes == COUNT * 4
+    assert _address(pool.empty(COUNT, np.dtype(np.float32))) == where
+
+
 def test_results_dropped_on_other_threads_come_back_whole() -> None:
     pool = OutputPool()
     arrays = [pool.empty(COUNT, np.dtype(np.float32)) for _ in range(8)]
