@@ -3,7 +3,8 @@
 ``REDSRV_IO_THREADS`` (k, default 1) ``selectors`` loop threads (``redsrv-io``, or ``redsrv-io-0``
 .. ``redsrv-io-{k-1}``) each serve the streams of a fixed subset of the reducers (reducer r
 belongs to loop ``r % k`` for the client's life, reconnects included): a loop writes what
-callers' threads could not write at once, reads result frames straight into the views the core
+callers' threads could not write at once (and, with k > 1, the large pushes they leave it, so that
+the loops copy them in parallel: ``C.LOOP_WRITES_MIN_BYTES``), reads result frames straight into the views the core
 names, keeps its streams' socket deadlines (send stalls, silent reducers), sends heartbeats, and
 installs the streams the reconnect thread (``redsrv-reconnect``, only while a reducer is lost)
 made for its reducers. Connecting itself is :mod:`client_connect`'s. Every decision is the
@@ -15,7 +16,7 @@ one per submission, one per written push), never while touching a socket or sett
 Byte work happens outside it, into views the core handed out (``recv_into`` of a payload, the
 widening and mean of :meth:`Landing.finish_bytes`, writing a push). Beside it, each loop's
 :attr:`IOLoop.lock` guards its streams' writers (``FrameWriter``, ``want_write``, ``dead``,
-``closing``) and its ``wants_write`` list, because callers' threads write too; a thread holds at
+``closing``) and its ``wants_write`` and ``handed_off`` lists, because callers' threads write too; a thread holds at
 most one lock at a time (the engine's, or one loop's), so there is no order to keep. Futures are
 settled and writers' ``done`` callbacks run with no lock held. Owned by one loop, no lock: its
 selector's registrations, each of its streams' ``FrameReader``, and the byte buffers of each of
@@ -128,7 +129,10 @@ class ClientEngine:
             views, done = action.views, functools.partial(self.written, action.channel, action.kind)
             if action.push is not None and self.timeline is not None:
                 views, done = self._timed_push(views, done, action)
-            self.loops[stream.loop].send_frame(stream, views, done, ahead=action.ahead)
+            push = action.push
+            loop_writes = (push is not None and len(self.loops) > 1 and push.sends_payload
+                           and push.chunk.count * push.wire_dt.itemsize >= C.LOOP_WRITES_MIN_BYTES)
+            self.loops[stream.loop].send_frame(stream, views, done, ahead=action.ahead, loop_writes=loop_writes)
         elif isinstance(action, Complete):
             op = action.op
             if self.timeline is not None:
@@ -431,6 +435,7 @@ class IOLoop:
         self.waker = Waker()
         self.selector.register(self.waker.read_end, selectors.EVENT_READ, None)
         self.wants_write: list[Stream] = []  # streams whose writer a caller's thread left with frames
+        self.handed_off: list[Stream] = []  # streams a caller's thread left a push to write (loop_writes)
         self.now = time.monotonic()
         self.thread: threading.Thread | None = None
         self.teardown_on_loop = False
@@ -459,6 +464,8 @@ class IOLoop:
                         self.waker.drain()
                     else:
                         self._serve(stream, mask)
+                if self.handed_off:
+                    self._write_handed_off()
                 if self.wants_write:
                     self._watch_writes()
                 if engine.reconnected:
@@ -541,13 +548,17 @@ class IOLoop:
             if id(stream.channel) not in acked and not writer.out and now - writer.last_send >= stream.heartbeat:
                 self.send_frame(stream, [memoryview(_HEARTBEAT)], None)
 
-    def send_frame(self, stream: Stream, views: Any, done: Any, *, ahead: bool = False) -> None:
+    def send_frame(self, stream: Stream, views: Any, done: Any, *, ahead: bool = False,
+                   loop_writes: bool = False) -> None:
         """Write a frame from any thread: now, as far as the socket takes it without blocking,
         the rest from the loop as the socket drains. ``done(ok)`` runs once the frame is out.
-        ``ahead``: the frame overtakes those queued (``FrameWriter.send``)."""
+        ``ahead``: the frame overtakes those queued (``FrameWriter.send``). ``loop_writes``: from
+        a caller's thread, leave the whole frame to this loop, which writes it on its next turn
+        (``C.LOOP_WRITES_MIN_BYTES``)."""
         finished: list[Any] = []
         broken: ConnectionBroken | None = None
         wake = dropped = False
+        defer = loop_writes and not self.on_loop()
         with self.lock:
             if stream.dead:
                 broken = ConnectionBroken("reset", "stream closed")
@@ -555,7 +566,7 @@ class IOLoop:
                 dropped = True
             else:
                 try:
-                    stream.writer.send(views, done, time.monotonic(), finished, ahead=ahead)
+                    stream.writer.send(views, done, time.monotonic(), finished, ahead=ahead, defer=defer)
                 except ConnectionBroken as exc:
                     broken = exc
                 if broken is None and stream.writer.out and not stream.want_write:
@@ -563,7 +574,7 @@ class IOLoop:
                     if self.on_loop():
                         self.set_events(stream, selectors.EVENT_READ | selectors.EVENT_WRITE)
                     else:
-                        self.wants_write.append(stream)
+                        (self.handed_off if defer else self.wants_write).append(stream)
                         wake = True
         for callback in finished:
             callback(True)
@@ -589,6 +600,20 @@ class IOLoop:
             if not stream.writer.out and stream.want_write:
                 stream.want_write = False
                 self.set_events(stream, selectors.EVENT_READ)
+
+    def _write_handed_off(self) -> None:
+        """Write the pushes callers' threads left (``loop_writes``) at once: their sockets had
+        nothing queued, so they most likely have room. What they do not take waits for the
+        socket to drain, as any frame does."""
+        with self.lock:
+            streams, self.handed_off = self.handed_off, []
+        for stream in streams:
+            if stream.want_write and not stream.dead:
+                self._serve(stream, selectors.EVENT_WRITE)
+        with self.lock:
+            for stream in streams:
+                if stream.want_write and not stream.dead:
+                    self.set_events(stream, selectors.EVENT_READ | selectors.EVENT_WRITE)
 
     def _watch_writes(self) -> None:
         with self.lock:

@@ -121,6 +121,14 @@ DEFAULT_IO_THREADS = 1
 #: worker talks to at most a few dozen).
 MAX_IO_THREADS = 64
 
+#: With several I/O loops (``REDSRV_IO_THREADS`` > 1), a push of at least this many bytes that a
+#: caller's thread sends is left to its stream's loop to write (``IOLoop.send_frame``), so that
+#: the loops copy the pushes into their sockets in parallel: written by the caller's thread, every
+#: push of an operation is copied by that one thread, whatever the number of loops
+#: (docs/performance.md, "On a machine with cores to spare"). Smaller pushes are written at once,
+#: as with one loop: a hand-off costs a wake-up, more than their copy.
+LOOP_WRITES_MIN_BYTES = 64 * 1024
+
 #: TCP congestion control of every data connection (worker and reducer side), where the system
 #: allows it; ``None`` keeps the system default. Each link of a reduction server carries one flow
 #: per peer (four per link at n=m=4), each crossing two shared bottlenecks, and the flows pause

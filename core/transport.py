@@ -464,16 +464,21 @@ class FrameWriter:
         self.last_progress = now  # the last time a queued frame moved (a peer that stopped reading)
 
     def send(self, views: Views, done: Callable[[bool], None] | None, now: float, finished: list[Callable[[bool], None]],
-             *, ahead: bool = False) -> None:
+             *, ahead: bool = False, defer: bool = False) -> None:
         """Write a frame now if nothing is queued ahead of it, else queue it: last, or with
         ``ahead`` right behind the frame being written (a small control frame that must not wait
-        for megabytes of data). Appends ``done`` to ``finished`` when the frame is out. Raises
+        for megabytes of data). ``defer``: queue it even when nothing is ahead, for the owner's
+        loop to write (``flush``). Appends ``done`` to ``finished`` when the frame is out. Raises
         :class:`ConnectionBroken`."""
         if self.out:
             if ahead:
                 self.out.insert(1, _Outgoing(views, done))
             else:
                 self.out.append(_Outgoing(views, done))
+            return
+        if defer:
+            self.out.append(_Outgoing(views, done))
+            self.last_progress = now  # a frame waits from now: the stall deadline counts from here
             return
         rest = send_views(self.sock, views() if callable(views) else views, _DONTWAIT, self.peer)
         self.last_send = now

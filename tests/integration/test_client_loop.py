@@ -82,6 +82,47 @@ def test_k_io_threads_each_serve_their_reducers_and_close_ends_them_all(io_threa
             d.stop()
 
 
+@pytest.mark.parametrize("io_threads", [1, 2])
+def test_with_several_io_threads_the_loops_write_the_large_pushes(io_threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written by the caller's thread, every push of an operation would be copied into its socket
+    by that one thread whatever k; with k > 1 the loops write them (C.LOOP_WRITES_MIN_BYTES), and
+    small frames are still written at once."""
+    from redsrv.core import constants, transport
+
+    writers: dict[str, list[int]] = {}
+    real_send_views = transport.send_views
+
+    def recording(sock, views, flags, peer):  # type: ignore[no-untyped-def]
+        size = sum(len(view) for view in views)
+        writers.setdefault(threading.current_thread().name, []).append(size)
+        return real_send_views(sock, views, flags, peer)
+
+    monkeypatch.setattr(transport, "send_views", recording)
+    daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(2)]
+    addresses = [f"{host}:{port}" for host, port in (d.start() for d in daemons)]
+    caller = threading.current_thread().name
+    try:
+        with redsrv.Client(addresses, rank=0, world_size=1, job="loop-writes", io_threads=io_threads) as client:
+            x = np.arange(3_000_000, dtype=np.float32)
+            for _ in range(3):
+                assert client.allreduce(x).tobytes() == x.tobytes()  # world size 1: the sum is the input
+            caller_large = [n for n in writers.get(caller, []) if n >= constants.LOOP_WRITES_MIN_BYTES]
+            if io_threads == 1:
+                assert caller_large, writers  # the first push of each stream goes out at once
+            else:
+                assert not caller_large, writers
+                loops = {name for name, sizes in writers.items()  # the reducers here are in-process: their threads write too
+                         if name.startswith("redsrv-io") and any(n >= constants.LOOP_WRITES_MIN_BYTES for n in sizes)}
+                assert loops == {"redsrv-io-0", "redsrv-io-1"}, writers
+            writers.clear()
+            small = np.ones(1000, np.float32)  # one small push: written by the caller's thread whatever k
+            assert client.allreduce(small).tobytes() == small.tobytes()
+            assert any(n < constants.LOOP_WRITES_MIN_BYTES for n in writers.get(caller, [])), writers
+    finally:
+        for d in daemons:
+            d.stop()
+
+
 def test_a_bug_in_the_client_loop_fails_the_operation_with_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     daemon = redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2))
     host, port = daemon.start()

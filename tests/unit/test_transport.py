@@ -181,6 +181,35 @@ def test_a_frame_sent_ahead_overtakes_the_queued_frames_but_not_the_one_being_wr
         assert kinds == [0, "Ack", 1, 2]
 
 
+def test_a_deferred_frame_waits_for_the_owners_flush_and_starts_the_stall_clock() -> None:
+    # REDSRV_IO_THREADS > 1: a caller's thread leaves a large push to its stream's loop (IOLoop.send_frame).
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        writer = FrameWriter(a, 0.0)
+        finished: list[Callable[[bool], None]] = []
+        header, payload = _result_frame(3, 0, np.arange(1000, dtype=np.int32))
+        writer.send([memoryview(header), payload], lambda ok: None, 5.0, finished, defer=True)
+        assert len(writer.out) == 1 and not finished
+        assert writer.last_progress == 5.0 and writer.last_send == 0.0  # waiting since 5.0; nothing written yet
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            b.recv(1)
+        writer.send([memoryview(wire.encode(wire.Ack(1)))], None, 6.0, finished)  # queued behind, in order
+        writer.flush(7.0, finished)
+        assert not writer.out and len(finished) == 1 and writer.last_send == 7.0
+        received = bytearray()
+        with contextlib.suppress(BlockingIOError):
+            while chunk := b.recv(1 << 20):
+                received += chunk
+        decoder = wire.FrameDecoder()
+        decoder.receive_data(bytes(received))
+        kinds = []
+        while (frame := decoder.next_frame()) is not None:
+            kinds.append(frame.key if isinstance(frame, wire.Result) else type(frame).__name__)
+        assert kinds == [3, "Ack"]
+
+
 def test_the_reader_drops_heartbeats_and_what_it_is_told_to_skip_and_hands_over_errors() -> None:
     a, b = socket.socketpair()
     b.setblocking(False)
