@@ -5,6 +5,9 @@
 # emulated cluster; results and logs go to $OUT (default: a new temporary folder).
 #
 #   OUT=results bash tools/device_check.sh [parts...]     parts: cuda threads emulate (default all)
+#
+# PYTHON: the interpreter (default python3); DEVTOOLS: a folder with setuptools for the build, if
+# the machine's is too old; PYSPY: py-spy's path, to profile one worker (threads part).
 set -u
 OUT=${OUT:-$(mktemp -d)}
 WORK=$(mktemp -d)  # every result file, packed into $OUT/device-check.tgz after each part
@@ -36,19 +39,35 @@ if wants cuda; then
 fi
 
 if wants threads; then
-    # One worker's client I/O threads, 1 -> 2 -> 4, beside four reducers with a core each. Two
-    # alternated rounds: the same machine, minutes apart.
+    # A worker's client I/O threads, 1 -> 2 -> 4, beside four reducers per worker (with four for
+    # two workers, the reducers were the limit: docs/performance.md). Two alternated rounds.
     for round in 1 2; do
         for workers in 1 2; do
             for threads in 1 2 4; do
                 name="threads-w${workers}-k${threads}-r${round}"
-                say "bench local --workers $workers --reducers 4 --io-threads $threads (round $round)"
-                timeout 120 "$PYTHON" -c "import sys; from redsrv.cli import main; sys.exit(main())" bench local --workers "$workers" --reducers 4 --sizes 64 --reps 40 \
-                    --io-threads "$threads" --json "$WORK/$name.json" 2>&1 | tail -4
+                say "bench local --workers $workers --reducers $((4 * workers)) --io-threads $threads (round $round)"
+                timeout 120 "$PYTHON" -c "import sys; from redsrv.cli import main; sys.exit(main())" bench local --workers "$workers" \
+                    --reducers $((4 * workers)) --sizes 64 --reps 40 --io-threads "$threads" --json "$WORK/$name.json" 2>&1 | tail -1
                 pack
             done
         done
     done
+    # Where one worker's threads and GIL go at k = 4, where py-spy is at hand (PYSPY: its path).
+    if [ -x "${PYSPY:-}" ]; then
+        say "py-spy on one worker at k = 4"
+        # SIGINT at the limit: the benchmark's own cleanup then stops its reducers and worker.
+        timeout -s INT 180 "$PYTHON" -c "import sys; from redsrv.cli import main; sys.exit(main())" bench local --workers 1 \
+            --reducers 4 --sizes 64 --reps 900 --io-threads 4 > "$WORK/profile-run.log" 2>&1 &
+        bench=$!
+        worker=""
+        for _ in $(seq 300); do worker=$(pgrep -f "redsrv.bench.local worker" | head -1); [ -n "$worker" ] && break; sleep 0.1; done
+        if [ -n "$worker" ]; then
+            timeout 30 "$PYSPY" record --gil --threads -r 250 -d 6 -f raw -o "$WORK/profile-gil-k4.txt" -p "$worker" > /dev/null 2>&1
+            timeout 30 "$PYSPY" record --threads -r 250 -d 6 -f raw -o "$WORK/profile-all-k4.txt" -p "$worker" > /dev/null 2>&1
+        fi
+        wait "$bench"
+        pack
+    fi
     say "redsrv plan --measure"
     timeout 120 "$PYTHON" -c "import sys; from redsrv.cli import main; sys.exit(main())" plan --measure --workers 16 --worker-gbit 100 --reducer-gbit 100 2>&1 | tee "$WORK/plan.log" | tail -25
     pack
