@@ -59,8 +59,12 @@ DEFAULT_WORKER_CORES = 8
 #: system calls and copies, which release it): ``perf record`` on a worker of the emulated
 #: cluster put 42% of its samples in the Python interpreter (docs/performance.md, "What limits
 #: it now"). That part runs one thread at a time, so one client process moves at most D_w / 0.42,
-#: about 2.4 I/O threads' worth, however many it has. A roofline, not a measured scaling: 0 for a
-#: free-threaded Python (``--gil-share 0``).
+#: about 2.4 I/O threads' worth, however many it has; 0 for a free-threaded Python (``--gil-share
+#: 0``). Checked against a measured scaling on a 16-core host (docs/performance.md, "On a machine
+#: with cores to spare"): with D_w = 1.36 read there, the plan's 3.23 GB/s at k = 3 lies within
+#: 12% of the 3.64 one worker moved at k = 4. The GIL itself was held a fifth of the time there
+#: (the native receiver took most of the interpreter's work), so this share now stands for the
+#: serial part of a client (the caller's thread included) rather than for the GIL alone.
 CLIENT_GIL_SHARE = 0.42
 
 #: A worker's results trail its pushes by about this many cut-through pieces per reducer: the
