@@ -39,15 +39,15 @@ if wants cuda; then
 fi
 
 if wants threads; then
-    # A worker's client I/O threads, 1 -> 2 -> 4, beside four reducers per worker (with four for
-    # two workers, the reducers were the limit: docs/performance.md). Two alternated rounds.
+    # A worker's client I/O threads, 1 -> 2 -> 4, beside eight reducers (with four, the reducers
+    # were the limit for two workers and may be for one: docs/performance.md). Two alternated rounds.
     for round in 1 2; do
         for workers in 1 2; do
             for threads in 1 2 4; do
                 name="threads-w${workers}-k${threads}-r${round}"
-                say "bench local --workers $workers --reducers $((4 * workers)) --io-threads $threads (round $round)"
+                say "bench local --workers $workers --reducers 8 --io-threads $threads (round $round)"
                 timeout 120 "$PYTHON" -c "import sys; from redsrv.cli import main; sys.exit(main())" bench local --workers "$workers" \
-                    --reducers $((4 * workers)) --sizes 64 --reps 40 --io-threads "$threads" --json "$WORK/$name.json" 2>&1 | tail -1
+                    --reducers 8 --sizes 64 --reps 40 --io-threads "$threads" --json "$WORK/$name.json" 2>&1 | tail -1
                 pack
             done
         done
@@ -57,7 +57,7 @@ if wants threads; then
         say "py-spy on one worker at k = 4"
         # SIGINT at the limit: the benchmark's own cleanup then stops its reducers and worker.
         timeout -s INT 180 "$PYTHON" -c "import sys; from redsrv.cli import main; sys.exit(main())" bench local --workers 1 \
-            --reducers 4 --sizes 64 --reps 900 --io-threads 4 > "$WORK/profile-run.log" 2>&1 &
+            --reducers 8 --sizes 64 --reps 900 --io-threads 4 > "$WORK/profile-run.log" 2>&1 &
         bench=$!
         worker=""
         for _ in $(seq 300); do worker=$(pgrep -f "redsrv.bench.local worker" | head -1); [ -n "$worker" ] && break; sleep 0.1; done
