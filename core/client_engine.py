@@ -3,11 +3,11 @@
 ``REDSRV_IO_THREADS`` (k, default 1) ``selectors`` loop threads (``redsrv-io``, or ``redsrv-io-0``
 .. ``redsrv-io-{k-1}``) each serve the streams of a fixed subset of the reducers (reducer r
 belongs to loop ``r % k`` for the client's life, reconnects included): a loop writes what
-callers' threads could not write at once (and, with k > 1, the large pushes they leave it, so that
-the loops copy them in parallel: ``C.LOOP_WRITES_MIN_BYTES``), reads result frames straight into the views the core
-names, keeps its streams' socket deadlines (send stalls, silent reducers), sends heartbeats, and
-installs the streams the reconnect thread (``redsrv-reconnect``, only while a reducer is lost)
-made for its reducers. Connecting itself is :mod:`client_connect`'s. Every decision is the
+callers' threads could not write at once (and, with k > 1, the large pushes they leave it, so
+that the loops copy them in parallel: ``C.LOOP_WRITES_MIN_BYTES``), reads result frames straight
+into the views the core names, keeps its streams' socket deadlines (send stalls, silent
+reducers), sends heartbeats, and installs the streams the reconnect thread (``redsrv-reconnect``,
+only while a reducer is lost) made for its reducers. Connecting itself is :mod:`client_connect`'s. Every decision is the
 core's; this module executes its actions.
 
 The locking rule. :attr:`ClientEngine.lock` guards the core, and is the only lock held while
@@ -16,9 +16,9 @@ one per submission, one per written push), never while touching a socket or sett
 Byte work happens outside it, into views the core handed out (``recv_into`` of a payload, the
 widening and mean of :meth:`Landing.finish_bytes`, writing a push). Beside it, each loop's
 :attr:`IOLoop.lock` guards its streams' writers (``FrameWriter``, ``want_write``, ``dead``,
-``closing``) and its ``wants_write`` and ``handed_off`` lists, because callers' threads write too; a thread holds at
-most one lock at a time (the engine's, or one loop's), so there is no order to keep. Futures are
-settled and writers' ``done`` callbacks run with no lock held. Owned by one loop, no lock: its
+``closing``) and its ``wants_write`` and ``handed_off`` lists, because callers' threads write
+too; a thread holds at most one lock at a time (the engine's, or one loop's), so there is no
+order to keep. Futures are settled and writers' ``done`` callbacks run with no lock held. Owned by one loop, no lock: its
 selector's registrations, each of its streams' ``FrameReader``, and the byte buffers of each of
 its streams' :class:`Channel` that the core handed out (``bitmap``, ``scratch``, the
 :class:`Landing` being received); a channel's ``push_scratch`` belongs to whichever thread writes
