@@ -321,6 +321,8 @@ class ReducerCore(_MembershipRules):
         in is read and dropped), its answers go to the new connection, and the sums the chunk
         already sent are sent again there. ``None``: not such a resend (the usual rules apply,
         which report a mismatch or a duplicate)."""
+        if rank not in chunk.conns and not chunk.contributors >> rank & 1:
+            return None  # the rank's first push to this chunk (a part is attached with its connection)
         member = job.members.get(rank)
         shape = _Shape(push.total, push.offset, push.count, push.dtype, push.op, push.root)
         if member is None or member.grace <= 0 or chunk.shape != shape or chunk.conns.get(rank) == conn:

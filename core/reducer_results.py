@@ -18,7 +18,7 @@ from .reducer_buffers import _SharedBuffer
 from .reducer_chunks import _Closed, _CutThroughChunk, _OpenChunk
 from .reducer_jobs import PushTicket, _AckGroup, _Conn, _Delivery, _Job
 from .reducer_memory import _MemoryRules
-from .wire import Error, ErrorCode, Result, StragglerMode, bitmap_from_ranks, numpy_dtype, result_header
+from .wire import Error, ErrorCode, Result, StragglerMode, bitmap_from_ranks, numpy_dtype, result_header, result_header_of
 
 __all__: list[str] = []
 
@@ -146,21 +146,21 @@ class _ResultRules(_MemoryRules):
         world = job.params.world_size
         if len(parts) < world:
             return []
-        wire = numpy_dtype(chunk.shape.dtype)
-        size = chunk.shape.count * wire.itemsize
-        ready = min(part.received for part in parts.values())
-        ready -= ready % wire.itemsize
+        item = numpy_dtype(chunk.shape.dtype).itemsize
+        size = chunk.shape.count * item
+        ready = min([part.received for part in parts.values()])
+        ready -= ready % item
         start = chunk.forwarded
         actions: list[Action] = []
         if ready > start and (ready == size or (self.piece_bytes and ready - start >= self.piece_bytes)):
             actions += self._send_piece(job, chunk, start, ready)
         if chunk.forwarded == size and chunk.contributors == (1 << world) - 1:  # every push ended
             shape = chunk.shape
-            whole = Result(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype, world,
-                           bitmap_from_ranks((1 << world) - 1, world))
             chunk.transition("close")
             out = parts[0].shared
-            self._track(job, chunk, result_header(whole, size), out.buffer[:size].data, out)
+            header = result_header_of(chunk.key, shape.offset, shape.count, chunk.chunk, shape.dtype, world,
+                                      bitmap_from_ranks((1 << world) - 1, world), size)
+            self._track(job, chunk, header, out.buffer[:size].data, out)
             del job.open[(chunk.key, chunk.chunk)]
             stats = self.stats(job.name)
             stats.chunks_closed += 1
@@ -177,14 +177,14 @@ class _ResultRules(_MemoryRules):
                                           shape.op)
         chunk.forwarded = stop
         item = numpy_dtype(shape.dtype).itemsize
-        result = Result(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk, shape.dtype,
-                        world, bitmap_from_ranks((1 << world) - 1, world))
         targets = self._answer_to(chunk)
         self.stats(job.name).bytes_out += len(targets) * (stop - start)
         if not targets:
             return []
+        header = result_header_of(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk,
+                                  shape.dtype, world, bitmap_from_ranks((1 << world) - 1, world), stop - start)
         out = parts[0].shared  # rank 0's buffer holds the sum
-        return [self._send_to(targets, result_header(result, stop - start), out.buffer[start:stop].data, out)]
+        return [self._send_to(targets, header, out.buffer[start:stop].data, out)]
 
     def _answer_to(self, chunk: _OpenChunk) -> list[int]:
         """The connections a chunk's result goes to: each contributor's, while it is open."""

@@ -65,6 +65,7 @@ __all__ = [
     "encode_header",
     "push_header",
     "result_header",
+    "result_header_of",
     "parse_prefix",
     "parse_header",
     "parse_payload",
@@ -431,18 +432,24 @@ def push_header(push: Push, payload_len: int) -> bytes:
 
 def result_header(result: Result, data_len: int) -> bytes:
     """Prefix, header and bitmap of a result whose ``data_len`` data bytes are sent separately."""
-    if data_len != result.count * numpy_dtype(result.dtype).itemsize:
-        raise LocalProtocolError(f"result data is {data_len} bytes, expected {result.count} elements")
+    return result_header_of(result.key, result.offset, result.count, result.chunk, result.dtype, result.contributors,
+                            result.bitmap, data_len)
+
+
+def result_header_of(key: int, offset: int, count: int, chunk: int, dtype: DType, contributors: int, bitmap: bytes,
+                     data_len: int) -> bytes:
+    """:func:`result_header` from the fields, for a reducer's every result piece: a frozen
+    :class:`Result` costs more to build than the header does to pack."""
+    if data_len != count * _NUMPY_DTYPES[dtype].itemsize:
+        raise LocalProtocolError(f"result data is {data_len} bytes, expected {count} elements")
     try:  # as in push_header
-        header = _RESULT_HEADER.pack(result.key, result.offset, result.count, result.chunk, result.dtype,
-                                     result.contributors, len(result.bitmap))
+        header = _RESULT_HEADER.pack(key, offset, count, chunk, dtype, contributors, len(bitmap))
     except struct.error:
-        for value, bits, name in ((result.key, 64, "key"), (result.offset, 64, "offset"), (result.count, 32, "count"),
-                                  (result.chunk, 32, "chunk"), (result.contributors, 16, "contributors"),
-                                  (len(result.bitmap), 32, "bitmap_len")):
+        for value, bits, name in ((key, 64, "key"), (offset, 64, "offset"), (count, 32, "count"), (chunk, 32, "chunk"),
+                                  (contributors, 16, "contributors"), (len(bitmap), 32, "bitmap_len")):
             _u(value, bits, name)
         raise
-    return encode_header(FrameType.RESULT, header, len(result.bitmap) + data_len) + result.bitmap
+    return encode_header(FrameType.RESULT, header, len(bitmap) + data_len) + bitmap
 
 
 # --- decoding -------------------------------------------------------------------------------
