@@ -82,6 +82,12 @@ def test_header_helpers_match_full_encoding() -> None:
     result = FRAMES[8]
     assert isinstance(result, wire.Result)
     assert wire.result_header(result, len(result.payload)) + bytes(result.payload) == wire.encode(result)
+    fields = (result.key, result.offset, result.count, result.chunk, result.dtype, result.contributors, result.bitmap)
+    assert wire.result_header_of(*fields, len(result.payload)) == wire.result_header(result, len(result.payload))
+    with pytest.raises(LocalProtocolError, match="expected"):
+        wire.result_header_of(*fields, len(result.payload) + 1)
+    with pytest.raises(LocalProtocolError, match="count"):
+        wire.result_header_of(result.key, result.offset, 1 << 32, *fields[3:], (1 << 32) * 4)
 
 
 def _prefix(frame_type: int, header_len: int, payload_len: int, magic: bytes = MAGIC, version: int = PROTOCOL_VERSION) -> bytes:
