@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from redsrv.cli.units import size_in
 from redsrv.core.plane import kernels_for
 from redsrv.core.reducer import ReducerCore, SendResult, SendSafe
 from redsrv.core.wire import DType, Hello, Push
@@ -37,9 +38,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[
     p = subparsers.add_parser("core-path", help="the reducer core's CPU and Python calls per chunk (sans-IO)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4, help="ranks of the job (default 4)")
-    p.add_argument("--chunk-kib", type=int, default=64,
-                   help="chunk size in KiB (default 64: small, so that the combine does not hide the decisions)")
-    p.add_argument("--piece-kib", type=int, default=32, help="the cut-through piece in KiB (default 32)")
+    p.add_argument("--chunk-kib", type=size_in("KiB", whole=True), default=64, metavar="KIB",
+                   help="chunk size in KiB, or with a unit (default 64: small, so that the combine does not hide "
+                        "the decisions)")
+    p.add_argument("--piece-kib", type=size_in("KiB", whole=True), default=32, metavar="KIB",
+                   help="the cut-through piece in KiB, or with a unit (default 32)")
     p.add_argument("--chunks", type=int, default=5000, help="timed chunks per round (default 5000)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     p.add_argument("--data-plane", choices=["native", "python"], default=None,

@@ -23,7 +23,7 @@ PLANES = ["python"] + ([] if plane.native_unavailable() is not None else ["nativ
 @pytest.mark.parametrize("data_plane", PLANES)
 def test_three_ranks_two_pieces_a_chunk(procs, tmp_path, data_plane):  # type: ignore[no-untyped-def]
     out = tmp_path / "core-path.json"
-    run = procs.popen([sys.executable, "-m", "redsrv", "bench", "core-path", "--world", "3", "--chunk-kib", "16",
+    run = procs.popen([sys.executable, "-m", "redsrv", "bench", "core-path", "--world", "3", "--chunk-kib", "16KiB",
                        "--piece-kib", "8", "--chunks", "50", "--rounds", "2", "--data-plane", data_plane, "--json", str(out)],
                       cwd=tmp_path, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     printed, _ = run.communicate(timeout=100)
