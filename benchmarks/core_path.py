@@ -35,7 +35,7 @@ _JOB = "core-path"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = subparsers.add_parser("core-path", help="the reducer core's CPU and Python calls per chunk (sans-IO)",
+    p = subparsers.add_parser("core-path", help="the reducer core's CPU and function calls per chunk (sans-IO)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world", type=int, default=4, help="ranks of the job (default 4)")
     p.add_argument("--chunk-kib", type=size_in("KiB", whole=True), default=64, metavar="KIB",
@@ -154,11 +154,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"reducer core, {args.world} ranks, {args.chunk_kib} KiB chunks in {args.piece_kib} KiB pieces, "
           f"{plane_name} plane: {median:.1f} us of CPU per chunk (rounds "
           + ", ".join(f"{r['us_per_chunk']:.1f}" for r in rounds)
-          + f"), {calls:.0f} Python calls, {rounds[0]['results_per_chunk']:.0f} RESULT and "
+          + f"), {calls:.0f} function calls (Python and C), {rounds[0]['results_per_chunk']:.0f} RESULT and "
           f"{rounds[0]['safes_per_chunk']:.1f} SAFE frames per chunk; every sum checked")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": command_line("core-path"), "world": args.world, "chunk_bytes": args.chunk_kib << 10,
                        "piece_bytes": args.piece_kib << 10, "plane": plane_name, "us_per_chunk": median,
-                       "python_calls_per_chunk": calls, "rounds": rounds, **provenance(None)}, f, indent=1)
+                       "calls_per_chunk": calls, "rounds": rounds, **provenance(None)}, f, indent=1)
     return 0

@@ -31,7 +31,7 @@ def test_three_ranks_two_pieces_a_chunk(procs, tmp_path, data_plane):  # type: i
     doc = json.loads(out.read_text())
     assert doc["command"].startswith("redsrv bench core-path") and doc["plane"] == data_plane
     assert doc["world"] == 3 and doc["chunk_bytes"] == 16 << 10 and doc["piece_bytes"] == 8 << 10
-    assert len(doc["rounds"]) == 2 and doc["us_per_chunk"] > 0 and doc["python_calls_per_chunk"] > 10
+    assert len(doc["rounds"]) == 2 and doc["us_per_chunk"] > 0 and doc["calls_per_chunk"] > 10
     for row in doc["rounds"]:
         assert row["results_per_chunk"] == 2 * 3 and row["safes_per_chunk"] == 3
     assert "every sum checked" in printed
