@@ -187,10 +187,15 @@ class Stream:
         return self.channel.loop
 
 
-_GOODBYE = wire.encode(wire.Error(wire.ErrorCode.CLOSED, True, "the client was closed"))
+def goodbye_frame(message: str = wire.CLIENT_CLOSED_MESSAGE) -> bytes:
+    """The CLOSED frame a client ends its connections with; ``message``: why, where it failed."""
+    return wire.encode(wire.Error(wire.ErrorCode.CLOSED, True, message))
 
 
-def say_goodbye(stream: Stream, deadline: float) -> list[tuple[Any, bool]]:
+_GOODBYE = goodbye_frame()
+
+
+def say_goodbye(stream: Stream, deadline: float, frame: bytes = _GOODBYE) -> list[tuple[Any, bool]]:
     """Tell the reducer this client is closing, so that it keeps no place for a reconnect (a new
     client for the rank would otherwise look like a restarted worker and void what the job's
     other new clients already sent). A goodbye goes between whole frames: the frame on the wire
@@ -207,9 +212,9 @@ def say_goodbye(stream: Stream, deadline: float) -> list[tuple[Any, bool]]:
             if not between:
                 return callbacks
             stream.sock.settimeout(max(1e-3, deadline - time.monotonic()))
-            stream.sock.sendall(_GOODBYE)
+            stream.sock.sendall(frame)
         else:
-            stream.sock.send(_GOODBYE, socket.MSG_DONTWAIT)
+            stream.sock.send(frame, socket.MSG_DONTWAIT)
     except OSError:
         pass
     finally:

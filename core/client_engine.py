@@ -41,7 +41,7 @@ from . import constants as C
 from . import wire
 from .buffer_pool import OutputPool
 from .client_channel import Channel, Landing
-from .client_connect import Connector, Stream, close_streams, run_callbacks, say_goodbye, shutdown
+from .client_connect import Connector, Stream, close_streams, goodbye_frame, run_callbacks, say_goodbye, shutdown
 from .client_core import Action, Broken, ClientCore, Complete, Fail, Reconnect, Retire, SendFrame, TracePull
 from .client_ops import label, set_exception
 from .errors import AuthenticationError, JobMismatchError, PeerError, PeerLostError, RedsrvError
@@ -161,6 +161,7 @@ class ClientEngine:
                 except OSError:
                     pass
         elif isinstance(action, Broken):
+            self.say_failed(action.error)
             self.shutdown_all()
 
     def written(self, channel: Channel, kind: str, ok: bool) -> None:
@@ -379,6 +380,22 @@ class ClientEngine:
             self.run(actions)
 
     # --- closing ---
+
+    def say_failed(self, error: BaseException) -> None:
+        """The client broke: end each connection still open with a goodbye that says why. Its
+        reducers then drop the rank at once and tell the job's other ranks the cause (a rank that
+        lost reducer A hears it from reducer B, perhaps before it sees A's loss itself), instead
+        of keeping the rank's place for a reconnect that will not come."""
+        frame = goodbye_frame(f"it failed: {type(error).__name__}: {error}")
+        deadline = time.monotonic() + C.FAILED_GOODBYE_S
+        for loop in self.loops:
+            callbacks: list[tuple[Any, bool]] = []
+            with loop.lock:  # as in close(): one loop's lock at a time
+                for stream in loop.own_streams():
+                    if not stream.closing:
+                        callbacks += say_goodbye(stream, deadline, frame)
+                    stream.closing = True
+            run_callbacks(callbacks)
 
     def shutdown_all(self) -> None:
         for stream in self.all_streams():

@@ -157,6 +157,10 @@ DEFAULT_STALL_WARNING_S = 30.0
 #: ``close()`` and daemon shutdown finish within this bound, even with peers misbehaving.
 DEFAULT_CLOSE_TIMEOUT_S = 10.0
 
+#: A client that broke says why to each reducer still connected (ClientEngine.say_failed); it
+#: waits this long at most to finish a frame half on the wire first, or says nothing there.
+FAILED_GOODBYE_S = 0.2
+
 #: Push scheduling (client): chunks leave in round-robin order across the reducers, and each
 #: stream holds at most this many chunks not yet written to its socket. A stream whose TCP flow
 #: runs ahead then waits for the others, so every reducer gets chunk k from every worker at about

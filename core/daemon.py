@@ -289,8 +289,12 @@ class ReducerDaemon:
         if isinstance(exc, ConnectionBroken):
             self._broken(conn, exc)
         elif isinstance(exc, _Closed):
-            log.info("connection %s ended: the worker closed its client", conn.label)
-            self._close(conn, "the worker closed its client", for_good=True)
+            reason = "the worker closed its client"
+            message = str(exc)
+            if message != wire.CLIENT_CLOSED_MESSAGE:  # its client failed: the cause reaches the job's other ranks
+                reason += ": " + "".join(ch if ch.isprintable() else " " for ch in message)
+            log.info("connection %s ended: %s", conn.label, reason)
+            self._close(conn, reason, for_good=True)
         elif isinstance(exc, _Rejected):
             log.warning("connection %s rejected: %s", conn.label, exc)
             self._close(conn, str(exc), None if exc.code is None else wire.encode(wire.Error(exc.code, True, str(exc))))

@@ -45,6 +45,7 @@ __all__ = [
     "DTYPE_NAMES",
     "NUMERIC_DTYPE_NAMES",
     "ErrorCode",
+    "CLIENT_CLOSED_MESSAGE",
     "NONCE_BYTES",
     "PROOF_BYTES",
     "PREFIX",
@@ -189,7 +190,13 @@ class ErrorCode(enum.IntEnum):
     SHUTDOWN = 8  # the reducer is stopping
     OVERLOADED = 9  # job budget or connection limit exceeded
     DUPLICATE = 10  # a rank contributed twice to one chunk
-    CLOSED = 11  # worker -> reducer: the client was closed; its rank leaves the job now, keeping no place
+    # worker -> reducer: the client was closed, or failed (the message says why); its rank leaves
+    # the job now, keeping no place
+    CLOSED = 11
+
+
+# The message of a CLOSED goodbye from Client.close(); any other message is why the client failed.
+CLIENT_CLOSED_MESSAGE = "the client was closed"
 
 
 # --- frames ---------------------------------------------------------------------------------

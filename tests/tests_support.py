@@ -67,6 +67,11 @@ def scripted_handshake(conn: socket.socket, incarnation: int) -> Callable[[], wi
     """Answer a client's handshake on an accepted ``conn`` as a reducer without a secret would
     (incarnation ``incarnation``); returns a function reading the next frame (10 s per read), for
     scripted reducers that show client behaviour no real reducer shows."""
+    return scripted_join(conn, incarnation)[1]
+
+
+def scripted_join(conn: socket.socket, incarnation: int) -> tuple[wire.Hello, Callable[[], wire.Frame]]:
+    """:func:`scripted_handshake`, with the client's HELLO (its job and rank)."""
     conn.settimeout(10)
     decoder = wire.FrameDecoder()
 
@@ -77,11 +82,12 @@ def scripted_handshake(conn: socket.socket, incarnation: int) -> Callable[[], wi
             decoder.receive_data(data)
         return frame
 
-    assert isinstance(next_frame(), wire.Hello)
+    hello = next_frame()
+    assert isinstance(hello, wire.Hello)
     conn.sendall(wire.encode(wire.Challenge(incarnation, bytes(32), bytes(32), False)))
     assert isinstance(next_frame(), wire.Proof)
     conn.sendall(wire.encode(wire.Welcome(incarnation, 1 << 26, 200)))
-    return next_frame
+    return hello, next_frame
 
 
 def read_one_operation(next_frame: Callable[[], wire.Frame]) -> list[wire.Push]:

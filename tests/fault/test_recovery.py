@@ -22,7 +22,7 @@ import redsrv
 from redsrv.core import wire
 from redsrv.core.client_engine import ClientEngine
 
-from tests_support import poll, read_one_operation, scripted_handshake
+from tests_support import poll, read_one_operation, scripted_handshake, scripted_join
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -407,6 +407,55 @@ def test_a_peer_lost_error_while_reconnecting_names_the_reducer_this_rank_lost_t
         for listener in listeners:
             listener.close()
     assert failed_after and not any(thread.is_alive() for thread in threads)
+
+
+def test_a_rank_that_fails_tells_the_other_ranks_why_through_the_reducers_it_still_reaches(procs) -> None:  # type: ignore[no-untyped-def]
+    """Without a reconnect window a rank that loses a reducer fails at once, and says why to the
+    reducers it still reaches (ClientEngine.say_failed): its goodbye carries the cause, and they
+    fail the chunks that needed it on the other ranks with it. A rank that did not see the loss
+    itself, or not yet (here reducer A drops rank 1's connection only, before any operation; in a
+    real crash the other ranks' own loss may be read after the news), must still learn which
+    reducer was lost, not only that rank 1 left."""
+    reducer = procs.start_reducer()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    lost = "{}:{}".format(*listener.getsockname()[:2])
+    kept: list[socket.socket] = []  # rank 0's connection to A: open, unanswered
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            hello, next_frame = scripted_join(conn, 5)
+            if hello.rank == 0:
+                kept.append(conn)
+                continue
+            conn.close()  # rank 1's: dropped at once
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    # No reconnect window; the scripted reducer sends no heartbeats: allow it 20 s of silence.
+    config = {**RECOVERING, "heartbeat_interval": 4.0, "reconnect_window": 0.0}
+    clients: list[redsrv.Client] = []
+    try:
+        for rank in range(2):
+            clients.append(redsrv.Client([lost, reducer.address], rank=rank, world_size=2, job="why", **config))
+        with pytest.raises(redsrv.PeerLostError, match=f"lost reducer {lost}"):
+            clients[1].allreduce(np.ones(1000, np.float32), key="step", timeout=10)
+        poll(lambda: any("(job 'why' rank 1) ended: the worker closed its client: it failed" in line
+                         for line in list(reducer.log)), 10, "the reducer hearing why rank 1 left")
+        with pytest.raises(redsrv.PeerLostError) as raised:
+            clients[0].allreduce(np.ones(1 << 20, np.float32), key="step", timeout=10)
+        message = str(raised.value)
+        assert f"reducer {reducer.address}: rank 1 of job 'why' disconnected (the worker closed its client: " in message
+        assert f"it failed: PeerLostError: lost reducer {lost}" in message, message
+    finally:
+        for client in clients:
+            client.close()
+        thread.join(10)
+        for conn in kept:
+            conn.close()
+        listener.close()
+    assert not thread.is_alive()
 
 
 def test_a_client_closed_with_pushes_queued_finishes_the_frame_on_the_wire_and_says_goodbye() -> None:
