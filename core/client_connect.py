@@ -35,7 +35,7 @@ from .transport import FrameReader, FrameWriter, choose_congestion_control, conf
 if TYPE_CHECKING:
     from .config import Config
 
-__all__ = ["Connector", "Stream", "ReaderCallbacks", "say_goodbye", "run_callbacks", "close_streams", "shutdown"]
+__all__ = ["Connector", "Stream", "ReaderCallbacks", "goodbye_frame", "say_goodbye", "run_callbacks", "close_streams", "shutdown"]
 
 log = logging.getLogger("redsrv.client")
 

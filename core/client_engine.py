@@ -386,14 +386,19 @@ class ClientEngine:
         reducers then drop the rank at once and tell the job's other ranks the cause (a rank that
         lost reducer A hears it from reducer B, perhaps before it sees A's loss itself), instead
         of keeping the rank's place for a reconnect that will not come."""
-        frame = goodbye_frame(f"it failed: {type(error).__name__}: {error}")
-        deadline = time.monotonic() + C.FAILED_GOODBYE_S
+        self._say_goodbye_everywhere(time.monotonic() + C.FAILED_GOODBYE_S,
+                                     goodbye_frame(f"it failed: {type(error).__name__}: {error}"))
+
+    def _say_goodbye_everywhere(self, deadline: float, frame: bytes) -> None:
+        """``frame`` as the last frame of every stream not closing yet (``say_goodbye``)."""
         for loop in self.loops:
             callbacks: list[tuple[Any, bool]] = []
-            with loop.lock:  # as in close(): one loop's lock at a time
+            with loop.lock:  # one loop's lock at a time: a thread never holds two
                 for stream in loop.own_streams():
                     if not stream.closing:
                         callbacks += say_goodbye(stream, deadline, frame)
+                    # The goodbye is the client's last frame: an ACK the loop was about to send
+                    # is dropped (send_frame), not written after it.
                     stream.closing = True
             run_callbacks(callbacks)
 
@@ -411,16 +416,7 @@ class ClientEngine:
         """Stop every loop (waiting for each until ``deadline``, except the one this runs on) and
         close every stream. The selectors stay open for :meth:`close_selectors`."""
         self.begin_close(deadline)
-        for loop in self.loops:
-            callbacks: list[tuple[Any, bool]] = []
-            with loop.lock:  # one loop's lock at a time: a thread never holds two
-                for stream in loop.own_streams():
-                    if not stream.closing:
-                        callbacks += say_goodbye(stream, deadline)
-                    # The goodbye is the client's last frame: an ACK the loop was about to send
-                    # is dropped (send_frame), not written after it.
-                    stream.closing = True
-            run_callbacks(callbacks)
+        self._say_goodbye_everywhere(deadline, goodbye_frame())
         self.shutdown_all()
         for loop in self.loops:
             loop.join(deadline)
