@@ -1,4 +1,4 @@
-"""Builds the compiled data plane (native/plane.c, frames.c, stream.c, receiver.c, pushes.c -> redsrv.core._plane);
+"""Builds the compiled data plane (native/plane.c, frames.c, stream.c, receiver.c, pushes.c, writer.c -> redsrv.core._plane);
 everything else is in pyproject.toml.
 
 The extension is optional: where it cannot be compiled (no C compiler, no Python headers) the
@@ -68,8 +68,10 @@ class OptionalBuildExt(build_ext):
 
 setup(
     ext_modules=[Extension("redsrv.core._plane",
-                           ["native/plane.c", "native/frames.c", "native/stream.c", "native/receiver.c", "native/pushes.c"],
-                           depends=["native/frames.h", "native/stream.h", "native/receiver.h", "native/pushes.h"],
+                           ["native/plane.c", "native/frames.c", "native/stream.c", "native/receiver.c", "native/pushes.c",
+                            "native/writer.c"],
+                           depends=["native/frames.h", "native/stream.h", "native/receiver.h", "native/pushes.h",
+                                    "native/writer.h"],
                            extra_compile_args=compile_args,
                            extra_link_args=link_args)] if os.name == "posix" else [],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -121,7 +121,7 @@ def _demo(args: argparse.Namespace) -> int:
 #: Each module under redsrv.bench adds its own ``redsrv bench NAME`` subcommand with
 #: ``add_parser(subparsers)``; importing them is cheap (frameworks are imported when run).
 BENCH_MODULES = ("local", "emulate", "train", "sessions", "torch_ops", "fsdp", "allreduce", "plan_check", "frame_path",
-                 "core_path")
+                 "core_path", "frame_writer")
 
 
 def build_parser() -> argparse.ArgumentParser:

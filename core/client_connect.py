@@ -30,7 +30,7 @@ from .errors import (
     RemoteProtocolError,
 )
 from .handshake import ClientHandshake, HandshakeFailure, HandshakeState
-from .transport import FrameReader, FrameWriter, choose_congestion_control, configure_socket, set_send_lowat
+from .transport import FrameReader, choose_congestion_control, configure_socket, set_send_lowat
 
 if TYPE_CHECKING:
     from .config import Config
@@ -172,7 +172,7 @@ class Stream:
                                   on_count=functools.partial(on_count, self),
                                   parser=channel.kernels.frames, fast=fast,
                                   on_fast=functools.partial(on_fast, self) if fast is not None else None)
-        self.writer = FrameWriter(sock, now)
+        self.writer = channel.kernels.frame_writer(sock, now)
         self.events = 0  # what the loop's selector watches
         self.want_write = False  # the writer holds frames the socket did not take (under the loop's lock)
         self.dead = False

@@ -70,7 +70,6 @@ from .transport import (
     WAIT,
     ConnectionBroken,
     FrameReader,
-    FrameWriter,
     HeaderStep,
     Waker,
     choose_congestion_control,
@@ -126,7 +125,7 @@ class _Conn:
                                   sender="a worker after the handshake", on_header=on_header, on_payload=on_payload,
                                   on_error=functools.partial(daemon._on_error, self), on_count=on_count,
                                   parser=daemon.kernels.frames, fast=fast)
-        self.writer = FrameWriter(sock, now)
+        self.writer = daemon.kernels.frame_writer(sock, now)
         self.ticket: PushTicket | None = None
         self.skip_left = 0  # bytes of the current push still to read and drop (resent, or nobody's any more)
         self.in_data = False  # the current push's bytes now land in its buffer

@@ -13,7 +13,9 @@ Each plane also brings the frame parser its connections' decoders run on every f
 native plane adds the client's result receiver (:attr:`Kernels.result_receiver`,
 ``native/receiver.c``), which lands steady RESULT frames, and the reducer's push receiver
 (:attr:`Kernels.push_receiver`, ``native/pushes.c``), which reads PUSH, ACK and heartbeat
-frames; both hand every other frame to that decoder.
+frames; both hand every other frame to that decoder. Every data connection writes its frames
+with the plane's :attr:`Kernels.frame_writer`: ``transport.FrameWriter`` or its C twin in
+``native/writer.c`` (``tests/unit/test_frame_writer.py`` runs both on the same sockets).
 
 ``auto`` (the default) takes the native plane where it was built and the reference otherwise;
 ``native`` insists on it. Which plane a process runs is in ``redsrv plan``'s and the
@@ -30,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ConfigError
+from .transport import FrameWriter
 from .wire import PYTHON_PARSER, DType, FrameParser, ReduceOp, numpy_dtype
 
 __all__ = ["ACCUMULATION_DTYPES", "UFUNCS", "PLANES", "Kernels", "PythonKernels", "NativeKernels", "kernels_for",
@@ -88,6 +91,9 @@ class Kernels:
     #: heartbeat frames and asks the daemon's callbacks as ``transport.FrameReader`` does;
     #: ``None``: the decoder reads every frame.
     push_receiver: Any = None
+    #: What writes a data connection's frames: ``transport.FrameWriter``, or ``FrameWriter`` of
+    #: ``native/writer.c`` (the same methods and rules, the buffers and iovecs handled in C).
+    frame_writer: Any = FrameWriter
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         """``acc = op(acc, piece)`` element-wise; ``piece`` in ``acc``'s dtype or, for a float32
@@ -133,6 +139,7 @@ class NativeKernels(PythonKernels):
         self.frames = FrameParser(_native.parse_prefix, _native.parse_header)
         self.result_slot, self.result_receiver = _native.ResultSlot, _native.ResultReceiver
         self.push_receiver = _native.PushReceiver
+        self.frame_writer = _native.FrameWriter
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         acc_code, piece_code = _CODES.get(acc.dtype), _CODES.get(piece.dtype)

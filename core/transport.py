@@ -463,6 +463,11 @@ class FrameWriter:
         self.last_send = now  # the last time anything was written (heartbeats are due after a pause)
         self.last_progress = now  # the last time a queued frame moved (a peer that stopped reading)
 
+    @property
+    def queued(self) -> int:
+        """How many frames wait (the frame being written first)."""
+        return len(self.out)
+
     def send(self, views: Views, done: Callable[[bool], None] | None, now: float, finished: list[Callable[[bool], None]],
              *, ahead: bool = False, defer: bool = False) -> None:
         """Write a frame now if nothing is queued ahead of it, else queue it: last, or with
@@ -493,7 +498,9 @@ class FrameWriter:
         out = self.out
         while out:
             item = out[0]
-            views = item.views() if callable(item.views) else item.views
+            if callable(item.views):
+                item.views = item.views()  # made once, even if this write fails
+            views = item.views
             before = (len(views), len(views[0])) if views else (0, 0)  # what is left only shrinks
             rest = send_views(self.sock, views, _DONTWAIT, self.peer)
             if rest:

@@ -22,6 +22,7 @@
 #include "pushes.h"
 #include "receiver.h"
 #include "stream.h"
+#include "writer.h"
 
 /* core/wire.py DType */
 enum { K_F32 = 1, K_F64 = 2, K_F16 = 3, K_BF16 = 4, K_I32 = 5, K_I64 = 6, K_I8 = 7, K_U8 = 8, K_BOOL = 9 };
@@ -319,7 +320,7 @@ static PyMethodDef plane_methods[] = {
 static struct PyModuleDef plane_module = {
     PyModuleDef_HEAD_INIT, "_plane",
     "redsrv's compiled data plane (core/plane.py is the interface), frame parser (native/frames.c), result "
-    "receiver (native/receiver.c) and push receiver (native/pushes.c).", -1,
+    "receiver (native/receiver.c), push receiver (native/pushes.c) and frame writer (native/writer.c).", -1,
     plane_methods, NULL, NULL, NULL, NULL,
 };
 
@@ -327,7 +328,7 @@ PyMODINIT_FUNC PyInit__plane(void) {
     PyObject *module = PyModule_Create(&plane_module);
     if (module != NULL
         && (frames_init(module) < 0 || stream_init_module(module) < 0 || receiver_init_module(module) < 0
-            || pushes_init_module(module) < 0))
+            || pushes_init_module(module) < 0 || writer_init_module(module) < 0))
         Py_CLEAR(module);
     return module;
 }

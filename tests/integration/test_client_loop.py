@@ -102,7 +102,10 @@ def test_with_several_io_threads_the_loops_write_the_large_pushes(io_threads: in
     addresses = [f"{host}:{port}" for host, port in (d.start() for d in daemons)]
     caller = threading.current_thread().name
     try:
-        with redsrv.Client(addresses, rank=0, world_size=1, job="loop-writes", io_threads=io_threads) as client:
+        # The Python plane's writer calls send_views, which records the thread; which thread writes
+        # is the engine's choice (IOLoop.send_frame), the same on the native plane's writer.
+        with redsrv.Client(addresses, rank=0, world_size=1, job="loop-writes", io_threads=io_threads,
+                           data_plane="python") as client:
             x = np.arange(3_000_000, dtype=np.float32)
             for _ in range(3):
                 assert client.allreduce(x).tobytes() == x.tobytes()  # world size 1: the sum is the input

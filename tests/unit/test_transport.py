@@ -10,11 +10,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 
-from redsrv.core import wire
+from redsrv.core import plane, wire
 from redsrv.core.transport import (
     SKIP,
     WAIT,
@@ -27,6 +28,16 @@ from redsrv.core.transport import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+
+#: Both frame writers: the reference and the native plane's (native/writer.c), where built.
+WRITERS = [pytest.param(FrameWriter, id="python"),
+           pytest.param("native", id="native",
+                        marks=pytest.mark.skipif(plane.native_unavailable() is not None, reason="the native plane is not built"))]
+
+
+@pytest.fixture(params=WRITERS)
+def writer_class(request: pytest.FixtureRequest) -> Any:
+    return plane.kernels_for("native").frame_writer if request.param == "native" else request.param
 
 
 class _Collector:
@@ -80,14 +91,14 @@ def _result_frame(key: int, index: int, data: np.ndarray) -> tuple[bytes, memory
     return header, memoryview(data.tobytes())  # the header ends with the bitmap
 
 
-def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
+def test_frames_written_from_many_threads_arrive_whole_and_in_order(writer_class: Any) -> None:
     # Callers write under their owner's lock, as the client's do; what the socket does not take
     # waits in the writer until the owner flushes it.
     a, b = socket.socketpair()
     with a, b:  # closed even when an assertion fails, or the next test reports the leak
         a.setblocking(False)
         b.setblocking(False)
-        writer = FrameWriter(a, time.monotonic())
+        writer = writer_class(a, time.monotonic())
         lock = threading.Lock()
         threads, per_thread, size = 4, 100, 20_000
         done: list[bool] = []
@@ -141,20 +152,20 @@ def test_frames_written_from_many_threads_arrive_whole_and_in_order() -> None:
         assert not writer.out
 
 
-def test_a_frame_sent_ahead_overtakes_the_queued_frames_but_not_the_one_being_written() -> None:
+def test_a_frame_sent_ahead_overtakes_the_queued_frames_but_not_the_one_being_written(writer_class: Any) -> None:
     # An ACK or SAFE must not wait behind megabytes of queued data, and must not cut a frame in two.
     a, b = socket.socketpair()
     with a, b:
         a.setblocking(False)
         a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-        writer = FrameWriter(a, time.monotonic())
+        writer = writer_class(a, time.monotonic())
         finished: list[Callable[[bool], None]] = []
         written: list[str] = []
         big = [_result_frame(i, 0, np.full(200_000, i, dtype=np.int32)) for i in range(3)]
         for i, (header, payload) in enumerate(big):
             writer.send([memoryview(header), payload], lambda ok, i=i: written.append(f"big{i}"), time.monotonic(),
                         finished)
-        assert len(writer.out) == 3, "the socket took a whole 800 KB frame: the test needs it to queue"
+        assert writer.queued == 3, "the socket took a whole 800 KB frame: the test needs it to queue"
         ack = wire.encode(wire.Ack(7))
         writer.send([memoryview(ack)], lambda ok: written.append("ack"), time.monotonic(), finished, ahead=True)
         received = bytearray()
@@ -181,16 +192,16 @@ def test_a_frame_sent_ahead_overtakes_the_queued_frames_but_not_the_one_being_wr
         assert kinds == [0, "Ack", 1, 2]
 
 
-def test_a_deferred_frame_waits_for_the_owners_flush_and_starts_the_stall_clock() -> None:
+def test_a_deferred_frame_waits_for_the_owners_flush_and_starts_the_stall_clock(writer_class: Any) -> None:
     # REDSRV_IO_THREADS > 1: a caller's thread leaves a large push to its stream's loop (IOLoop.send_frame).
     a, b = socket.socketpair()
     with a, b:
         a.setblocking(False)
-        writer = FrameWriter(a, 0.0)
+        writer = writer_class(a, 0.0)
         finished: list[Callable[[bool], None]] = []
         header, payload = _result_frame(3, 0, np.arange(1000, dtype=np.int32))
         writer.send([memoryview(header), payload], lambda ok: None, 5.0, finished, defer=True)
-        assert len(writer.out) == 1 and not finished
+        assert writer.queued == 1 and not finished
         assert writer.last_progress == 5.0 and writer.last_send == 0.0  # waiting since 5.0; nothing written yet
         b.setblocking(False)
         with pytest.raises(BlockingIOError):
