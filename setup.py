@@ -69,9 +69,9 @@ class OptionalBuildExt(build_ext):
 setup(
     ext_modules=[Extension("redsrv.core._plane",
                            ["native/plane.c", "native/frames.c", "native/stream.c", "native/receiver.c", "native/pushes.c",
-                            "native/writer.c"],
+                            "native/writer.c", "native/forward.c"],
                            depends=["native/frames.h", "native/stream.h", "native/receiver.h", "native/pushes.h",
-                                    "native/writer.h"],
+                                    "native/writer.h", "native/forward.h", "native/plane.h"],
                            extra_compile_args=compile_args,
                            extra_link_args=link_args)] if os.name == "posix" else [],
     cmdclass={"build_ext": OptionalBuildExt},

@@ -65,6 +65,7 @@ from .reducer import (
     SendResult,
     SendSafe,
 )
+from .reducer_results import ResultSink
 from .transport import (
     SKIP,
     WAIT,
@@ -121,11 +122,14 @@ class _Conn:
         receiver = daemon.kernels.push_receiver
         fast = None if receiver is None else receiver(sock.fileno(), max_payload, C.MAX_RECEIVE_LOWAT_BYTES, on_header,
                                                       on_payload, on_count, WAIT, SKIP)
+        self.fast = fast
         self.reader = FrameReader(sock, max_payload=max_payload, now=now, data_frame=wire.FrameType.PUSH,
                                   sender="a worker after the handshake", on_header=on_header, on_payload=on_payload,
                                   on_error=functools.partial(daemon._on_error, self), on_count=on_count,
                                   parser=daemon.kernels.frames, fast=fast)
         self.writer = daemon.kernels.frame_writer(sock, now)
+        # What a native forwarder writes this connection's RESULT frames through (ReducerCore._engage).
+        self.sink = (self.writer, functools.partial(daemon._watch_writes, self), functools.partial(daemon._write_failed, self))
         self.ticket: PushTicket | None = None
         self.skip_left = 0  # bytes of the current push still to read and drop (resent, or nobody's any more)
         self.in_data = False  # the current push's bytes now land in its buffer
@@ -149,7 +153,7 @@ class ReducerDaemon:
             memory_budget_bytes=self.settings.memory_budget_bytes, stall_warning=self.settings.stall_warning,
             piece_bytes=self.settings.result_piece_bytes, rejoin_grace=self.settings.rejoin_grace,
             budget_wait_timeout=self.settings.budget_wait_timeout, min_push_rate=self.settings.min_push_rate,
-            slow_push_grace=self.settings.slow_push_grace, kernels=self.kernels,
+            slow_push_grace=self.settings.slow_push_grace, kernels=self.kernels, result_sinks=self._result_sink,
         )
         # Guards the state machine against snapshot() from the metrics thread; the loop is its
         # only other user, so it is never contended on the data path.
@@ -165,6 +169,9 @@ class ReducerDaemon:
         self._listener: socket.socket | None = None
         self._accept_paused_until = 0.0
         self._blocked: set[_Conn] = set()
+        # Writes of a native forwarder that failed, each the connection's end: handled once the
+        # read that made them returns (the forwarder runs inside another connection's read).
+        self._failed_writes: list[tuple[_Conn, Exception]] = []
         self._retried_epoch = -1  # the core's memory epoch when the blocked pushes were last asked again
         self._closing: set[_Conn] = set()
         self._congestion_warned = False
@@ -261,6 +268,7 @@ class ReducerDaemon:
                         handler()
                 if self._blocked and self.core.memory_epoch != self._retried_epoch:
                     self._retry_blocked()  # memory was freed, or the shares changed
+                    self._end_failed_writes()
                 if self._now >= next_tick:
                     next_tick = self._now + C.TICK_INTERVAL_S
                     self._tick()
@@ -281,6 +289,12 @@ class ReducerDaemon:
                 self._read(conn)
         except Exception as exc:
             self._contain(conn, exc)
+        self._end_failed_writes()
+
+    def _end_failed_writes(self) -> None:
+        while self._failed_writes:
+            broken, exc = self._failed_writes.pop()
+            self._contain(broken, exc)
 
     def _contain(self, conn: _Conn, exc: Exception) -> None:
         """Whatever went wrong while serving ``conn`` ends that connection only: a bug must cost
@@ -529,6 +543,8 @@ class ReducerDaemon:
         ticket = conn.ticket
         assert ticket is not None
         conn.ticket = None
+        if conn.fast is not None:
+            conn.fast.feed = None
         with self._lock:
             actions = self.core.finish_push(ticket, self._now)
         self._execute(actions)
@@ -567,6 +583,10 @@ class ReducerDaemon:
             return SKIP
         conn.ticket = outcome
         conn.skip_left, conn.in_data = outcome.skip, False
+        for conn_id, rank in outcome.feeds:  # every rank's push of its chunk now tells its forwarder
+            fed = self._conns.get(conn_id)
+            if fed is not None and fed.fast is not None:
+                fed.fast.feed = (outcome.forwarder, rank)
         if outcome.replay:
             self._execute(outcome.replay)
         return self._push_target(conn) or (memoryview(b""), f"push payload (key {push.key:#x} chunk {push.chunk})")
@@ -636,6 +656,22 @@ class ReducerDaemon:
 
     # --- writing ---
 
+    def _result_sink(self, conn_id: int) -> ResultSink | None:
+        """What a native forwarder writes ``conn_id``'s RESULT frames through; None once it is
+        leaving (ReducerCore._engage)."""
+        conn = self._conns.get(conn_id)
+        if conn is None or conn.closed or conn.closing_until is not None or conn.fast is None:
+            return None
+        return conn.sink
+
+    def _watch_writes(self, conn: _Conn) -> None:
+        """A forwarder's frame waits in ``conn``'s writer: flush it when the socket drains."""
+        if not conn.closed and not conn.events & selectors.EVENT_WRITE:
+            self._set_events(conn, conn.events | selectors.EVENT_WRITE)
+
+    def _write_failed(self, conn: _Conn, exc: Exception) -> None:
+        self._failed_writes.append((conn, exc))
+
     def _send(self, conn: _Conn, views: list[memoryview], done: Callable[[bool], None] | None, *,
               ahead: bool = False) -> None:
         """Write a frame now if nothing is queued ahead of it, else queue it (``ahead``: right
@@ -687,6 +723,8 @@ class ReducerDaemon:
         self._conns.pop(conn.id, None)
         self._blocked.discard(conn)
         conn.blocked = False
+        if conn.fast is not None:
+            conn.fast.feed = None
         with self._lock:
             if conn.ticket is not None:
                 self.core.abort_push(conn.ticket)

@@ -15,7 +15,9 @@ native plane adds the client's result receiver (:attr:`Kernels.result_receiver`,
 (:attr:`Kernels.push_receiver`, ``native/pushes.c``), which reads PUSH, ACK and heartbeat
 frames; both hand every other frame to that decoder. Every data connection writes its frames
 with the plane's :attr:`Kernels.frame_writer`: ``transport.FrameWriter`` or its C twin in
-``native/writer.c`` (``tests/unit/test_frame_writer.py`` runs both on the same sockets).
+``native/writer.c`` (``tests/unit/test_frame_writer.py`` runs both on the same sockets). On the
+native plane a reducer's cut-through chunks are summed and sent from C once every rank's push is
+in them (:attr:`Kernels.forwarder`, ``native/forward.c``).
 
 ``auto`` (the default) takes the native plane where it was built and the reference otherwise;
 ``native`` insists on it. Which plane a process runs is in ``redsrv plan``'s and the
@@ -94,6 +96,10 @@ class Kernels:
     #: What writes a data connection's frames: ``transport.FrameWriter``, or ``FrameWriter`` of
     #: ``native/writer.c`` (the same methods and rules, the buffers and iovecs handled in C).
     frame_writer: Any = FrameWriter
+    #: ``Forwarder`` of ``native/forward.c``, which sums and sends a cut-through chunk's pieces as
+    #: the push receivers land them, once every rank's push joined (``ReducerCore._engage``);
+    #: ``None``: the state machine forwards every piece.
+    forwarder: Any = None
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         """``acc = op(acc, piece)`` element-wise; ``piece`` in ``acc``'s dtype or, for a float32
@@ -140,6 +146,7 @@ class NativeKernels(PythonKernels):
         self.result_slot, self.result_receiver = _native.ResultSlot, _native.ResultReceiver
         self.push_receiver = _native.PushReceiver
         self.frame_writer = _native.FrameWriter
+        self.forwarder = _native.Forwarder
 
     def combine(self, op: ReduceOp, acc: np.ndarray, piece: np.ndarray) -> None:
         acc_code, piece_code = _CODES.get(acc.dtype), _CODES.get(piece.dtype)

@@ -39,6 +39,7 @@ Every name other modules import from the core is re-exported here (``__all__``).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from . import constants as C
 from .buffer_pool import BufferPool
@@ -75,6 +76,7 @@ from .reducer_jobs import (
     _Job,
 )
 from .reducer_members import _MembershipRules
+from .reducer_results import ResultSink
 from .wire import (
     Error,
     ErrorCode,
@@ -144,6 +146,7 @@ class ReducerCore(_MembershipRules):
         slow_push_grace: float = C.DEFAULT_SLOW_PUSH_GRACE_S,
         pool: BufferPool | None = None,
         kernels: Kernels | None = None,
+        result_sinks: Callable[[int], ResultSink | None] | None = None,
     ) -> None:
         self.incarnation = incarnation
         self.job_budget_bytes = job_budget_bytes
@@ -162,6 +165,10 @@ class ReducerCore(_MembershipRules):
         self.rejoin_grace = rejoin_grace  # the longest a rank's place is kept for its reconnect
         self.pool = pool or BufferPool(max_free_bytes=memory_budget_bytes)
         self._combiner = Combiner(kernels)  # the data plane's arithmetic; its float32 scratch sums 16-bit pieces
+        # Where a native forwarder writes a connection's RESULT frames (the daemon's writer and
+        # its two callbacks, ``_engage``); None: the state machine forwards every piece itself.
+        self.result_sinks = result_sinks if self._combiner.kernels.forwarder is not None else None
+        self.engaged_chunks = 0  # chunks a native forwarder summed and sent, for tests and figures
         self._jobs = {}
         self._conns = {}
         self.job_stats = OrderedDict()  # survives the job's state, bounded
@@ -330,6 +337,7 @@ class ReducerCore(_MembershipRules):
         part = chunk.parts.get(rank) if isinstance(chunk, _CutThroughChunk) else None
         if part is not None:
             assert isinstance(chunk, _CutThroughChunk)
+            self._disengage(job, chunk)
             if part.writing:
                 return None  # a push of this rank is still arriving: a real duplicate
             part.writing = True
@@ -376,6 +384,8 @@ class ReducerCore(_MembershipRules):
         part = _Part(rank, _SharedBuffer(buffer, self.pool, 2, self._freer(job), ticket.limit), chunk)
         chunk.attach(part, ticket.conn, now)
         ticket.part = part
+        if len(chunk.parts) == job.params.world_size:
+            self._engage(job, chunk, ticket)
         return []
 
     def _refusal(self, chunk: _OpenChunk, rank: int, shape: _Shape, got: int) -> tuple[ErrorCode, str] | None:
@@ -425,6 +435,8 @@ class ReducerCore(_MembershipRules):
         ticket.buffer = None
         chunk = part.chunk
         job = self._jobs.get(ticket.job)
+        if chunk is not None and job is not None:
+            self._disengage(job, chunk)
         member = None if job is None else job.members.get(part.rank)
         info = self._conns.get(ticket.conn)
         if chunk is not None and member is not None and member.grace > 0 and info is not None and info.session == member.session:
@@ -448,6 +460,8 @@ class ReducerCore(_MembershipRules):
         part.received = received
         chunk = part.chunk
         chunk.active_at = now
+        if chunk.engine is not None and chunk.engine.active:
+            return []  # its forwarder sent what was due as the bytes landed
         if not self.piece_bytes or received - chunk.forwarded < self.piece_bytes:
             return []  # this rank is not a piece ahead, so nobody's frontier moved a piece
         job = self._jobs.get(ticket.job)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -238,6 +238,9 @@ class _CutThroughChunk(_OpenChunk):
 
     parts: dict[int, _Part] = field(default_factory=dict)  # rank -> contribution
     forwarded: int = 0  # payload bytes whose sum was sent (piece by piece)
+    # The native forwarder that sums and sends its pieces once every rank's push joined
+    # (ReducerCore._engage); ``forwarded`` is read back from it whenever the core acts on the chunk.
+    engine: Any = None
 
     def has(self, rank: int) -> bool:
         return bool(self.contributors >> rank & 1) or rank in self.parts
@@ -253,6 +256,9 @@ class _CutThroughChunk(_OpenChunk):
         self.conns[part.rank] = conn
 
     def free(self, funds: _MemoryRules, job: _Job) -> None:
+        if self.engine is not None:  # the callers hand its counts back first (ReducerCore._disengage)
+            self.engine.cancel()
+            self.engine = None
         for part in self.parts.values():  # memory a push still writes into is freed when it ends
             part.chunk = None
             part.shared.release()

@@ -9,8 +9,10 @@ Plain data with no rules of their own beyond bookkeeping helpers: the rules are 
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -155,6 +157,10 @@ class PushTicket:
     resent: bool = False  # a whole contribution the chunk already has: read and dropped
     settled: bool = False  # the payload is the chunk's known result (ReduceOp.SETTLED)
     replay: list[Action] = field(default_factory=list)  # to run when the ticket is handed out
+    # The chunk's native forwarder, made as this push joined it last, and the (connection, rank) of
+    # each push whose landed bytes it must be told (the daemon's receivers' feed).
+    forwarder: Any = None
+    feeds: list[tuple[int, int]] = field(default_factory=list)
     # Bytes of ``buffer`` funded so far: the daemon lands no further before :meth:`ReducerCore.extend`
     # funds more (a push announcing more than constants.ARRIVAL_STEP_BYTES is funded as it arrives).
     limit: int = 0
@@ -195,7 +201,9 @@ class _Conn:
     job: str
     rank: int
     session: int
-    frames_sent: int = 0  # RESULT frames sent on this connection, counted as the client counts them
+    # RESULT frames sent on this connection, counted as the client counts them: one int64 that a
+    # native forwarder counts its frames in too (ReducerCore._engage), so it is read as frames_sent[0].
+    frames_sent: array[int] = field(default_factory=lambda: array("q", [0]))
     unacked: deque[_Delivery] = field(default_factory=deque)
     # Deliveries on this connection, in frame order, until every rank of their chunk has them;
     # ``safe_frames``: the frame count the worker was last told is safe (wire.Safe).

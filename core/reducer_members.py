@@ -86,6 +86,8 @@ class _MembershipRules(_ResultRules):
         if info is None:
             return []
         job = self._jobs.get(info.job)
+        if job is not None:
+            self._disengage_conn(job, conn)
         member = None if job is None else job.members.get(info.rank)
         if job is None or member is None or member.session != info.session:
             self._release_unacked(info)
@@ -109,6 +111,7 @@ class _MembershipRules(_ResultRules):
         actions: list[Action] = []
         for sibling in sorted(member.conns):
             sibling_info = self._conns.pop(sibling, None)
+            self._disengage_conn(job, sibling)
             if sibling_info is not None:
                 self._release_unacked(sibling_info)
             actions.append(CloseConnection(sibling))

@@ -10,9 +10,13 @@ taken here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from . import constants as C
+from .combine import ACCUMULATION_DTYPES
 from .reducer_actions import Action, Log, SendError, SendResult, SendSafe
 from .reducer_buffers import _SharedBuffer
 from .reducer_chunks import _Closed, _CutThroughChunk, _OpenChunk
@@ -20,13 +24,20 @@ from .reducer_jobs import PushTicket, _AckGroup, _Conn, _Delivery, _Job
 from .reducer_memory import _MemoryRules
 from .wire import Error, ErrorCode, Result, StragglerMode, bitmap_from_ranks, numpy_dtype, result_header, result_header_of
 
-__all__: list[str] = []
+__all__ = ["ResultSink"]
+
+#: What a native forwarder writes one connection's RESULT frames through: the connection's frame
+#: writer, a callback for when a frame waits in it (the socket is full: the owner watches it) and
+#: one for a write that failed (the owner ends the connection). The daemon's, never the core's.
+ResultSink = tuple[Any, Callable[[], None], Callable[[Exception], None]]
 
 
 class _ResultRules(_MemoryRules):
     """Results and failures, and the records kept of them, for ``ReducerCore``."""
 
     piece_bytes: int  # 0: forward whole chunks only
+    result_sinks: Callable[[int], ResultSink | None] | None
+    engaged_chunks: int
 
     def ack(self, conn: int, frames: int) -> list[Action]:
         """The worker on ``conn`` has the first ``frames`` RESULT frames sent on it: the whole
@@ -86,6 +97,8 @@ class _ResultRules(_MemoryRules):
         closed = _Closed(answered=1 << ticket.rank)
         actions: list[Action] = []
         if chunk is not None:
+            if isinstance(chunk, _CutThroughChunk):
+                self._disengage(job, chunk)
             del job.open[chunk_key]
             chunk.transition("close")
             targets = self._answer_to(chunk)
@@ -113,7 +126,7 @@ class _ResultRules(_MemoryRules):
         that ACK frames acknowledge); takes a reference on ``shared`` for each."""
         shared.retain(len(targets))
         for conn in targets:
-            self._conns[conn].frames_sent += 1
+            self._conns[conn].frames_sent[0] += 1
         return SendResult(targets, header, data, shared.release)
 
     def _track(self, job: _Job, chunk: _OpenChunk, header: bytes, data: memoryview, shared: _SharedBuffer) -> None:
@@ -128,7 +141,7 @@ class _ResultRules(_MemoryRules):
             shared.retain(1)
             info = self._conns.get(conn)
             if info is not None:
-                delivery = _Delivery(info.frames_sent, chunk_key, header, data, shared, group)
+                delivery = _Delivery(info.frames_sent[0], chunk_key, header, data, shared, group)
                 info.unacked.append(delivery)
                 info.safe_pending.append(delivery)
                 continue
@@ -148,13 +161,21 @@ class _ResultRules(_MemoryRules):
             return []
         item = numpy_dtype(chunk.shape.dtype).itemsize
         size = chunk.shape.count * item
-        ready = min([part.received for part in parts.values()])
-        ready -= ready % item
-        start = chunk.forwarded
         actions: list[Action] = []
-        if ready > start and (ready == size or (self.piece_bytes and ready - start >= self.piece_bytes)):
-            actions += self._send_piece(job, chunk, start, ready)
+        engine = chunk.engine
+        if engine is not None and engine.active:
+            self._sync(job, chunk)  # it sent every piece due as the bytes landed, the last one too
+            if chunk.contributors == (1 << world) - 1 and chunk.forwarded < size:
+                self._disengage(job, chunk)  # bytes it was not told of: the rest is sent from here
+        if chunk.engine is None or not chunk.engine.active:
+            self._disengage(job, chunk)
+            ready = min([part.received for part in parts.values()])
+            ready -= ready % item
+            start = chunk.forwarded
+            if ready > start and (ready == size or (self.piece_bytes and ready - start >= self.piece_bytes)):
+                actions += self._send_piece(job, chunk, start, ready)
         if chunk.forwarded == size and chunk.contributors == (1 << world) - 1:  # every push ended
+            self._disengage(job, chunk)
             shape = chunk.shape
             chunk.transition("close")
             out = parts[0].shared
@@ -185,6 +206,73 @@ class _ResultRules(_MemoryRules):
                                   shape.dtype, world, bitmap_from_ranks((1 << world) - 1, world), stop - start)
         out = parts[0].shared  # rank 0's buffer holds the sum
         return [self._send_to(targets, header, out.buffer[start:stop].data, out)]
+
+    def _engage(self, job: _Job, chunk: _CutThroughChunk, ticket: PushTicket) -> None:
+        """Every rank's push joined ``chunk``: from here its pieces are summed and sent by a
+        native forwarder as the push receivers land their bytes (``native/forward.c``), under the
+        rule of :meth:`_forward`, with the plane's kernels, through each connection's writer and
+        counted in each connection's ``frames_sent``. The core reads ``forwarded`` and the bytes
+        sent back from it whenever it acts on the chunk (:meth:`_sync`) and takes over at anything
+        irregular (:meth:`_disengage`). Not engaged: the Python plane, whole-chunk forwarding,
+        16-bit floats (summed through a float32 scratch), an op without a loop, a part whose push
+        broke off, a connection with no writer to hand."""
+        sinks, make = self.result_sinks, self._combiner.kernels.forwarder
+        shape = chunk.shape
+        if sinks is None or make is None or not self.piece_bytes or shape.dtype in ACCUMULATION_DTYPES:
+            return
+        world = job.params.world_size
+        parts = [chunk.parts[rank] for rank in range(world)]
+        targets = []
+        for rank, part in enumerate(parts):
+            conn = chunk.conns[rank]
+            info = self._conns.get(conn)
+            if info is None or not (part.writing or chunk.contributors >> rank & 1):
+                return  # gone, or its push broke off: the state machine decides what comes of the chunk
+            sink = sinks(conn)
+            if sink is None:
+                return
+            writer, on_queued, on_broken = sink
+            targets.append((writer, info.frames_sent, on_queued, on_broken))
+        item = numpy_dtype(shape.dtype).itemsize
+        everyone = bitmap_from_ranks((1 << world) - 1, world)
+
+        def header(start: int, stop: int) -> bytes:
+            return result_header_of(chunk.key, shape.offset + start // item, (stop - start) // item, chunk.chunk,
+                                    shape.dtype, world, everyone, stop - start)
+
+        out = parts[0].shared  # rank 0's buffer holds the sums; a reference per frame, as _send_to takes
+
+        def done(ok: bool) -> None:
+            out.release()
+
+        try:
+            chunk.engine = make([part.shared.buffer for part in parts], shape.count * item, item, int(shape.dtype),
+                                int(shape.op), self.piece_bytes, chunk.forwarded, [part.received for part in parts],
+                                header, out.retain, done, targets)
+        except ValueError:
+            return  # no loop for this op and dtype: the state machine forwards
+        self.engaged_chunks += 1
+        ticket.forwarder = chunk.engine
+        ticket.feeds = [(chunk.conns[rank], rank) for rank in range(world)]
+
+    def _sync(self, job: _Job, chunk: _CutThroughChunk) -> None:
+        """What the chunk's forwarder sent, into the core's books."""
+        engine = chunk.engine
+        chunk.forwarded = engine.forwarded
+        self.stats(job.name).bytes_out += engine.take_bytes_out()
+
+    def _disengage(self, job: _Job, chunk: _OpenChunk) -> None:
+        """The core forwards ``chunk`` from here (its forwarder, if any, is cancelled)."""
+        if isinstance(chunk, _CutThroughChunk) and chunk.engine is not None:
+            self._sync(job, chunk)
+            chunk.engine.cancel()
+            chunk.engine = None
+
+    def _disengage_conn(self, job: _Job, conn: int) -> None:
+        """``conn`` left: no forwarder writes to it any more."""
+        for chunk in job.open.values():
+            if isinstance(chunk, _CutThroughChunk) and chunk.engine is not None and conn in chunk.conns.values():
+                self._disengage(job, chunk)
 
     def _answer_to(self, chunk: _OpenChunk) -> list[int]:
         """The connections a chunk's result goes to: each contributor's, while it is open."""
@@ -245,7 +333,7 @@ class _ResultRules(_MemoryRules):
         if delivery is not None:  # a reconnected rank asks again for a result its old connection lost
             action = self._send_to([conn], delivery.header, delivery.data, delivery.shared)
             info = self._conns[conn]
-            delivery.last_frame = info.frames_sent
+            delivery.last_frame = info.frames_sent[0]
             info.unacked.append(delivery)  # its reference moves with it
             info.safe_pending.append(delivery)
             return [action]
@@ -285,6 +373,7 @@ class _ResultRules(_MemoryRules):
         return self._fail_detached(job, chunk, code, why, now)
 
     def _fail_detached(self, job: _Job, chunk: _OpenChunk, code: ErrorCode, why: str, now: float) -> list[Action]:
+        self._disengage(job, chunk)
         state = chunk.transition("fail")
         chunk.free(self, job)
         message = f"job {job.name!r} key {chunk.key:#x} chunk {chunk.chunk}: {why}"

@@ -18,7 +18,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "forward.h"
 #include "frames.h"
+#include "plane.h"
 #include "pushes.h"
 #include "receiver.h"
 #include "stream.h"
@@ -164,8 +166,6 @@ KERNEL void divide_f64(double *dst, const double *src, double divisor, Py_ssize_
     for (Py_ssize_t i = 0; i < n; i++) dst[i] = src[i] / divisor;
 }
 
-typedef void (*combine_fn)(void *, const void *, Py_ssize_t);
-
 static Py_ssize_t itemsize_of(int kind) {
     switch (kind) {
     case K_F64: case K_I64: return 8;
@@ -215,6 +215,10 @@ static combine_fn pick_combine(int op, int acc_kind, int piece_kind) {
     default: return NULL;
     }
 }
+
+combine_fn plane_pick_combine(int op, int kind) { return pick_combine(op, kind, kind); }
+
+Py_ssize_t plane_itemsize(int kind) { return itemsize_of(kind); }
 
 /* Two buffers, the first writable, of equal element counts. Returns the count, or -1 with an
  * exception set. ``same_or_apart``: the buffers are either the same memory or disjoint (a
@@ -320,7 +324,8 @@ static PyMethodDef plane_methods[] = {
 static struct PyModuleDef plane_module = {
     PyModuleDef_HEAD_INIT, "_plane",
     "redsrv's compiled data plane (core/plane.py is the interface), frame parser (native/frames.c), result "
-    "receiver (native/receiver.c), push receiver (native/pushes.c) and frame writer (native/writer.c).", -1,
+    "receiver (native/receiver.c), push receiver (native/pushes.c), frame writer (native/writer.c) and "
+    "forwarder (native/forward.c).", -1,
     plane_methods, NULL, NULL, NULL, NULL,
 };
 
@@ -328,7 +333,7 @@ PyMODINIT_FUNC PyInit__plane(void) {
     PyObject *module = PyModule_Create(&plane_module);
     if (module != NULL
         && (frames_init(module) < 0 || stream_init_module(module) < 0 || receiver_init_module(module) < 0
-            || pushes_init_module(module) < 0 || writer_init_module(module) < 0))
+            || pushes_init_module(module) < 0 || writer_init_module(module) < 0 || forward_init_module(module) < 0))
         Py_CLEAR(module);
     return module;
 }

@@ -41,6 +41,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "forward.h"
 #include "frames.h"
 #include "pushes.h"
 #include "stream.h"
@@ -71,6 +72,8 @@ typedef struct {
     PyObject *what;          /* what the owner calls that view */
     uint64_t ack;            /* the largest ACK count read and not yet told */
     int has_ack;
+    PyObject *feed;          /* a Forwarder told what lands (native/forward.c), or NULL */
+    int feed_rank;
     int stopped;             /* the owner closed the connection */
     int running;             /* inside receive(): release() frees nothing */
     int released;
@@ -117,6 +120,7 @@ static int pr_traverse(PushReceiver *self, visitproc visit, void *arg) {
     Py_VISIT(self->header);
     Py_VISIT(self->what);
     Py_VISIT(self->view.obj);
+    Py_VISIT(self->feed);
     return 0;
 }
 
@@ -135,6 +139,7 @@ static int pr_clear(PushReceiver *self) {
     Py_CLEAR(self->skip);
     Py_CLEAR(self->header);
     Py_CLEAR(self->what);
+    Py_CLEAR(self->feed);
     return 0;
 }
 
@@ -305,6 +310,11 @@ static PyObject *pr_receive(PushReceiver *self, PyObject *arg) {
             uint64_t moved, want = (uint64_t)self->view.len - self->view_got;
             int status = stream_take(&self->in, (unsigned char *)self->view.buf + self->view_got, want, &moved);
             self->view_got += moved;
+            if (moved && self->feed != NULL
+                && forward_landed_at(self->feed, self->feed_rank, (const char *)self->view.buf + self->view_got) < 0) {
+                failed = 1;
+                break;
+            }
             if (status != 1) {
                 /* One wake-up for the rest of a large view (FrameReader.read's low-water mark). */
                 if (status == DRAINED && (uint64_t)self->view.len >= LOWAT_FROM
@@ -410,6 +420,7 @@ static PyObject *pr_release(PushReceiver *self, PyObject *unused) {
     Py_CLEAR(self->on_header);
     Py_CLEAR(self->on_payload);
     Py_CLEAR(self->on_count);
+    Py_CLEAR(self->feed);
     if (!self->running) { /* else receive() frees them as it returns */
         drop_view(self);
         stream_close(&self->in);
@@ -437,6 +448,24 @@ static PyObject *pr_get_what(PushReceiver *self, void *closure) {
         if (code == k_ack) return PyUnicode_FromString("a ACK header");
     }
     return PyUnicode_FromString("a frame");
+}
+
+static PyObject *pr_get_feed(PushReceiver *self, void *closure) {
+    if (self->feed == NULL) Py_RETURN_NONE;
+    return Py_BuildValue("(Oi)", self->feed, self->feed_rank);
+}
+
+static int pr_set_feed(PushReceiver *self, PyObject *value, void *closure) {
+    PyObject *forwarder = NULL;
+    int rank = 0;
+    if (value != NULL && value != Py_None
+        && (!PyArg_ParseTuple(value, "Oi:feed", &forwarder, &rank) || !forward_check(forwarder))) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "feed: None or (Forwarder, rank)");
+        return -1;
+    }
+    Py_XSETREF(self->feed, Py_XNewRef(forwarder));
+    self->feed_rank = rank;
+    return 0;
 }
 
 static PyObject *pr_get_max_lowat(PushReceiver *self, void *closure) {
@@ -479,6 +508,8 @@ static PyGetSetDef pr_getset[] = {
     {"landed", (getter)pr_get_landed, NULL, "bytes of the current view landed (FrameDecoder.landed)", NULL},
     {"what", (getter)pr_get_what, NULL, "what it waits for, for timeout messages", NULL},
     {"max_lowat", (getter)pr_get_max_lowat, (setter)pr_set_max_lowat, "the largest low-water mark it sets", NULL},
+    {"feed", (getter)pr_get_feed, (setter)pr_set_feed,
+     "None, or (forwarder, rank): every byte landed is told to that Forwarder as rank's (native/forward.c)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
