@@ -583,7 +583,7 @@ class ReducerDaemon:
             return SKIP
         conn.ticket = outcome
         conn.skip_left, conn.in_data = outcome.skip, False
-        for conn_id, rank in outcome.feeds:  # every rank's push of its chunk now tells its forwarder
+        for conn_id, rank in outcome.feeds:  # each push of its chunk still arriving now tells its forwarder
             fed = self._conns.get(conn_id)
             if fed is not None and fed.fast is not None:
                 fed.fast.feed = (outcome.forwarder, rank)

@@ -253,7 +253,8 @@ class _ResultRules(_MemoryRules):
             return  # no loop for this op and dtype: the state machine forwards
         self.engaged_chunks += 1
         ticket.forwarder = chunk.engine
-        ticket.feeds = [(chunk.conns[rank], rank) for rank in range(world)]
+        # The pushes still arriving; a connection whose push of this chunk ended reads another's now.
+        ticket.feeds = [(chunk.conns[rank], rank) for rank, part in enumerate(parts) if part.writing]
 
     def _sync(self, job: _Job, chunk: _CutThroughChunk) -> None:
         """What the chunk's forwarder sent, into the core's books."""
