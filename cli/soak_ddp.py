@@ -69,6 +69,9 @@ HASH_EVERY = 50
 STOP_CHECK_EVERY = 25
 #: No fault is injected this close to the end: its recovery would not be seen.
 QUIET_END_S = 15.0
+#: A worker that said it finished exits within this (its hook's client closes within its goodbye
+#: deadlines, then gloo's group); one still running after it is a hang at the end, reported as one.
+EXIT_GRACE_S = 30.0
 FAULT_KINDS = ("kill_reducer", "term_reducer", "freeze_reducer")
 
 
@@ -359,15 +362,17 @@ def run_ddp_soak(*, duration: float, workers: int, reducers: int, fault_interval
                 # A failed step fails for every rank (R3); the rest had the operation timeout to say so.
                 stop_processes(gen.procs, timeout=5)
                 continue
-            stuck = [r for r in range(workers) if exited[r] is None and not gen.finished[r]
-                     and now - gen.last_progress[r] > hang_after]
+            # Its last line came this long ago: a step, or "finished" (then it should have exited).
+            stuck = [r for r in range(workers) if exited[r] is None
+                     and now - gen.last_progress[r] > (EXIT_GRACE_S if gen.finished[r] else hang_after)]
             if stuck:
                 for r in stuck:
                     os.kill(gen.procs[r].pid, signal.SIGUSR1)  # stacks into its log
                     stats.hangs.append({"generation": gen.index, "rank": r, "last_step": len(gen.steps[r]) - 1,
-                                        "silent_s": round(now - gen.last_progress[r], 1)})
-                print(f"redsrv soak: worker(s) {stuck} made no progress for {hang_after:g}s; stopping (stacks in "
-                      f"{logs})", flush=True)
+                                        "silent_s": round(now - gen.last_progress[r], 1),
+                                        "finished": gen.finished[r]})
+                print(f"redsrv soak: worker(s) {stuck} made no progress for {hang_after:g}s, or did not exit "
+                      f"{EXIT_GRACE_S:g}s after finishing; stopping (stacks in {logs})", flush=True)
                 time.sleep(1.0)  # give faulthandler its moment before the workers are ended
                 break
     finally:

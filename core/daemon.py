@@ -61,11 +61,11 @@ from .reducer import (
     MemoryState,
     PushTicket,
     ReducerCore,
+    ResultSink,
     SendError,
     SendResult,
     SendSafe,
 )
-from .reducer_results import ResultSink
 from .transport import (
     SKIP,
     WAIT,

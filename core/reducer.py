@@ -76,7 +76,7 @@ from .reducer_jobs import (
     _Job,
 )
 from .reducer_members import _MembershipRules
-from .reducer_results import ResultSink
+from .reducer_results import ResultSink  # re-exported: the daemon's side of a native forwarder
 from .wire import (
     Error,
     ErrorCode,
@@ -108,6 +108,7 @@ __all__ = [
     "WAIT_FOR_MEMORY",
     "ChunkState",
     "ChunkStateError",
+    "ResultSink",
     "CHUNK_TRANSITIONS",
     "EVENTS",
     "QUERIES",

@@ -243,7 +243,10 @@ int forward_landed_at(PyObject *obj, int rank, const char *end) {
     if (!self->active || rank < 0 || rank >= self->world) return 0;
     const char *base = self->parts[rank].buf;
     if (end < base || (uint64_t)(end - base) > self->size) return 0; /* not this rank's buffer */
-    return landed(self, rank, (uint64_t)(end - base));
+    Py_INCREF(obj); /* the callbacks it runs may drop the receiver's reference */
+    int status = landed(self, rank, (uint64_t)(end - base));
+    Py_DECREF(obj);
+    return status;
 }
 
 /* --- the type -------------------------------------------------------------------------------- */
