@@ -332,7 +332,10 @@ static int fw_init(Forwarder *self, PyObject *args, PyObject *kwds) {
         self->received[r] = got < size ? got : size;
         if (take_target(&self->targets[r], PySequence_Fast_GET_ITEM(target_seq, r)) < 0) goto done;
     }
-    self->out = PyMemoryView_FromObject(self->parts[0].obj);
+    /* Sliced in bytes, whatever the exporter's element type. */
+    PyObject *typed = PyMemoryView_FromObject(self->parts[0].obj);
+    self->out = typed == NULL ? NULL : PyObject_CallMethod(typed, "cast", "s", "B");
+    Py_XDECREF(typed);
     if (self->out == NULL) goto done;
     self->header = Py_NewRef(header);
     self->retain = Py_NewRef(retain);

@@ -88,7 +88,8 @@ class _Setup:
         self.header = header
         targets = [(self.writers[r], self.counters[r], (lambda r=r: self.queued.append(r)),
                     (lambda exc, r=r: self.broken.append((r, exc)))) for r in range(world)]
-        self.forwarder = _kernels().forwarder([p.view(np.uint8) for p in self.parts], self.size, self.item, int(kind),
+        # The buffers as they are (typed): the forwarder counts and slices them in bytes.
+        self.forwarder = _kernels().forwarder(self.parts, self.size, self.item, int(kind),
                                               int(op), self.piece, 0, [0] * world, header, self.refs.retain,
                                               self.refs.done, targets)
 
