@@ -41,11 +41,15 @@ def test_the_headline_judges_every_point_and_marks_the_cpu_bound_ones() -> None:
     # kernel's autotuned windows they overflowed the port's queue and this point ran 18-24% over
     # the model (docs/performance.md, "Fewer reducers than workers").
     (4, 2, 10**9, 64),
-    # Eight workers' flows into each reducer port at a slow rate: 26-28% over the model while the
-    # emulated hosts sent 64 KiB packets (their own queue delayed the reducers' ACKs by ~29 ms),
-    # +1.5% to +5.9% since they send packets of 0.5 ms (netns.HOST_GSO_SECONDS).
-    (8, 4, 300 * 10**6, 64),
-], ids=["n2-m2-300mbit", "n4-m2-1gbit", "n8-m4-300mbit"])
+    # Six workers' flows into each pair of reducers at a slow rate: 15% over the model while the
+    # emulated hosts sent 64 KiB packets (their own queue delayed the reducers' ACKs), +0.2% to
+    # +1.5% since they send packets of 0.5 ms (netns.HOST_GSO_SECONDS). n=8, m=4, the worse point
+    # before the cap, runs 62-82% busy on the slower machines of this kind and +2.4% to +14%
+    # over the model there, the same on the source that measured it within 6%: its time is partly
+    # the shared cores', which the model does not describe (docs/performance.md, "`redsrv plan`
+    # against the emulation").
+    (6, 3, 300 * 10**6, 64),
+], ids=["n2-m2-300mbit", "n4-m2-1gbit", "n6-m3-300mbit"])
 def test_the_model_predicts_a_fresh_network_bound_emulation_within_the_worst_case_bound(
         tmp_path, n: int, m: int, rate_bps: int, size_mib: int) -> None:  # type: ignore[no-untyped-def]
     with harness.OtherLoad() as others:
