@@ -189,8 +189,9 @@ class ReducerCore(_MembershipRules):
         reach its own share). Pushes to an open chunk join it whatever the budgets. A push
         announcing more than ``constants.ARRIVAL_STEP_BYTES`` is funded one step at a time as
         its bytes arrive (:meth:`extend`) where its bytes join the chunk as they come (every
-        rank contributes, a sum-like op: cut-through); elsewhere the payload is handed over
-        whole, and funded whole."""
+        rank contributes, a sum-like op: cut-through), unless it is small enough to be funded
+        whole and fits now (:meth:`_fits_whole`); elsewhere the payload is handed over whole,
+        and funded whole."""
         info = self._conns.get(conn)
         if info is None:
             return [SendError(conn, Error(ErrorCode.PROTOCOL, True, "push before a completed handshake"), close_after=True)]
@@ -220,7 +221,7 @@ class ReducerCore(_MembershipRules):
                 self._waiting.pop(conn, None)
                 return self._receive(resumed, now)
         cut_through = job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST and push.count > 0
-        stepwise = cut_through and payload_len > C.ARRIVAL_STEP_BYTES
+        stepwise = cut_through and payload_len > C.ARRIVAL_STEP_BYTES and not self._fits_whole(job, payload_len)
         grant = C.ARRIVAL_STEP_BYTES if stepwise else payload_len
         # Over a budget: no new chunks until held memory (open chunks, results still being sent,
         # results kept for stragglers) drains. Pushes to open chunks always proceed: they are
@@ -247,6 +248,15 @@ class ReducerCore(_MembershipRules):
             if refused:
                 return refused
         return self._receive(ticket, now)
+
+    def _fits_whole(self, job: _Job, payload_len: int) -> bool:
+        """Whether a push above one step may still be funded whole at its header, in pooled
+        memory (constants.WHOLE_FUNDING_MAX_BYTES): at most that size, no push waits for memory,
+        and all of it fits the job's budget and share and the reducer's budget now. Under memory
+        pressure every push above a step is funded as it arrives, as the fair-share rules assume
+        (docs/reliability.md, "Fair shares")."""
+        return (payload_len <= C.WHOLE_FUNDING_MAX_BYTES and not self._waiting
+                and job.bytes_held + payload_len <= self.job_budget_bytes and self._room(job, payload_len) is None)
 
     def _receive(self, ticket: PushTicket, now: float) -> PushTicket:
         """Hand ``ticket`` out; while its payload arrives its rate is watched (:meth:`tick`)."""

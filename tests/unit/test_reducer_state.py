@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from redsrv.core import constants as C
 from redsrv.core import wire
 from redsrv.core.errors import RemoteProtocolError
 from redsrv.core.reducer import WAIT_FOR_MEMORY, Log, PushTicket, ReducerCore, SendError, SendResult
@@ -759,25 +760,49 @@ def land(core: ReducerCore, ticket: PushTicket, data: np.ndarray, upto: int, now
 
 def test_a_push_announcing_more_than_a_step_is_funded_as_its_bytes_arrive() -> None:
     """Memory backs the bytes that arrived and the step being received, not the announced size:
-    two 4 MiB headers hold 2 MiB of an 8 MiB budget, so another job's chunk still fits, and the
-    sums of the pieces are exact."""
-    core = shared_core(8, {"big": 2, "small": 1})
-    data = [np.full(4 * ONE_MIB_F32, r + 1.5, np.float32) for r in range(2)]
-    tickets = [open_push(core, "big", r, 4 * MIB, key=1) for r in range(2)]
+    two 6 MiB headers (more than is ever funded whole) hold 2 MiB of a 12 MiB budget, so another
+    job's chunk still fits, and the sums of the pieces are exact."""
+    assert 6 * MIB > C.WHOLE_FUNDING_MAX_BYTES
+    core = shared_core(12, {"big": 2, "small": 1})
+    data = [np.full(6 * ONE_MIB_F32, r + 1.5, np.float32) for r in range(2)]
+    tickets = [open_push(core, "big", r, 6 * MIB, key=1) for r in range(2)]
     assert all(isinstance(t, PushTicket) and t.limit == MIB for t in tickets) and core.bytes_held("big") == 2 * MIB
     assert isinstance(tickets[0].buffer.base.obj, mmap.mmap), "fresh memory, whose pages exist once written"
     other = open_push(core, "small", 0, MIB // 2, key=7)
-    assert isinstance(other, PushTicket), "two whole 4 MiB charges for the headers would have left no room"
+    assert isinstance(other, PushTicket), "two whole 6 MiB charges for the headers would have left no room"
     other.buffer[:] = np.ones(MIB // 8, np.float32).view(np.uint8)
     result_of(core.finish_push(other, 0.0), np.dtype(np.float32))
     core.tick(6.0)  # job small is idle: job big may have the whole budget again
     land(core, tickets[0], data[0], 2 * MIB + 100, 6.0)
     assert core.bytes_held("big") == 4 * MIB  # rank 0: 2 MiB and 100 bytes in, with the step being received
-    actions = land(core, tickets[0], data[0], 4 * MIB, 6.0) + core.finish_push(tickets[0], 6.0)
-    actions += land(core, tickets[1], data[1], 4 * MIB, 6.0) + core.finish_push(tickets[1], 6.0)
+    actions = land(core, tickets[0], data[0], 6 * MIB, 6.0) + core.finish_push(tickets[0], 6.0)
+    actions += land(core, tickets[1], data[1], 6 * MIB, 6.0) + core.finish_push(tickets[1], 6.0)
     got = np.concatenate([np.frombuffer(bytes(piece.payload), np.float32) for piece in pieces_of(actions)])
     assert got.tobytes() == (data[0] + data[1]).tobytes()
     assert core.bytes_held("big") == 0 and core.bytes_held_total == 0
+
+
+def test_a_push_of_a_few_steps_is_funded_whole_where_it_fits_and_stepwise_under_pressure() -> None:
+    """A push of up to constants.WHOLE_FUNDING_MAX_BYTES (a small job's default 4 MiB chunk) that
+    fits its job's budget and share and the reducer's budget is funded whole at its header, in
+    pooled memory (fresh memory costs a fault per page); one that does not fit, or that comes while
+    a push waits for memory, is funded as it arrives, under the rules of "Fair shares"."""
+    def fresh(ticket: PushTicket) -> bool:
+        return isinstance(getattr(ticket.buffer.base, "obj", None), mmap.mmap)
+
+    small = shared_core(6, {"c": 2})
+    whole = open_push(small, "c", 0, 4 * MIB, key=1)
+    assert isinstance(whole, PushTicket) and whole.limit == 4 * MIB and not fresh(whole)
+    over = open_push(small, "c", 1, 4 * MIB, key=2)  # 8 MiB would not fit the 6 MiB budget: one step
+    assert isinstance(over, PushTicket) and over.limit == MIB and fresh(over) and small.bytes_held("c") == 5 * MIB
+
+    core = shared_core(10, {"a": 3, "b": 2})
+    assert isinstance(open_push(core, "a", 0, 4 * MIB, key=1), PushTicket)
+    assert isinstance(open_push(core, "a", 1, 2 * MIB, key=2), PushTicket)
+    assert isinstance(open_push(core, "b", 0, MIB, key=1), PushTicket)  # b active: shares of 5 MiB
+    assert open_push(core, "a", 2, MIB, key=3) is None and core._waiting  # a is over its share: it waits
+    pressed = open_push(core, "b", 1, 2 * MIB, key=2)  # 2 MiB would fit b's share and the budget
+    assert isinstance(pressed, PushTicket) and pressed.limit == MIB and fresh(pressed), "a push waits: stepwise"
 
 
 def test_a_job_within_its_fair_share_gets_memory_a_job_over_it_waits_for() -> None:
