@@ -36,6 +36,7 @@ import numpy as np
 
 from redsrv.cli.units import size_in
 from redsrv.core import constants as C
+from redsrv.core.config import default_chunk_bytes
 from redsrv.core.errors import ConfigError
 
 #: Bytes of contributions one reducer core sums per second, TCP included, when not measured:
@@ -270,7 +271,7 @@ def plan(*, workers: int, worker_gbit: float, reducer_gbit: float, reducer_cores
         cost = m * reducer_price / (workers * worker_price)
     return Plan(workers, worker_gbit, reducer_gbit, reducer_cores, core_gbps, m, bottleneck, algbw, algbw / w, ring,
                 algbw / ring, 2 * (ranks - 1) / ranks, tuple(warnings), cost, worker_io_gbps, t, reducer_io_gbps, p,
-                worker_cores, gil_share, piece_bytes or C.DEFAULT_CHUNK_BYTES, recv_buffer, workers_per_host,
+                worker_cores, gil_share, piece_bytes or default_chunk_bytes(ranks), recv_buffer, workers_per_host,
                 flat if workers_per_host > 1 else None)
 
 

@@ -337,9 +337,10 @@ class Client:
         out = self._engine.outputs.empty(arr.size, arr.dtype) if given_out is None else given_out.reshape(-1)
         item = wire_dt.itemsize
         reducers = chunker.placement(arr.size * item, self.num_reducers, C.MIN_SPAN_BYTES, key_u64)
-        chunk_elements = chunker.full_chunk(arr.size, len(reducers), max(1, self.config.chunk_bytes // item),
+        largest = self.config.largest_chunk_bytes
+        chunk_elements = chunker.full_chunk(arr.size, len(reducers), max(1, largest // item),
                                             C.MIN_FULL_CHUNK_BYTES // item, self._chunks_per_span(op_code))
-        ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, self.config.chunk_bytes // 8) // item) if ramp else chunk_elements
+        ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, largest // 8) // item) if ramp else chunk_elements
         plan = chunker.plan(arr.size, len(reducers), chunk_elements, ramp_from, reducers)
         if not plan:
             # An empty contribution still makes the round trip, as one empty chunk where every
@@ -366,13 +367,14 @@ class Client:
 
     def _chunks_per_span(self, op_code: wire.ReduceOp) -> int:
         """Full chunks per reducer span: the configured number, else 32 where the reducers send
-        results in whole chunks (their tail is one full chunk) and 1 (chunks of ``chunk_bytes``)
-        where they cut through, so that an operation of a few MiB is not cut into chunks whose
-        per-chunk work costs more than the tail it no longer has (constants.CHUNKS_PER_SPAN).
+        results in whole chunks (their tail is one full chunk) and 1 (chunks of
+        ``Config.largest_chunk_bytes``) where they cut through, so that an operation of a few MiB
+        is not cut into chunks whose per-chunk work costs more than the tail it no longer has
+        (constants.CHUNKS_PER_SPAN).
 
         Decided from what every worker of a job shares (its straggler mode, the operation), never
         from a reducer setting: every worker must cut a buffer the same way. Reducers run with
-        pieces off (``result_piece_bytes=0``) then leave a tail of one chunk of ``chunk_bytes``."""
+        pieces off (``result_piece_bytes=0``) then leave a tail of one largest chunk."""
         if self.config.chunks_per_span is not None:
             return self.config.chunks_per_span
         cut_through = self.config.straggler_mode == "all" and op_code is not wire.ReduceOp.BROADCAST

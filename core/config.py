@@ -225,6 +225,13 @@ def reducer_bind_address(environ: Mapping[str, str] | None = None) -> tuple[str,
     return parse_address(spec.reducers[spec.reducer_index])
 
 
+def default_chunk_bytes(world_size: int) -> int:
+    """The largest pipeline chunk a job of ``world_size`` workers uses unless ``chunk_bytes`` is set:
+    constants.SMALL_WORLD_CHUNK_BYTES up to constants.SMALL_WORLD_RANKS workers, where a reducer's
+    copies of an open chunk stay small, else constants.DEFAULT_CHUNK_BYTES."""
+    return C.SMALL_WORLD_CHUNK_BYTES if world_size <= C.SMALL_WORLD_RANKS else C.DEFAULT_CHUNK_BYTES
+
+
 def require_positive(settings: object, names: tuple[str, ...]) -> None:
     """Eager validation shared by every settings class: each named field must be > 0."""
     for name in names:
@@ -380,7 +387,7 @@ class Config:
     min_contributors: int = 0
     deadline: float = 0.0
     wire_dtype: str | None = None
-    chunk_bytes: int = C.DEFAULT_CHUNK_BYTES
+    chunk_bytes: int | None = None  # None: by world size (largest_chunk_bytes)
     chunks_per_span: int | None = None  # None: 32 where results leave whole, else chunk_bytes (constants.CHUNKS_PER_SPAN)
     streams_per_reducer: int = C.DEFAULT_STREAMS_PER_REDUCER
     io_threads: int = C.DEFAULT_IO_THREADS  # client I/O loops; reducer r's streams are on loop r % io_threads
@@ -445,11 +452,11 @@ class Config:
                                 "elastic_timeout"))
         self._check_elastic_settings()
         for name in ("chunk_bytes", "chunks_per_span", "streams_per_reducer", "heartbeat_misses", "max_frame_payload"):
-            if name == "chunks_per_span" and self.chunks_per_span is None:
+            if name in ("chunk_bytes", "chunks_per_span") and getattr(self, name) is None:
                 continue
             if not getattr(self, name) >= 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.chunk_bytes > self.max_frame_payload:
+        if self.chunk_bytes is not None and self.chunk_bytes > self.max_frame_payload:
             raise ConfigError(f"chunk_bytes ({self.chunk_bytes}) exceeds max_frame_payload ({self.max_frame_payload})")
         for name in ("push_window_chunks", "send_lowat_bytes", "reconnect_window"):
             if getattr(self, name) < 0:
@@ -514,11 +521,21 @@ class Config:
         return self.host_reduce == "host"
 
     @property
+    def largest_chunk_bytes(self) -> int:
+        """The largest pipeline chunk: ``chunk_bytes``, or by default :func:`default_chunk_bytes`
+        for this job's world size, within ``max_frame_payload``."""
+        if self.chunk_bytes is not None:
+            return self.chunk_bytes
+        return min(default_chunk_bytes(self.world_size), self.max_frame_payload)
+
+    @property
     def piece_bytes(self) -> int:
         """The host-level pipeline's piece (``host_piece_bytes``, or constants.HOST_PIECES_IN_SLOT)."""
         if self.host_piece_bytes is not None:
             return self.host_piece_bytes
-        share = max(self.local_size or 1, len(self.reducers)) * self.chunk_bytes
+        # The host path's pushes stay DEFAULT_CHUNK_BYTES per reducer unless chunk_bytes is set: its
+        # pieces were measured so (docs/performance.md, "Several workers per host").
+        share = max(self.local_size or 1, len(self.reducers)) * (self.chunk_bytes or C.DEFAULT_CHUNK_BYTES)
         return max(C.MIN_HOST_PIECE_BYTES, min(self.host_slot_bytes // C.HOST_PIECES_IN_SLOT, share))
 
     @property

@@ -23,16 +23,26 @@ DEFAULT_PORT = 29600
 #: unauthenticated reducer to the network (RELIABILITY R11).
 DEFAULT_BIND_HOST = "127.0.0.1"
 
-#: Largest pipeline chunk on the wire (REDSRV_CHUNK_BYTES). Every chunk costs Python work, a
-#: thread hand-off and wake-ups on both ends, which on a busy host cost more than its bytes do.
-#: On the emulated cluster (n=m=4, 2 cores, 2026-11-23, at 3fddf85 where --chunk-kib fixed the
-#: full chunk), 64 MiB at 2 Gbit/s (CPU-bound) ran at 0.85-1.21x gloo with 1 MiB chunks and
-#: 0.72x with 512 KiB ones; 2 MiB saved little more CPU and was 7% slower at 1 Gbit/s. Since
-#: cut-through, 4 MiB chunks cost less CPU where memory is not contended (n=m=4,
-#: 1 Gbit/s: 1.39-1.41x gloo at 2.82-3.46 CPU s/GB against 1.36-1.39x at 3.51-3.74, three
-#: alternated pairs) but are not the default: under memory pressure a reducer funds them in steps,
-#: and a job's pushes paused at its share are dropped (docs/performance.md, "Chunks of 4 MiB").
+#: Largest pipeline chunk on the wire (REDSRV_CHUNK_BYTES) of a job of more than SMALL_WORLD_RANKS
+#: workers. Every chunk costs Python work, a thread hand-off and wake-ups on both ends, which on a
+#: busy host cost more than its bytes do. On the emulated cluster (n=m=4, 2 cores, 2026-11-23, at
+#: 3fddf85 where --chunk-kib fixed the full chunk), 64 MiB at 2 Gbit/s (CPU-bound) ran at
+#: 0.85-1.21x gloo with 1 MiB chunks and 0.72x with 512 KiB ones. A reducer holds every rank's
+#: copy of an open chunk, so a chunk of a large job costs it world_size x this: 1 MiB keeps two
+#: chunks of a 64-worker job within DEFAULT_JOB_BUDGET_BYTES.
 DEFAULT_CHUNK_BYTES = 1024 * 1024
+
+#: The largest chunk of a job of at most SMALL_WORLD_RANKS workers (``Config.largest_chunk_bytes``):
+#: a quarter of the chunks, so a quarter of the per-chunk work, for at most 8 x 4 MiB = 32 MiB per
+#: open chunk on a reducer. n=m=4, 64 MiB, alternated with 1 MiB on 2026-11-29 (`sudo redsrv bench
+#: emulate --workers 4 --sizes 64 --rounds 2 [--chunk-kib 4096]`, three pairs each): 1.39-1.41x gloo
+#: at 2.82-3.46 CPU s/GB against 1.36-1.39x at 3.51-3.74 at 1 Gbit/s, and 0.78-0.80x at 1.40-1.47x
+#: gloo's CPU per GB against 0.69-0.79x at 1.48-1.62x with no rate limit (docs/performance.md,
+#: "Chunks of 4 MiB"). A reducer funds such a push whole at its header or lets it wait there
+#: (WHOLE_FUNDING_MAX_BYTES): funded in steps, under memory pressure it paused at its job's share
+#: mid-payload and was dropped, which failed an honest job under the fair-share attack.
+SMALL_WORLD_CHUNK_BYTES = 4 * 1024 * 1024
+SMALL_WORLD_RANKS = 8
 
 #: Default full chunks per reducer span (``Config.chunks_per_span``, within
 #: MIN_FULL_CHUNK_BYTES..chunk size): an all-reduce ends about one full chunk's transfer after its
@@ -179,8 +189,8 @@ DEFAULT_PUSH_WINDOW_CHUNKS = 1
 #: once per chunk. At 128 KiB it woke every 64 KiB sent; on 2026-11-24 (n=m=4, 64 MiB, 1 Gbit/s,
 #: four alternated pairs) that cost 2.19-2.79 CPU s/GB against 1.92-2.13, with the same time
 #: (0.588-0.594 s against 0.590-0.593 s); 512 KiB and 2 MiB measured like 1 MiB
-#: (docs/benchmarks/history.md, "2026-11-24: fewer wake-ups"); 1 MiB with 4 MiB chunks is how
-#: those were measured ("Chunks of 4 MiB").
+#: (docs/benchmarks/history.md, "2026-11-24: fewer wake-ups"). It stays 1 MiB where chunks are 4 MiB
+#: (SMALL_WORLD_CHUNK_BYTES), as it was measured there.
 DEFAULT_SEND_LOWAT_BYTES = DEFAULT_CHUNK_BYTES
 
 #: Largest receive low-water mark (``SO_RCVLOWAT``) for a large payload: bounds how long an
@@ -262,17 +272,18 @@ FAIR_SHARE_IDLE_S = 5.0
 #: a header announcing 64 MiB then trickling held 64 MiB of the budget (issue 43). One 1 MiB chunk,
 #: so that pushes of 1 MiB are funded whole at their header and never paused mid-payload; the event
 #: loop asks the state machine once per step. Pushes up to WHOLE_FUNDING_MAX_BYTES are funded whole
-#: too where all of them fit now (below).
+#: too, or wait at their header (below).
 ARRIVAL_STEP_BYTES = DEFAULT_CHUNK_BYTES
 
-#: A push of at most this many bytes is funded whole at its header, in pooled memory, where its
-#: whole size fits its job's share and the budgets at that moment (``ReducerCore.begin_push``);
-#: otherwise, above ARRIVAL_STEP_BYTES, it is funded as it arrives. A push funded as it arrives
-#: lands in fresh memory whose pages fault in as its bytes land: 4 MiB chunks (REDSRV_CHUNK_BYTES)
-#: in 1 MiB steps cost a reducer 1.0-1.15 CPU s/GB against 0.59-0.65 funded whole (`redsrv bench
-#: local --workers 2 --reducers 2 --sizes 64 --reps 40`, docs/performance.md, "Chunks of 4 MiB").
-#: Under memory pressure the fair-share rules are those of 1 MiB steps, as before.
-WHOLE_FUNDING_MAX_BYTES = 4 * 1024 * 1024
+#: A push of at most this many bytes is funded whole at its header, in pooled memory, or, where
+#: its whole size does not fit its job's budget and the reducer's at that moment, waits at its
+#: header with none of its payload read (``ReducerCore.begin_push``); a larger one is funded as it
+#: arrives, ARRIVAL_STEP_BYTES at a time. Funded as it arrives, a push lands in fresh memory whose
+#: pages fault in as its bytes land: 4 MiB chunks in 1 MiB steps cost a reducer 1.0-1.15 CPU s/GB
+#: against 0.59-0.65 funded whole (`redsrv bench local --workers 2 --reducers 2 --sizes 64 --reps
+#: 40`, docs/performance.md, "Chunks of 4 MiB"); and under memory pressure a push paused
+#: mid-payload at its job's share is dropped (docs/reliability.md, "Fair shares").
+WHOLE_FUNDING_MAX_BYTES = SMALL_WORLD_CHUNK_BYTES
 
 #: Under memory pressure (a job within its fair share waits for memory), a push delivering less
 #: than this many bytes per second over a whole grace period is dropped and its memory freed

@@ -184,14 +184,17 @@ class ReducerCore(_MembershipRules):
         refuses it once it waited its operation timeout).
 
         Memory (docs/reliability.md, "Fair shares"): a push that opens a chunk needs room in its
-        job's budget and in the reducer-wide one (:meth:`_room`: within its fair share a job needs
-        only the memory to be there; beyond it, only what leaves every other active job room to
-        reach its own share). Pushes to an open chunk join it whatever the budgets. A push
-        announcing more than ``constants.ARRIVAL_STEP_BYTES`` is funded one step at a time as
-        its bytes arrive (:meth:`extend`) where its bytes join the chunk as they come (every
-        rank contributes, a sum-like op: cut-through), unless it is small enough to be funded
-        whole and fits now (:meth:`_fits_whole`); elsewhere the payload is handed over whole,
-        and funded whole."""
+        job's budget and in the reducer-wide one (:meth:`_room_evicting`: within its fair share,
+        which such a push is while its job holds less than the share, a job needs only the memory
+        to be there; beyond it, only what leaves every other active job room to reach its own
+        share; results kept for the job's own reconnect give way first). Pushes to an open chunk
+        join it whatever the budgets. A push
+        announcing more than ``constants.WHOLE_FUNDING_MAX_BYTES`` is funded one step
+        (``constants.ARRIVAL_STEP_BYTES``) at a time as its bytes arrive (:meth:`extend`) where
+        its bytes join the chunk as they come (every rank contributes, a sum-like op:
+        cut-through). Every other push is funded whole at its header, or waits there for memory
+        with none of its payload read: a chunk's push never pauses mid-payload, where the
+        fair-share rules would judge it paused and drop it."""
         info = self._conns.get(conn)
         if info is None:
             return [SendError(conn, Error(ErrorCode.PROTOCOL, True, "push before a completed handshake"), close_after=True)]
@@ -221,7 +224,7 @@ class ReducerCore(_MembershipRules):
                 self._waiting.pop(conn, None)
                 return self._receive(resumed, now)
         cut_through = job.params.mode is StragglerMode.ALL and push.op is not ReduceOp.BROADCAST and push.count > 0
-        stepwise = cut_through and payload_len > C.ARRIVAL_STEP_BYTES and not self._fits_whole(job, payload_len)
+        stepwise = cut_through and payload_len > C.WHOLE_FUNDING_MAX_BYTES
         grant = C.ARRIVAL_STEP_BYTES if stepwise else payload_len
         # Over a budget: no new chunks until held memory (open chunks, results still being sent,
         # results kept for stragglers) drains. Pushes to open chunks always proceed: they are
@@ -236,7 +239,7 @@ class ReducerCore(_MembershipRules):
                 self._wait(conn, job, info.rank, now, self.budget_wait_timeout, False,
                            f"job {job.name!r} holds {job.bytes_held} bytes of its budget of {self.job_budget_bytes}")
                 return None
-            short = self._room(job, grant)
+            short = self._room_evicting(job, grant, opening=True)
             if short is not None:
                 self._wait(conn, job, info.rank, now, min(self.budget_wait_timeout, job.params.op_timeout_ms / 1000), *short)
                 return None
@@ -248,15 +251,6 @@ class ReducerCore(_MembershipRules):
             if refused:
                 return refused
         return self._receive(ticket, now)
-
-    def _fits_whole(self, job: _Job, payload_len: int) -> bool:
-        """Whether a push above one step may still be funded whole at its header, in pooled
-        memory (constants.WHOLE_FUNDING_MAX_BYTES): at most that size, no push waits for memory,
-        and all of it fits the job's budget and share and the reducer's budget now. Under memory
-        pressure every push above a step is funded as it arrives, as the fair-share rules assume
-        (docs/reliability.md, "Fair shares")."""
-        return (payload_len <= C.WHOLE_FUNDING_MAX_BYTES and not self._waiting
-                and job.bytes_held + payload_len <= self.job_budget_bytes and self._room(job, payload_len) is None)
 
     def _receive(self, ticket: PushTicket, now: float) -> PushTicket:
         """Hand ``ticket`` out; while its payload arrives its rate is watched (:meth:`tick`)."""
@@ -282,7 +276,7 @@ class ReducerCore(_MembershipRules):
             return DISCARD
         self._mark_active(job, now)
         step = min(C.ARRIVAL_STEP_BYTES, buffer.nbytes - ticket.limit)
-        short = self._room(job, step)
+        short = self._room_evicting(job, step, opening=False)
         if short is not None:
             if ticket.paused_at is None:
                 ticket.paused_at = now

@@ -76,14 +76,27 @@ class _MemoryRules:
         at least ``constants.MIN_FAIR_SHARE_BYTES``."""
         return max(self.memory_budget_bytes // max(1, len(self._active)), C.MIN_FAIR_SHARE_BYTES)
 
-    def _room(self, job: _Job, nbytes: int) -> tuple[bool, str] | None:
+    def _room(self, job: _Job, nbytes: int, *, opening: bool) -> tuple[bool, str] | None:
         """``None`` when ``job`` may take ``nbytes`` more of the reducer's memory now; else
-        (whether it would stay within its fair share, why it must wait). Within its share a job
-        needs only the memory to be there; beyond it, it may use only what leaves every other
-        active job room to reach its own share."""
+        (whether the claim is owed to a job within its fair share, why it must wait). Within its
+        share a job needs only the memory to be there; beyond it, it may use only what leaves
+        every other active job room to reach its own share.
+
+        A push that opens a chunk (``opening``) is within its job's share while the job holds
+        less than its share, even where the push takes it past the share (by one chunk at most,
+        4 MiB): a share is rarely a whole number of chunks (1 GiB over 201 jobs is 5.1 MiB), and
+        where "within" meant "within after the claim", a job a fraction of a chunk below its share
+        could not open its next one, did not count as within its share, so declared no pressure,
+        and waited with the memory left over idle until the waits timed out (with
+        :meth:`_room_evicting`'s case, why a new job's first step took 236 s under the fair-share
+        attack with 16 MiB steps, docs/reliability.md, "Fair shares"). The next step of a push
+        funded as it arrives stays within only where it ends within the share: such a push
+        already holds memory mid-payload, and letting it past its share handed the memory a new
+        job would open its first chunk with to the slow pushes a fraction below theirs (that
+        job's first step then waited seconds for them to be reclaimed)."""
         held, total, budget = job.bytes_held, self.bytes_held_total, self.memory_budget_bytes
         share = self.fair_share()
-        within = held + nbytes <= share
+        within = held < share if opening else held + nbytes <= share
         if total + nbytes > budget:
             return within, (f"the reducer holds {total} bytes of its memory budget of {budget} (--memory-budget) over "
                             f"every job; job {job.name!r} holds {held} of its fair share of {share} "
@@ -97,6 +110,19 @@ class _MemoryRules:
                        f"{budget} (--memory-budget, {len(self._active)} active jobs); {kept} bytes are kept for the "
                        "other jobs' shares")
 
+
+    def _room_evicting(self, job: _Job, nbytes: int, *, opening: bool) -> tuple[bool, str] | None:
+        """:meth:`_room`, after dropping the results kept for ``job``'s own ranks that they have
+        not acknowledged, where that makes the room. A worker's acknowledgements come behind its
+        next push, which is not read while it waits for memory: a job whose share its own
+        delivered results filled waited on itself, with no job within its share waiting and so
+        nothing reclaimed, until the waits timed out (236 s under the fair-share attack with
+        16 MiB steps, docs/reliability.md, "Fair shares")."""
+        short = self._room(job, nbytes, opening=opening)
+        if short is not None:
+            self._evict_deliveries([job], lambda: self._room(job, nbytes, opening=opening) is None)
+            short = self._room(job, nbytes, opening=opening)
+        return short
 
     def _wait(self, conn: int, job: _Job, rank: int, now: float, limit: float, within_share: bool, why: str) -> None:
         wait = self._waiting.get(conn)
@@ -165,7 +191,7 @@ class _MemoryRules:
     def _reclaim(self, now: float) -> list[Action]:
         """Memory pressure (a job within its fair share waits for memory): a push that delivered
         less than ``min_push_rate`` over a whole ``slow_push_grace`` window, or that waited that
-        long for memory mid-payload while its job held its share or more, is dropped: its rank
+        long for memory mid-payload for a step that would take its job past its share, is dropped: its rank
         is told the rate and disconnected, its chunk fails with OVERLOADED for the job's other
         ranks. A chunk of a job over its share that received nothing for the grace and has no push
         arriving (waiting for a rank that hangs) fails too, oldest first, until the job is back
@@ -177,12 +203,15 @@ class _MemoryRules:
         share = self.fair_share()
         for ticket in self._receiving.values():  # the rate is measured always, acted on only under pressure
             if ticket.paused_at is not None:
-                # Paused, a push wants more than its job holds; at its share already, it waits for
-                # memory that a job below its share needs first. Where the floor of a share makes
-                # the shares add up to more than the budget (more active jobs than budget / floor),
-                # every stalled job sits exactly at its share: only ">=" frees room for a new one.
+                # Paused, a push wants a step its job's share does not hold (_room: a step is within
+                # only where it ends within the share), so it waits for memory that a job within
+                # its share needs first. Where the floor of a share makes the shares add up to more
+                # than the budget (more active jobs than budget / floor), every stalled job sits
+                # exactly at its share; where the share is not a whole number of steps, a fraction
+                # of a step below it: either way the step passes the share.
                 job = self._jobs.get(ticket.job)
-                if job is not None and job.bytes_held >= share and now - ticket.paused_at >= grace:
+                step = 0 if ticket.buffer is None else min(C.ARRIVAL_STEP_BYTES, ticket.buffer.nbytes - ticket.limit)
+                if job is not None and job.bytes_held + step > share and now - ticket.paused_at >= grace:
                     ticket.slow_rate = 0.0
             elif now - ticket.window_at >= grace:
                 rate = (ticket.received - ticket.window_bytes) / (now - ticket.window_at)
@@ -221,7 +250,8 @@ class _MemoryRules:
         what = f"its push of key {push.key:#x} chunk {push.chunk} ({ticket.received} of {size} bytes in)"
         if ticket.paused_at is not None:
             why = (f"rank {rank} of job {job.name!r}: {what} waited {now - ticket.paused_at:.1f}s for memory while its "
-                   f"job held {job.bytes_held} bytes, at or over its fair share of {share}, and jobs within their share waited")
+                   f"job held {job.bytes_held} bytes, so that its next step would take it past its fair share of {share}, "
+                   "and jobs within their share waited")
         else:
             why = (f"rank {rank} of job {job.name!r}: {what} arrived at {ticket.slow_rate or 0.0:.0f} B/s over the last "
                    f"{self.slow_push_grace:.1f}s, under the minimum of {self.min_push_rate} B/s (REDSRV_MIN_PUSH_RATE) "

@@ -59,6 +59,35 @@ def test_a_legitimate_job_trains_through_a_slow_push_attack(procs) -> None:  # t
     # (a budget the attackers fill at exactly their shares).
 
 
+def test_a_job_whose_steps_span_many_chunks_trains_through_a_slow_push_attack(procs) -> None:  # type: ignore[no-untyped-def]
+    """The attack above against a job whose step (8 MiB in 1 MiB chunks) is several times its
+    fair share (48 MiB over 41 jobs: 1.17 MiB). A share is then not a whole number of claims:
+    every attacker stops a fraction of a megabyte short of its share, and so does the job once
+    it holds one chunk. With "within the share after the claim" none of them counted as within
+    it, no pressure was declared, nothing was reclaimed, and the job's first step waited for the
+    attackers' operation timeout (236 s under the full attack with 16 MiB steps,
+    docs/reliability.md, "Fair shares"). Now a push that opens a chunk is within its job's share
+    while the job holds less than its share, and a paused push whose next step would pass its
+    share is reclaimed: every step completes, exact, each within its time alone plus four grace
+    windows and a second."""
+    budget = 48 * MIB
+    reducer = procs.start_reducer("--memory-budget", str(budget), env={
+        "REDSRV_JOB_BUDGET_BYTES": str(budget), "REDSRV_SLOW_PUSH_GRACE": str(GRACE)})
+    count = 2 * MIB  # 8 MiB of float32
+    baseline = rss_bytes(reducer.proc.pid)
+    alone = timed_steps([reducer.address], "legit-alone", steps=3, count=count, chunk_bytes=MIB)
+    assert alone.steps == 3 and not alone.failed and not alone.wrong, alone.errors
+    spec = AttackSpec(connections=40, announce=12 * MIB, send=5 * MIB // 2, trickle=0.3)
+    with SlowPushAttack(reducer.address, spec):
+        # Most attackers pause at their share before they sent it all: wait for their bytes to
+        # fill most of the budget instead.
+        poll(lambda: rss_bytes(reducer.proc.pid) - baseline > 32 * MIB, 30, "the attack to take hold of the memory")
+        attacked = timed_steps([reducer.address], "legit", steps=10, count=count, chunk_bytes=MIB, op_timeout=60)
+    assert attacked.steps == 10 and not attacked.failed and not attacked.wrong, attacked.errors
+    bound = max(alone.step_s) + 4 * GRACE + 1.0
+    assert max(attacked.step_s) < bound, f"steps during the attack {attacked.step_s}, alone {alone.step_s}"
+
+
 def test_an_authenticated_job_whose_rank_hangs_mid_push_does_not_stall_another_job(procs) -> None:  # type: ignore[no-untyped-def]
     """With a secret, by mistake: job A's rank 1 hangs three quarters through a 4 MiB push (its
     connection goes silent; its place is kept for a reconnect, as for any rank that drops), while

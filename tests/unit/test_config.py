@@ -9,6 +9,7 @@ import re
 import pytest
 
 from redsrv import Config, ConfigError
+from redsrv.core import constants as C
 from redsrv.core.config import parse_address
 
 
@@ -331,3 +332,21 @@ def test_kubernetes_service_links_never_stop_a_pod(caplog) -> None:  # type: ign
     with pytest.raises(ConfigError, match="unknown variable"):  # a real typo still stops the pod
         Config.from_env({"REDSRV_REDUCERS": "127.0.0.1:1", "REDSRV_CHUNK_BYTE": "4096"})
     assert DaemonSettings.from_env({"REDSRV_PORT": "29700"}).port == 29700
+
+
+def test_the_default_chunk_follows_the_world_size_and_the_host_path_keeps_its_pieces() -> None:
+    """Small jobs push 4 MiB chunks (a quarter of the per-chunk work), large ones 1 MiB (a reducer
+    holds every rank's copy of an open chunk); a set chunk_bytes wins; the frame cap bounds the
+    default; the host-level pieces stay those of 1 MiB chunks (constants.SMALL_WORLD_CHUNK_BYTES)."""
+    reducers = ("10.0.0.5:7000", "10.0.0.6:7001")
+    assert Config(reducers=reducers, world_size=8).largest_chunk_bytes == C.SMALL_WORLD_CHUNK_BYTES == 4 << 20
+    assert Config(reducers=reducers, world_size=9).largest_chunk_bytes == C.DEFAULT_CHUNK_BYTES == 1 << 20
+    assert Config(reducers=reducers, world_size=4, chunk_bytes=1 << 16).largest_chunk_bytes == 1 << 16
+    assert Config(reducers=reducers, world_size=4, max_frame_payload=3 << 20).largest_chunk_bytes == 3 << 20
+    assert Config.from_env({"REDSRV_CHUNK_BYTES": "2097152", "WORLD_SIZE": "4", "RANK": "1"},
+                           reducers=reducers).largest_chunk_bytes == 2 << 20
+    host = Config(reducers=reducers, world_size=4, local_size=2, local_rank=0)
+    assert host.piece_bytes == 2 * C.DEFAULT_CHUNK_BYTES  # max(local workers, reducers) x 1 MiB
+    # A reducer funds a default chunk whole where it fits (ReducerCore._fits_whole), and a job's
+    # least fair share is one funding step.
+    assert C.WHOLE_FUNDING_MAX_BYTES >= C.SMALL_WORLD_CHUNK_BYTES and C.MIN_FAIR_SHARE_BYTES >= C.ARRIVAL_STEP_BYTES

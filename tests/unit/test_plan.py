@@ -212,7 +212,9 @@ def test_an_all_reduce_takes_its_bytes_at_the_bottleneck_plus_the_results_lag_be
     finer = plan(workers=8, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=8, piece_bytes=128 * kib, **FAST_PATH)
     assert finer.seconds(64 * mib) < small.seconds(64 * mib)
     whole = plan(workers=8, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=8, piece_bytes=0, **FAST_PATH)
-    assert whole.piece_bytes == 2**20, "without cut-through the results trail by whole chunks"
+    assert whole.piece_bytes == 4 * 2**20, "without cut-through the results trail by whole chunks (8 workers: 4 MiB)"
+    larger = plan(workers=16, worker_gbit=8, reducer_gbit=8, reducer_cores=8, reducers=16, piece_bytes=0, **FAST_PATH)
+    assert larger.piece_bytes == 2**20, "a job of more than 8 workers pushes 1 MiB chunks"
     with pytest.raises(ValueError, match="piece_bytes"):
         plan(workers=8, worker_gbit=8, reducer_gbit=8, reducer_cores=8, piece_bytes=-1)
 

@@ -782,27 +782,32 @@ def test_a_push_announcing_more_than_a_step_is_funded_as_its_bytes_arrive() -> N
     assert core.bytes_held("big") == 0 and core.bytes_held_total == 0
 
 
-def test_a_push_of_a_few_steps_is_funded_whole_where_it_fits_and_stepwise_under_pressure() -> None:
-    """A push of up to constants.WHOLE_FUNDING_MAX_BYTES (a small job's default 4 MiB chunk) that
-    fits its job's budget and share and the reducer's budget is funded whole at its header, in
-    pooled memory (fresh memory costs a fault per page); one that does not fit, or that comes while
-    a push waits for memory, is funded as it arrives, under the rules of "Fair shares"."""
+def test_a_push_of_up_to_a_few_steps_is_funded_whole_at_its_header_or_waits_there() -> None:
+    """A push of up to constants.WHOLE_FUNDING_MAX_BYTES (a 4 MiB chunk) is funded whole at its
+    header, in pooled memory (fresh memory costs a fault per page), where it fits; where it does
+    not, it waits at its header with none of its payload read, never funded step by step: a push
+    paused mid-payload at its job's share is dropped under pressure, and with 4 MiB chunks that
+    failed an honest job under the fair-share attack. A push joining an open chunk is funded
+    whole whatever the budgets, as any push to an open chunk proceeds (it is what closes it)."""
     def fresh(ticket: PushTicket) -> bool:
         return isinstance(getattr(ticket.buffer.base, "obj", None), mmap.mmap)
 
-    small = shared_core(6, {"c": 2})
-    whole = open_push(small, "c", 0, 4 * MIB, key=1)
+    core = shared_core(6, {"c": 3})
+    data = [np.full(4 * ONE_MIB_F32, r + 0.5, np.float32) for r in range(3)]
+    whole = open_push(core, "c", 0, 4 * MIB, key=1)
     assert isinstance(whole, PushTicket) and whole.limit == 4 * MIB and not fresh(whole)
-    over = open_push(small, "c", 1, 4 * MIB, key=2)  # 8 MiB would not fit the 6 MiB budget: one step
-    assert isinstance(over, PushTicket) and over.limit == MIB and fresh(over) and small.bytes_held("c") == 5 * MIB
-
-    core = shared_core(10, {"a": 3, "b": 2})
-    assert isinstance(open_push(core, "a", 0, 4 * MIB, key=1), PushTicket)
-    assert isinstance(open_push(core, "a", 1, 2 * MIB, key=2), PushTicket)
-    assert isinstance(open_push(core, "b", 0, MIB, key=1), PushTicket)  # b active: shares of 5 MiB
-    assert open_push(core, "a", 2, MIB, key=3) is None and core._waiting  # a is over its share: it waits
-    pressed = open_push(core, "b", 1, 2 * MIB, key=2)  # 2 MiB would fit b's share and the budget
-    assert isinstance(pressed, PushTicket) and pressed.limit == MIB and fresh(pressed), "a push waits: stepwise"
+    assert open_push(core, "c", 1, 4 * MIB, key=2) is None, "a new chunk: 8 MiB would not fit the 6 MiB budget"
+    assert core.bytes_held("c") == 4 * MIB and core.memory().waiting == 1
+    joins = [open_push(core, "c", r, 4 * MIB, key=1) for r in (2,)]
+    assert all(isinstance(t, PushTicket) and t.limit == 4 * MIB for t in joins) and core.bytes_held("c") == 8 * MIB
+    actions: list = []  # type: ignore[type-arg]
+    for rank, ticket in ((0, whole), (2, joins[0])):
+        ticket.buffer[:] = data[rank].view(np.uint8)
+        actions += core.progress(ticket, 4 * MIB, 0.0) + core.finish_push(ticket, 0.0)
+    # rank 1 has not pushed key 1 yet (its connection waits at key 2's header): the chunk stays open
+    assert core.open_chunks("c") == 1
+    assert open_push(core, "c", 1, 4 * MIB, key=2) is None, "still no room while key 1 holds 8 MiB"
+    assert not any(isinstance(a, SendError) for a in actions)
 
 
 def test_a_job_within_its_fair_share_gets_memory_a_job_over_it_waits_for() -> None:
@@ -927,12 +932,89 @@ def test_a_push_paused_over_its_share_under_pressure_is_dropped_after_the_grace(
     assert errors(core.tick(1.0)) == [], "paused for less than the grace"
     (dropped,) = errors(core.tick(1.3))
     assert dropped.conn == conn_id("a", 0) and dropped.close_after and dropped.frame.code is wire.ErrorCode.OVERLOADED
-    assert "waited 1.1s for memory while its job held 4194304 bytes, at or over its fair share of 2097152" \
-        in dropped.frame.message
+    assert ("waited 1.1s for memory while its job held 4194304 bytes, so that its next step would take it past its "
+            "fair share of 2097152") in dropped.frame.message
     core.abort_push(t)
     core.leave(conn_id("a", 0), dropped.frame.message, 1.3)
     assert core.bytes_held("a") == 0
     assert isinstance(open_push(core, "b", 0, MIB // 2, key=1, now=1.4), PushTicket)
+
+
+def test_a_job_a_fraction_of_a_claim_below_its_share_is_owed_its_next_claim() -> None:
+    """Two jobs on a 7 MiB budget: each share is 3.5 MiB, not a whole number of 1 MiB claims.
+    Each holds 3 MiB in chunks that wait for their second rank. A fourth claim takes a job past
+    its share, yet a job below its share is owed it. With "within its share after the claim"
+    neither job counted as within it: the free megabyte sat idle and, no job being within its
+    share, no pressure was declared and nothing slow was reclaimed until the waits timed out
+    (under the fair-share attack with 16 MiB steps a new job's first step took 236 s)."""
+    core = shared_core(7, {"a": 2, "b": 2})
+    for job in ("a", "b"):
+        for key in range(3):
+            ticket = open_push(core, job, 0, MIB, key=key)
+            assert isinstance(ticket, PushTicket)
+            ticket.buffer[:] = np.ones(ONE_MIB_F32, np.float32).view(np.uint8)
+            core.progress(ticket, MIB, 0.0)
+            core.finish_push(ticket, 0.0)
+    assert core.fair_share() == 7 * MIB // 2 and core.bytes_held_total == 6 * MIB and core.open_chunks("a") == 3
+    fourth = open_push(core, "a", 0, MIB, key=3)
+    assert isinstance(fourth, PushTicket) and core.bytes_held("a") == 4 * MIB, "a is below its share: owed the claim"
+    assert open_push(core, "b", 0, MIB, key=3) is None, "the budget is full"
+    assert core.memory().pressure, "b waits below its share: pressure, under which slow pushes are reclaimed"
+    assert open_push(core, "a", 1, MIB, key=9) is None
+    assert not core._waiting[conn_id("a", 1)].within_share, "a, past its share, waits as a job over it"
+
+
+def test_a_paused_push_does_not_take_a_step_past_its_share_and_gives_way_to_a_job_within_it() -> None:
+    """A push funded as it arrives stays within its share only where its next step ends within
+    it. a's 6 MiB push holds 2 MiB, its share is 2.33 MiB (7 MiB over three jobs): its next step
+    waits, although two megabytes are free. When c waits within its share, a's paused push is
+    dropped after the grace. A paused push was judged only at or over its share before, so one
+    paused a fraction of a step below its share held its memory for as long as it liked."""
+    core = shared_core(7, {"a": 1, "b": 2, "c": 2}, slow_push_grace=1.0)
+    a = open_push(core, "a", 0, 6 * MIB, key=1)
+    assert isinstance(a, PushTicket) and a.limit == MIB
+    pieces_of(land(core, a, np.ones(6 * ONE_MIB_F32, np.float32), 2 * MIB, 0.0))
+
+    def pushed(job: str, rank: int, nbytes: int, key: int, now: float) -> None:  # all in; its chunk waits for the other rank
+        ticket = open_push(core, job, rank, nbytes, key=key, now=now)
+        assert isinstance(ticket, PushTicket), ticket
+        ticket.buffer[:] = np.ones(nbytes // 4, np.float32).view(np.uint8)
+        core.progress(ticket, nbytes, now)
+        core.finish_push(ticket, now)
+
+    pushed("b", 0, 2 * MIB, 1, 0.0)
+    pushed("c", 0, MIB, 1, 0.0)
+    assert core.bytes_held("a") == 2 * MIB and core.bytes_held_total == 5 * MIB and core.fair_share() == 7 * MIB // 3
+    assert core.extend(a, 0.1) == WAIT_FOR_MEMORY, "its step would take a past its share"
+    assert not core.memory().pressure, "a's step is not owed to it"
+    assert open_push(core, "c", 1, 3 * MIB, key=2, now=0.3) is None and core.memory().pressure
+    assert errors(core.tick(1.0)) == [], "paused for less than the grace"
+    (dropped,) = errors(core.tick(1.2))
+    assert dropped.conn == conn_id("a", 0) and dropped.frame.code is wire.ErrorCode.OVERLOADED
+    assert "held 2097152 bytes, so that its next step would take it past its fair share" in dropped.frame.message
+
+
+def test_a_job_over_its_share_only_by_its_own_unacknowledged_results_is_not_left_waiting_on_itself() -> None:
+    """A worker acknowledges results on the connection that carries its next push, and a push
+    waiting for memory is not read: the acknowledgement waits behind it. Job a (one rank, kept
+    results for a reconnect) holds its 4 MiB share in four results its worker has not
+    acknowledged; its next chunk is beyond its share, and job b's share is kept. Before, a waited
+    (over its share, so without pressure: nothing was reclaimed) until the wait timed out; the
+    fair-share attack with 16 MiB steps showed it as a 236 s first step. Now the results kept
+    for a's own reconnect give way, as they do when the budget itself is short."""
+    core = ReducerCore(INC, memory_budget_bytes=8 * MIB, job_budget_bytes=8 * MIB, piece_bytes=0)
+    core.join(conn_id("a", 0), hello(0, 1, "a", **RECONNECT))
+    core.join(conn_id("b", 0), hello(0, 2, "b"))
+    assert isinstance(open_push(core, "b", 0, MIB // 2, key=1), PushTicket)  # b is active: shares are 4 MiB
+    for key in range(4):
+        for result in (a for a in push(core, 0, np.ones(ONE_MIB_F32, np.float32), key=key + 1, job="a")
+                       if isinstance(a, SendResult)):
+            for _ in result.conns:
+                result.release()  # the daemon sent it; the worker's ACK is behind its next push
+    assert core.bytes_held("a") == 4 * MIB and core.fair_share() == 4 * MIB
+    ticket = open_push(core, "a", 0, MIB, key=9, now=0.1)
+    assert isinstance(ticket, PushTicket), "a's unacknowledged results gave way"
+    assert core.bytes_held("a") == 4 * MIB, "one of them, the oldest, was enough"
 
 
 def test_pushes_paused_at_exactly_their_share_give_way_to_a_new_job_where_the_floor_overcommits() -> None:
@@ -944,8 +1026,8 @@ def test_pushes_paused_at_exactly_their_share_give_way_to_a_new_job_where_the_fl
     core = shared_core(2, {"a": 1, "b": 1, "c": 1}, slow_push_grace=1.0)
     tickets = {}
     for job in ("a", "b"):
-        t = tickets[job] = open_push(core, job, 0, 4 * MIB, key=1)
-        pieces_of(land(core, t, np.ones(4 * ONE_MIB_F32, np.float32), MIB, 0.0))
+        t = tickets[job] = open_push(core, job, 0, 6 * MIB, key=1)  # above WHOLE_FUNDING_MAX_BYTES: in steps
+        pieces_of(land(core, t, np.ones(6 * ONE_MIB_F32, np.float32), MIB, 0.0))
     assert open_push(core, "c", 0, MIB // 2, key=1, now=0.1) is None  # c within its share; the budget is full
     assert core.fair_share() == MIB and core.bytes_held("a") == core.bytes_held("b") == MIB
     for job in ("a", "b"):
@@ -953,7 +1035,7 @@ def test_pushes_paused_at_exactly_their_share_give_way_to_a_new_job_where_the_fl
     assert errors(core.tick(1.0)) == [], "paused for less than the grace"
     dropped = errors(core.tick(1.3))
     assert dropped and {e.conn for e in dropped} <= {conn_id("a", 0), conn_id("b", 0)}, dropped
-    assert all(e.frame.code is wire.ErrorCode.OVERLOADED and "at or over its fair share" in e.frame.message for e in dropped)
+    assert all(e.frame.code is wire.ErrorCode.OVERLOADED and "past its fair share" in e.frame.message for e in dropped)
     for e in dropped:
         job = "a" if e.conn == conn_id("a", 0) else "b"
         core.abort_push(tickets[job])
