@@ -188,13 +188,12 @@ class ReducerCore(_MembershipRules):
         which such a push is while its job holds less than the share, a job needs only the memory
         to be there; beyond it, only what leaves every other active job room to reach its own
         share; results kept for the job's own reconnect give way first). Pushes to an open chunk
-        join it whatever the budgets. A push
-        announcing more than ``constants.WHOLE_FUNDING_MAX_BYTES`` is funded one step
-        (``constants.ARRIVAL_STEP_BYTES``) at a time as its bytes arrive (:meth:`extend`) where
-        its bytes join the chunk as they come (every rank contributes, a sum-like op:
-        cut-through). Every other push is funded whole at its header, or waits there for memory
-        with none of its payload read: a chunk's push never pauses mid-payload, where the
-        fair-share rules would judge it paused and drop it."""
+        join it whatever the budgets. A push announcing more than
+        ``constants.WHOLE_FUNDING_MAX_BYTES`` is funded one step (``constants.ARRIVAL_STEP_BYTES``)
+        at a time as its bytes arrive (:meth:`extend`) where its bytes join the chunk as they come
+        (every rank contributes, a sum-like op: cut-through). Every other push is funded whole at
+        its header, or waits there for memory with none of its payload read: a chunk's push never
+        pauses mid-payload, where the fair-share rules would judge it paused and drop it."""
         info = self._conns.get(conn)
         if info is None:
             return [SendError(conn, Error(ErrorCode.PROTOCOL, True, "push before a completed handshake"), close_after=True)]

@@ -181,7 +181,7 @@ class _Wait:
     since: float
     limit: float  # seconds it may wait before it is refused with OVERLOADED
     why: str
-    within_share: bool  # its job is below its fair share: a claim the budget owes it
+    within_share: bool  # the claim is within its job's fair share (_MemoryRules._room): the budget owes it
 
 
 @dataclass(frozen=True)
