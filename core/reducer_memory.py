@@ -193,10 +193,10 @@ class _MemoryRules:
         less than ``min_push_rate`` over a whole ``slow_push_grace`` window, or that waited that
         long for memory mid-payload for a step that would take its job past its share, is
         dropped: its rank is told the rate and disconnected, its chunk fails with OVERLOADED for
-        the job's other ranks. A chunk of a job over its share that received nothing for the grace and has no push
-        arriving (waiting for a rank that hangs) fails too, oldest first, until the job is back
-        within its share. Without
-        pressure nothing is dropped, however slow."""
+        the job's other ranks. A chunk of a job over its share that received nothing for the
+        grace and has no push arriving (waiting for a rank that hangs) fails too, oldest first,
+        until the job is back within its share. Without pressure nothing is dropped, however
+        slow."""
         if not self.min_push_rate:
             return []
         grace = self.slow_push_grace
