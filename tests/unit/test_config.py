@@ -347,6 +347,6 @@ def test_the_default_chunk_follows_the_world_size_and_the_host_path_keeps_its_pi
                            reducers=reducers).largest_chunk_bytes == 2 << 20
     host = Config(reducers=reducers, world_size=4, local_size=2, local_rank=0)
     assert host.piece_bytes == 2 * C.DEFAULT_CHUNK_BYTES  # max(local workers, reducers) x 1 MiB
-    # A reducer funds a default chunk whole where it fits (ReducerCore._fits_whole), and a job's
+    # A reducer funds a default chunk whole at its header or lets it wait there (ReducerCore.begin_push), and a job's
     # least fair share is one funding step.
     assert C.WHOLE_FUNDING_MAX_BYTES >= C.SMALL_WORLD_CHUNK_BYTES and C.MIN_FAIR_SHARE_BYTES >= C.ARRIVAL_STEP_BYTES
