@@ -6,10 +6,13 @@ each span into pipeline chunks of at most ``chunk_elements`` elements, again nea
 last chunk is never a sliver.
 
 A span starts and ends with a ramp of small chunks: ``ramp_from`` elements, then doubling up
-to the full chunk size (the reverse at the end), as far as the span's length allows. A reducer
-can return a chunk's sum only once every worker's copy of it arrived, so the results of the
-first chunk start flowing one small chunk's time after the pushes do; the middle of the span
-travels in full chunks sized by :func:`full_chunk`, which bounds the tail.
+to the full chunk size, or to ``ramp_until`` where that is smaller (the reverse at the end), as
+far as the span's length allows. A reducer that returns a chunk's sum only once every worker's
+copy of it arrived starts the results of the first chunk one small chunk's time after the
+pushes do; the middle of the span travels in full chunks sized by :func:`full_chunk`, which
+bounds the tail. A reducer that cuts through returns a chunk's sum in pieces as every worker's
+bytes arrive, so a chunk larger than a piece starts and ends its results no sooner than one of a
+piece: there the ramp stops at the piece size (``ramp_until``, ``Client._submit``).
 
 >>> [(c.reducer, c.index, c.start, c.stop) for c in plan(10, 3, 3)]
 [(0, 0, 0, 2), (0, 1, 2, 4), (1, 0, 4, 7), (2, 0, 7, 10)]
@@ -62,11 +65,12 @@ def spans(num_elements: int, num_reducers: int) -> list[tuple[int, int]]:
 
 
 def plan(num_elements: int, num_reducers: int, chunk_elements: int, ramp_from: int | None = None,
-         reducers: Sequence[int] | None = None) -> list[Chunk]:
+         reducers: Sequence[int] | None = None, ramp_until: int | None = None) -> list[Chunk]:
     """Every non-empty chunk of the buffer, grouped by reducer and ordered by index.
 
     ``chunk_elements`` caps every chunk; ``ramp_from`` is the size of the first and last chunk
-    of a span long enough for a ramp (default: an eighth of a full chunk). ``reducers`` (see
+    of a span long enough for a ramp (default: an eighth of a full chunk); the ramp's chunks stay
+    below ``ramp_until`` (default: ``chunk_elements``; see :func:`ramp`). ``reducers`` (see
     :func:`placement`) names the reducer of each of the ``num_reducers`` spans; by default span
     ``i`` goes to reducer ``i``.
 
@@ -82,11 +86,13 @@ def plan(num_elements: int, num_reducers: int, chunk_elements: int, ramp_from: i
         raise ValueError(f"chunk_elements must be >= 1, got {chunk_elements}")
     if ramp_from is not None and ramp_from < 1:
         raise ValueError(f"ramp_from must be >= 1, got {ramp_from}")
+    if ramp_until is not None and ramp_until < 1:
+        raise ValueError(f"ramp_until must be >= 1, got {ramp_until}")
     first = chunk_elements // 8 if ramp_from is None else ramp_from
     chunks = []
     for span, (start, stop) in enumerate(spans(num_elements, num_reducers)):
         reducer = span if reducers is None else reducers[span]
-        for index, (a, b) in enumerate(_span_chunks(stop - start, chunk_elements, first)):
+        for index, (a, b) in enumerate(_span_chunks(stop - start, chunk_elements, first, ramp_until)):
             chunks.append(Chunk(reducer, index, start + a, start + b))
     return chunks
 
@@ -136,13 +142,16 @@ def full_chunk(num_elements: int, num_reducers: int, largest: int, smallest: int
     return max(1, min(largest, max(smallest, span // max(1, per_span))))
 
 
-def ramp(length: int, chunk_elements: int, first: int) -> list[int]:
+def ramp(length: int, chunk_elements: int, first: int, until: int | None = None) -> list[int]:
     """Sizes of the small chunks that open a span of ``length`` elements (reversed, they close
-    it): ``first``, doubling, while below ``chunk_elements`` and while what is left between the
-    two ramps still holds a chunk twice the last one (so the middle never holds slivers).
+    it): ``first``, doubling, while below ``chunk_elements`` (and below ``until`` where given)
+    and while what is left between the two ramps still holds a chunk twice the last one (so the
+    middle never holds slivers).
 
     >>> ramp(10_000, 1024, 128)
     [128, 256, 512]
+    >>> ramp(10_000, 1024, 128, until=512)
+    [128, 256]
     >>> ramp(1_000, 1024, 128)
     [128]
     >>> ramp(300, 1024, 128)
@@ -152,18 +161,19 @@ def ramp(length: int, chunk_elements: int, first: int) -> list[int]:
     if first < 1:
         return sizes
     size, left = first, length
-    while size < chunk_elements and left - 2 * size >= 2 * size:
+    cap = chunk_elements if until is None else min(chunk_elements, until)
+    while size < cap and left - 2 * size >= 2 * size:
         sizes.append(size)
         left -= 2 * size
         size *= 2
     return sizes
 
 
-def _span_chunks(length: int, chunk_elements: int, first: int) -> list[tuple[int, int]]:
+def _span_chunks(length: int, chunk_elements: int, first: int, until: int | None) -> list[tuple[int, int]]:
     """``[start, stop)`` of each chunk of a span of ``length`` elements."""
     if length == 0:
         return []
-    opening = ramp(length, chunk_elements, first)
+    opening = ramp(length, chunk_elements, first, until)
     middle = length - 2 * sum(opening)
     sizes = opening + [b - a for a, b in _even_splits(middle, -(-middle // chunk_elements))] + opening[::-1]
     bounds = []

@@ -341,7 +341,8 @@ class Client:
         chunk_elements = chunker.full_chunk(arr.size, len(reducers), max(1, largest // item),
                                             C.MIN_FULL_CHUNK_BYTES // item, self._chunks_per_span(op_code))
         ramp_from = max(1, min(C.RAMP_FIRST_CHUNK_BYTES, largest // 8) // item) if ramp else chunk_elements
-        plan = chunker.plan(arr.size, len(reducers), chunk_elements, ramp_from, reducers)
+        ramp_until = max(1, C.DEFAULT_RESULT_PIECE_BYTES // item) if self._cuts_through(op_code) else None
+        plan = chunker.plan(arr.size, len(reducers), chunk_elements, ramp_from, reducers, ramp_until)
         if not plan:
             # An empty contribution still makes the round trip, as one empty chunk where every
             # non-empty contribution under this key has a chunk 0 (chunker.placement): a rank
@@ -377,8 +378,16 @@ class Client:
         pieces off (``result_piece_bytes=0``) then leave a tail of one largest chunk."""
         if self.config.chunks_per_span is not None:
             return self.config.chunks_per_span
-        cut_through = self.config.straggler_mode == "all" and op_code is not wire.ReduceOp.BROADCAST
-        return 1 if cut_through else C.CHUNKS_PER_SPAN
+        return 1 if self._cuts_through(op_code) else C.CHUNKS_PER_SPAN
+
+    def _cuts_through(self, op_code: wire.ReduceOp) -> bool:
+        """Whether the reducers return this operation's sums in pieces as every rank's bytes
+        arrive (the default straggler mode, any op but a broadcast). Its chunks' ramp then stops
+        below the default piece (constants.DEFAULT_RESULT_PIECE_BYTES, chunker's module
+        docstring): a larger chunk starts and ends its results no sooner than a piece does, so
+        ramp chunks of a piece or more only add per-chunk work. The default, not a reducer's
+        setting, so that every worker cuts a buffer the same way."""
+        return self.config.straggler_mode == "all" and op_code is not wire.ReduceOp.BROADCAST
 
     def _teardown(self) -> None:
         """Stop the loop, the reconnect thread and the completion thread, each within the close timeout."""
