@@ -112,3 +112,26 @@ def test_by_default_full_chunks_are_chunk_bytes_where_reducers_cut_through_and_3
             d.stop()
     full = min(2**20, max(256 * 2**10, span_bytes // per_span))  # within MIN_FULL_CHUNK_BYTES..chunk_bytes
     assert 2 * (span_bytes // full) <= closed <= 2 * (span_bytes // full + 8)  # plus the ramps
+
+
+def test_where_reducers_cut_through_a_span_ramps_only_below_a_result_piece() -> None:
+    """A reducer that cuts through sends a chunk's sums in pieces as every rank's bytes arrive, so
+    a ramp chunk of a piece or more would start and end its results no sooner than a full chunk:
+    an 8 MiB span goes as 64, 128 and 256 KiB, two full chunks and the mirror ramp (8 chunks), not
+    as a ramp on to 1 MiB (12), and the sums stay exact."""
+    daemons = [redsrv.ReducerDaemon(redsrv.DaemonSettings(host="127.0.0.1", port=0, close_timeout=2)) for _ in range(2)]
+    addresses = [f"{h}:{p}" for h, p in (d.start() for d in daemons)]
+    span_bytes = 8 * 2**20
+    size = 2 * span_bytes // 4
+    assert C.DEFAULT_RESULT_PIECE_BYTES == 512 * 2**10 and C.RAMP_FIRST_CHUNK_BYTES == 64 * 2**10
+    clients = [redsrv.Client(addresses, rank=r, world_size=2, job="ramp") for r in range(2)]
+    try:
+        futures = [c.allreduce_async(np.full(size, r + 1, dtype=np.float32), key=1) for r, c in enumerate(clients)]
+        for c, f in zip(clients, futures):
+            assert np.array_equal(c.wait(f), np.full(size, 3, dtype=np.float32))
+        poll(lambda: _chunks_closed(daemons, "ramp") == 2 * 8, 5, "16 chunks closed", every=0.01)
+    finally:
+        for c in clients:
+            c.close()
+        for d in daemons:
+            d.stop()

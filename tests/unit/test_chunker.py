@@ -10,11 +10,13 @@ from redsrv.core import chunker
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 10**7), st.integers(1, 64), st.integers(1, 10**6), st.integers(1, 10**5))
-def test_plan_covers_every_element_once_balanced(n: int, m: int, chunk: int, first: int) -> None:
+@given(st.integers(0, 10**7), st.integers(1, 64), st.integers(1, 10**6), st.integers(1, 10**5),
+       st.none() | st.integers(1, 10**6))
+def test_plan_covers_every_element_once_balanced(n: int, m: int, chunk: int, first: int, until: int | None) -> None:
     chunk = max(chunk, n // 5000)  # keep each example to a few thousand chunks
-    plan = chunker.plan(n, m, chunk, first)
-    assert plan == chunker.plan(n, m, chunk, first)  # every rank computes the same plan
+    plan = chunker.plan(n, m, chunk, first, ramp_until=until)
+    assert plan == chunker.plan(n, m, chunk, first, ramp_until=until)  # every rank computes the same plan
+    cap = chunk if until is None else min(chunk, until)
     # contiguous cover of [0, n) in order
     position = 0
     for c in plan:
@@ -33,17 +35,17 @@ def test_plan_covers_every_element_once_balanced(n: int, m: int, chunk: int, fir
         if not mine:
             continue
         sizes = [c.count for c in mine]
-        ramp = chunker.ramp(per_reducer[r], chunk, first)
-        assert ramp == [first << i for i in range(len(ramp))] and all(s < chunk for s in ramp)
+        ramp = chunker.ramp(per_reducer[r], chunk, first, until)
+        assert ramp == [first << i for i in range(len(ramp))] and all(s < cap for s in ramp)
         assert sizes[: len(ramp)] == ramp and sizes[len(sizes) - len(ramp):] == ramp[::-1]
         middle = sizes[len(ramp): len(sizes) - len(ramp)]
         assert middle and len(middle) == -(-(per_reducer[r] - 2 * sum(ramp)) // chunk)
         assert max(middle) - min(middle) <= 1
         if ramp:
             assert min(middle) >= 2 * ramp[-1] or min(middle) >= chunk // 2
-        # the ramp stops only at the full chunk size or when the middle would get too short
+        # the ramp stops only at the full chunk size (or ``until``) or when the middle would get too short
         grows = first << len(ramp)
-        assert grows >= chunk or per_reducer[r] - 2 * sum(ramp) < 4 * grows
+        assert grows >= cap or per_reducer[r] - 2 * sum(ramp) < 4 * grows
 
 
 def test_a_64_mib_float32_all_reduce_over_four_reducers_ramps_from_64_kib_to_1_mib() -> None:
@@ -51,6 +53,16 @@ def test_a_64_mib_float32_all_reduce_over_four_reducers_ramps_from_64_kib_to_1_m
     sizes = [c.count / kib for c in chunker.plan(16 * 2**20, 4, 1024 * kib, 64 * kib) if c.reducer == 0]
     assert sizes[:4] == [64, 128, 256, 512] and sizes[-4:] == [512, 256, 128, 64]
     assert len(sizes) == 23 and all(960 < s <= 1024 for s in sizes[4:-4])  # 16 MiB - 2 x 960 KiB in 15
+
+
+def test_a_ramp_told_to_stop_below_a_result_piece_leaves_the_rest_of_the_span_to_full_chunks() -> None:
+    """The plan of a 64 MiB float32 all-reduce over four reducers that cut through in 512 KiB
+    pieces (Client._cuts_through): 64, 128 and 256 KiB, then 4 MiB chunks, not a ramp on to 2 MiB."""
+    kib = 1024 // 4
+    plan = chunker.plan(64 * 2**18, 4, 4096 * kib, 64 * kib, ramp_until=512 * kib)
+    sizes = [c.count / kib for c in plan if c.reducer == 0]
+    assert sizes == [64, 128, 256, 3872, 3872, 3872, 3872, 256, 128, 64]
+    assert len(plan) == 40 and len(chunker.plan(64 * 2**18, 4, 4096 * kib, 64 * kib)) == 60
 
 
 @pytest.mark.parametrize(
@@ -73,6 +85,8 @@ def test_invalid_arguments() -> None:
         chunker.plan(10, 2, 0)
     with pytest.raises(ValueError):
         chunker.spans(-1, 2)
+    with pytest.raises(ValueError):
+        chunker.plan(10, 2, 4, 1, ramp_until=0)
 
 
 @settings(max_examples=300, deadline=None)
