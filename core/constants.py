@@ -114,10 +114,12 @@ MIN_SPAN_BYTES = 64 * 1024
 MIN_FULL_CHUNK_BYTES = 256 * 1024
 
 #: First (and last) chunk of a span's ramp: each span opens with chunks of this size, doubling up
-#: to the full chunk size, and closes with the mirror image. A reducer returns a chunk's sum once
-#: every worker's copy arrived, so results start flowing (and finish) one small chunk's time
+#: to the full chunk size, and closes with the mirror image. A reducer that returns a chunk's sum
+#: once every worker's copy arrived starts (and finishes) its results one small chunk's time
 #: after the pushes do, while the middle of the span travels in large chunks that cost little
-#: per byte. 64 KiB is ~2 ms over four reducers at 1 Gbit/s.
+#: per byte. 64 KiB is ~2 ms over four reducers at 1 Gbit/s. Where the reducers cut through, a
+#: chunk's sum leaves in pieces of DEFAULT_RESULT_PIECE_BYTES anyway, so the ramp stops below a
+#: piece (``Client._cuts_through``; docs/performance.md, "The ramp under cut-through").
 RAMP_FIRST_CHUNK_BYTES = 64 * 1024
 
 #: TCP connections per reducer. One: on the emulated 1 Gbit/s cluster two streams per reducer
