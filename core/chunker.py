@@ -12,7 +12,7 @@ copy of it arrived starts the results of the first chunk one small chunk's time 
 pushes do; the middle of the span travels in full chunks sized by :func:`full_chunk`, which
 bounds the tail. A reducer that cuts through returns a chunk's sum in pieces as every worker's
 bytes arrive, so a chunk larger than a piece starts and ends its results no sooner than one of a
-piece: there the ramp stops at the piece size (``ramp_until``, ``Client._submit``).
+piece: there the ramp stops below the piece size (``ramp_until``, ``Client._submit``).
 
 >>> [(c.reducer, c.index, c.start, c.stop) for c in plan(10, 3, 3)]
 [(0, 0, 0, 2), (0, 1, 2, 4), (1, 0, 4, 7), (2, 0, 7, 10)]

@@ -57,7 +57,8 @@ def test_a_64_mib_float32_all_reduce_over_four_reducers_ramps_from_64_kib_to_1_m
 
 def test_a_ramp_told_to_stop_below_a_result_piece_leaves_the_rest_of_the_span_to_full_chunks() -> None:
     """The plan of a 64 MiB float32 all-reduce over four reducers that cut through in 512 KiB
-    pieces (Client._cuts_through): 64, 128 and 256 KiB, then 4 MiB chunks, not a ramp on to 2 MiB."""
+    pieces (Client._cuts_through): 64, 128 and 256 KiB, then chunks of up to 4 MiB, not a ramp on
+    to 2 MiB."""
     kib = 1024 // 4
     plan = chunker.plan(64 * 2**18, 4, 4096 * kib, 64 * kib, ramp_until=512 * kib)
     sizes = [c.count / kib for c in plan if c.reducer == 0]
