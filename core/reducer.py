@@ -274,7 +274,7 @@ class ReducerCore(_MembershipRules):
             self._detach(ticket)
             return DISCARD
         self._mark_active(job, now)
-        step = min(C.ARRIVAL_STEP_BYTES, buffer.nbytes - ticket.limit)
+        step = ticket.next_step
         short = self._room_evicting(job, step, opening=False)
         if short is not None:
             if ticket.paused_at is None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from . import constants as C
 from .reducer_actions import Action
 from .reducer_buffers import _SharedBuffer
 from .reducer_chunks import _Closed, _OpenChunk, _Part
@@ -170,6 +171,12 @@ class PushTicket:
     window_bytes: int = 0
     slow_rate: float | None = None  # bytes/s over the last whole window, when under the minimum
     paused_at: float | None = None  # since when it waits for memory mid-payload
+
+    @property
+    def next_step(self) -> int:
+        """Bytes :meth:`ReducerCore.extend` funds next: a step, or what the payload has left
+        beyond ``limit`` (0 with no buffer)."""
+        return 0 if self.buffer is None else min(C.ARRIVAL_STEP_BYTES, self.buffer.nbytes - self.limit)
 
 
 @dataclass

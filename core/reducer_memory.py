@@ -210,8 +210,7 @@ class _MemoryRules:
                 # exactly at its share; where the share is not a whole number of steps, a fraction
                 # of a step below it: either way the step passes the share.
                 job = self._jobs.get(ticket.job)
-                step = 0 if ticket.buffer is None else min(C.ARRIVAL_STEP_BYTES, ticket.buffer.nbytes - ticket.limit)
-                if job is not None and job.bytes_held + step > share and now - ticket.paused_at >= grace:
+                if job is not None and job.bytes_held + ticket.next_step > share and now - ticket.paused_at >= grace:
                     ticket.slow_rate = 0.0
             elif now - ticket.window_at >= grace:
                 rate = (ticket.received - ticket.window_bytes) / (now - ticket.window_at)
