@@ -235,12 +235,13 @@ class ReducerCore(_MembershipRules):
                 self._evict_deliveries(list(self._jobs.values()),
                                        lambda: self.bytes_held_total + grant <= self.memory_budget_bytes)
             if job.bytes_held > 0 and job.bytes_held + grant > self.job_budget_bytes:
-                self._wait(conn, job, info.rank, now, self.budget_wait_timeout, False,
+                self._wait(conn, job, info.rank, now, self.budget_wait_timeout, grant, False,
                            f"job {job.name!r} holds {job.bytes_held} bytes of its budget of {self.job_budget_bytes}")
                 return None
-            short = self._room_evicting(job, grant, opening=True)
+            short = self._room_evicting(job, grant, opening=True, conn=conn)
             if short is not None:
-                self._wait(conn, job, info.rank, now, min(self.budget_wait_timeout, job.params.op_timeout_ms / 1000), *short)
+                self._wait(conn, job, info.rank, now, min(self.budget_wait_timeout, job.params.op_timeout_ms / 1000), grant,
+                           *short)
                 return None
         self._waiting.pop(conn, None)
         ticket = PushTicket(conn, info.job, info.rank, push, self._take(job, payload_len, charge=grant, lazy=stepwise),
@@ -275,12 +276,12 @@ class ReducerCore(_MembershipRules):
             return DISCARD
         self._mark_active(job, now)
         step = ticket.next_step
-        short = self._room_evicting(job, step, opening=False)
+        short = self._room_evicting(job, step, opening=False, conn=ticket.conn)
         if short is not None:
             if ticket.paused_at is None:
                 ticket.paused_at = now
             self._wait(ticket.conn, job, ticket.rank, now, min(self.budget_wait_timeout, job.params.op_timeout_ms / 1000),
-                       *short)
+                       step, *short)
             return WAIT_FOR_MEMORY
         self._waiting.pop(ticket.conn, None)
         self._charge(job, step)

@@ -187,6 +187,7 @@ class _Wait:
     rank: int
     since: float
     limit: float  # seconds it may wait before it is refused with OVERLOADED
+    claim: int  # the bytes it waits for
     why: str
     within_share: bool  # the claim is within its job's fair share (_MemoryRules._room): the budget owes it
 

@@ -10,6 +10,7 @@ the rest of the core, no socket, thread or clock.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -76,61 +77,91 @@ class _MemoryRules:
         at least ``constants.MIN_FAIR_SHARE_BYTES``."""
         return max(self.memory_budget_bytes // max(1, len(self._active)), C.MIN_FAIR_SHARE_BYTES)
 
-    def _room(self, job: _Job, nbytes: int, *, opening: bool) -> tuple[bool, str] | None:
+    def _room(self, job: _Job, nbytes: int, *, opening: bool, conn: int) -> tuple[bool, str] | None:
         """``None`` when ``job`` may take ``nbytes`` more of the reducer's memory now; else
-        (whether the claim is owed to a job within its fair share, why it must wait). Within its
-        share a job needs only the memory to be there; beyond it, it may use only what leaves
-        every other active job room to reach its own share.
+        (whether the claim is owed to a job within its fair share, why it must wait). A claim that
+        ends within its job's share needs only the memory to be there; whatever part of a claim
+        lies beyond the share may use only what leaves every other active job room to reach its
+        own share (:meth:`_kept_for_others`).
 
-        A push that opens a chunk (``opening``) is within its job's share while the job holds
-        less than its share, even where the push takes it past the share (by one chunk at most,
-        4 MiB): a share is rarely a whole number of chunks (1 GiB over 201 jobs is 5.1 MiB), and
-        where "within" meant "within after the claim", a job a fraction of a chunk below its share
-        could not open its next one, did not count as within its share, so declared no pressure,
-        and waited with the memory left over idle until the waits timed out (with
-        :meth:`_room_evicting`'s case, why a new job's first step took 236 s under the fair-share
-        attack with 16 MiB steps, docs/reliability.md, "Fair shares"). The next step of a push
-        funded as it arrives stays within only where it ends within the share: such a push
-        already holds memory mid-payload, and letting it past its share handed the memory a new
-        job would open its first chunk with to the slow pushes a fraction below theirs (that
-        job's first step then waited seconds for them to be reclaimed)."""
+        A push that opens a chunk (``opening``) is owed to its job while the job holds less than
+        its share, even where it takes the job past the share (by one chunk at most, 4 MiB): a
+        share is rarely a whole number of chunks (1 GiB over 201 jobs is 5.1 MiB), and where
+        "within" meant "within after the claim", a job a fraction of a chunk below its share
+        did not count as within it, so declared no pressure, and waited with the memory left over
+        idle until the waits timed out (with :meth:`_room_evicting`'s case, why a new job's first
+        step took 236 s under the fair-share attack with 16 MiB steps, docs/reliability.md, "Fair
+        shares"). Owed, such a claim declares pressure while it waits, but the part past the share
+        is not exempt from the other jobs' shares: where it was, a slow push announcing a whole
+        4 MiB chunk against a 1 MiB share took the memory a new job's steps needed, and that job
+        waited a slow-push verdict (10 s) for every step. The next step of a push funded as it
+        arrives is owed only where it ends within the share: such a push already holds memory
+        mid-payload, and letting it past its share handed the memory a new job would open its
+        first chunk with to the slow pushes a fraction below theirs."""
         held, total, budget = job.bytes_held, self.bytes_held_total, self.memory_budget_bytes
         share = self.fair_share()
-        within = held < share if opening else held + nbytes <= share
+        owed = held < share if opening else held + nbytes <= share
         if total + nbytes > budget:
-            return within, (f"the reducer holds {total} bytes of its memory budget of {budget} (--memory-budget) over "
-                            f"every job; job {job.name!r} holds {held} of its fair share of {share} "
-                            f"({len(self._active)} active jobs)")
-        if within:
+            return owed, (f"the reducer holds {total} bytes of its memory budget of {budget} (--memory-budget) over "
+                          f"every job; job {job.name!r} holds {held} of its fair share of {share} "
+                          f"({len(self._active)} active jobs)")
+        if held + nbytes <= share:
             return None
-        kept = sum(max(0, share - other.bytes_held) for other in self._active.values() if other is not job)
+        kept = self._kept_for_others(job, share, conn)
         if total + nbytes + kept <= budget:
             return None
-        return False, (f"job {job.name!r} holds {held} bytes, over its fair share of {share} of the memory budget of "
-                       f"{budget} (--memory-budget, {len(self._active)} active jobs); {kept} bytes are kept for the "
-                       "other jobs' shares")
+        return owed, (f"job {job.name!r} holds {held} bytes, and {nbytes} more would take it past its fair share of "
+                      f"{share} of the memory budget of {budget} (--memory-budget, {len(self._active)} active jobs); "
+                      f"{kept} bytes are kept for the other jobs' shares")
 
+    def _kept_for_others(self, job: _Job, share: int, conn: int) -> int:
+        """What the other active jobs lack of their fair shares: memory a claim past ``job``'s
+        share, on connection ``conn``, must leave free. A job whose waiting claims would each take
+        it past its own share keeps nothing against a claim that goes before it: among claims
+        past a share the job holding less goes first, and of jobs holding alike the one that
+        waited longer (the connection breaks a tie). Were such jobs kept their shares regardless,
+        jobs whose chunks are larger than their shares would keep the memory for one another and
+        all wait, with it idle, until refused."""
+        own = self._waiting.get(conn)
+        place = (job.bytes_held, math.inf if own is None else own.since, conn)
+        waits: dict[str, tuple[bool, tuple[int, float, int]]] = {}  # job -> (every claim past its share, its place)
+        for other_conn, wait in self._waiting.items():
+            other = self._jobs.get(wait.job)
+            if other is None:
+                continue
+            past = other.bytes_held + wait.claim > share
+            entry = (other.bytes_held, wait.since, other_conn)
+            was_past, first = waits.get(wait.job, (True, entry))
+            waits[wait.job] = (was_past and past, min(first, entry))
 
-    def _room_evicting(self, job: _Job, nbytes: int, *, opening: bool) -> tuple[bool, str] | None:
+        def behind(other: _Job) -> bool:
+            past, other_place = waits.get(other.name, (False, place))
+            return past and other_place > place
+
+        return sum(max(0, share - other.bytes_held) for other in self._active.values()
+                   if other is not job and not behind(other))
+
+    def _room_evicting(self, job: _Job, nbytes: int, *, opening: bool, conn: int) -> tuple[bool, str] | None:
         """:meth:`_room`, after dropping the results kept for ``job``'s own ranks that they have
         not acknowledged, where that makes the room. A worker's acknowledgements come behind its
         next push, which is not read while it waits for memory: a job whose share its own
         delivered results filled waited on itself, with no job within its share waiting and so
         nothing reclaimed, until the waits timed out (236 s under the fair-share attack with
         16 MiB steps, docs/reliability.md, "Fair shares")."""
-        short = self._room(job, nbytes, opening=opening)
+        short = self._room(job, nbytes, opening=opening, conn=conn)
         if short is not None:
-            self._evict_deliveries([job], lambda: self._room(job, nbytes, opening=opening) is None)
-            short = self._room(job, nbytes, opening=opening)
+            self._evict_deliveries([job], lambda: self._room(job, nbytes, opening=opening, conn=conn) is None)
+            short = self._room(job, nbytes, opening=opening, conn=conn)
         return short
 
-    def _wait(self, conn: int, job: _Job, rank: int, now: float, limit: float, within_share: bool, why: str) -> None:
+    def _wait(self, conn: int, job: _Job, rank: int, now: float, limit: float, claim: int, within_share: bool,
+              why: str) -> None:
         wait = self._waiting.get(conn)
         if wait is None:
-            self._waiting[conn] = _Wait(job.name, rank, now, limit, why, within_share)
+            self._waiting[conn] = _Wait(job.name, rank, now, limit, claim, why, within_share)
             self.stats(job.name).memory_waits += 1
         else:
-            wait.why, wait.within_share = why, within_share
+            wait.claim, wait.why, wait.within_share = claim, why, within_share
 
 
     def _evict_deliveries(self, jobs: list[_Job], enough: Callable[[], bool]) -> None:

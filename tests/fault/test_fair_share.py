@@ -59,6 +59,34 @@ def test_a_legitimate_job_trains_through_a_slow_push_attack(procs) -> None:  # t
     # (a budget the attackers fill at exactly their shares).
 
 
+def test_slow_pushes_announcing_whole_chunks_leave_a_new_job_its_share(procs) -> None:  # type: ignore[no-untyped-def]
+    """Eight slow pushes announcing 4 MiB, a whole chunk and so funded whole at its header, each a
+    job of its own, against an 8 MiB budget (a 1 MiB share each once the job comes): the fair-share
+    smoke's attack (tests/bench/test_sessions_smoke.py) with the grace shrunk. A push below its
+    share that opens a chunk is owed it, but the part past the share must leave every other job
+    room for its share. Before, it did not have to: two slow pushes held the budget whenever the
+    job's step had ended, and each step waited for one of them to be judged slow (two grace
+    windows: the first one still holds the megabyte it sent at once), 10 s a step with the
+    default grace, and longer where a replacement got the memory first. Now the job's share is
+    kept for it between steps: 20 exact steps, their median under one grace window, none over
+    their time alone plus two grace windows and a second."""
+    budget = 8 * MIB
+    reducer = procs.start_reducer("--memory-budget", str(budget), env={
+        "REDSRV_JOB_BUDGET_BYTES": str(budget), "REDSRV_SLOW_PUSH_GRACE": str(GRACE)})
+    alone = timed_steps([reducer.address], "legit-alone", steps=5, count=STEP_FLOATS)
+    assert alone.steps == 5 and not alone.failed and not alone.wrong, alone.errors
+    spec = AttackSpec(connections=8, announce=4 * MIB, send=MIB, trickle=0.3)
+    with SlowPushAttack(reducer.address, spec) as attack:
+        assert attack.ready.wait(60), "the attackers never sent their first part"
+        # Attackers hold the memory and others wait for it: the reducer says who holds it.
+        poll(lambda: any("memory contended" in line for line in reducer.log), 20, "the attack to hold the memory")
+        attacked = timed_steps([reducer.address], "legit", steps=20, count=STEP_FLOATS, op_timeout=60)
+    assert attacked.steps == 20 and not attacked.failed and not attacked.wrong, attacked.errors
+    assert attacked.median_ms < GRACE * 1000, f"steps during the attack {attacked.step_s}, alone {alone.step_s}"
+    bound = max(alone.step_s) + 2 * GRACE + 1.0
+    assert max(attacked.step_s) < bound, f"steps during the attack {attacked.step_s}, alone {alone.step_s}"
+
+
 def test_a_job_whose_steps_span_many_chunks_trains_through_a_slow_push_attack(procs) -> None:  # type: ignore[no-untyped-def]
     """The attack above against a job whose step (8 MiB in 1 MiB chunks) is several times its
     fair share (48 MiB over 41 jobs: 1.17 MiB). A share is then not a whole number of claims:

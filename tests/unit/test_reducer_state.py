@@ -818,7 +818,7 @@ def test_a_job_within_its_fair_share_gets_memory_a_job_over_it_waits_for() -> No
     assert isinstance(first_b, PushTicket) and core.fair_share() == 4 * MIB
     assert open_push(core, "a", 0, MIB, key=99) is None, "a holds 6 MiB, over its share, with b's share kept for b"
     (wait,) = core._waiting.values()
-    assert "over its fair share of 4194304" in wait.why and not wait.within_share
+    assert "past its fair share of 4194304" in wait.why and not wait.within_share
     assert isinstance(open_push(core, "b", 0, MIB, key=2), PushTicket), "b is within its share: it is served first"
     assert core.stats("a").memory_waits == 1 and core.stats("b").memory_waits == 0
 
@@ -942,10 +942,12 @@ def test_a_push_paused_over_its_share_under_pressure_is_dropped_after_the_grace(
 def test_a_job_a_fraction_of_a_claim_below_its_share_is_owed_its_next_claim() -> None:
     """Two jobs on a 7 MiB budget: each share is 3.5 MiB, not a whole number of 1 MiB claims.
     Each holds 3 MiB in chunks that wait for their second rank. A fourth claim takes a job past
-    its share, yet a job below its share is owed it. With "within its share after the claim"
-    neither job counted as within it: the free megabyte sat idle and, no job being within its
-    share, no pressure was declared and nothing slow was reclaimed until the waits timed out
-    (under the fair-share attack with 16 MiB steps a new job's first step took 236 s)."""
+    its share, yet a job below its share is owed it: it declares pressure while it waits. With
+    "within its share after the claim" neither job counted as within it: the free megabyte sat
+    idle and, no job being within its share, no pressure was declared and nothing slow was
+    reclaimed until the waits timed out (under the fair-share attack with 16 MiB steps a new
+    job's first step took 236 s). The half megabyte past a's share is b's while b may still
+    claim it; once both wait past their shares, the first to wait is served."""
     core = shared_core(7, {"a": 2, "b": 2})
     for job in ("a", "b"):
         for key in range(3):
@@ -955,12 +957,67 @@ def test_a_job_a_fraction_of_a_claim_below_its_share_is_owed_its_next_claim() ->
             core.progress(ticket, MIB, 0.0)
             core.finish_push(ticket, 0.0)
     assert core.fair_share() == 7 * MIB // 2 and core.bytes_held_total == 6 * MIB and core.open_chunks("a") == 3
-    fourth = open_push(core, "a", 0, MIB, key=3)
-    assert isinstance(fourth, PushTicket) and core.bytes_held("a") == 4 * MIB, "a is below its share: owed the claim"
-    assert open_push(core, "b", 0, MIB, key=3) is None, "the budget is full"
-    assert core.memory().pressure, "b waits below its share: pressure, under which slow pushes are reclaimed"
+    assert open_push(core, "a", 0, MIB, key=3, now=0.1) is None, "half of it would be b's share"
+    assert core.memory().pressure, "a waits below its share: pressure, under which slow pushes are reclaimed"
+    assert "524288 bytes are kept for the other jobs' shares" in core._waiting[conn_id("a", 0)].why
+    assert open_push(core, "b", 0, MIB, key=3, now=0.2) is None, "a waited first"
+    fourth = open_push(core, "a", 0, MIB, key=3, now=0.2)  # asked again: b waits past its share too
+    assert isinstance(fourth, PushTicket) and core.bytes_held("a") == 4 * MIB
+    assert open_push(core, "b", 0, MIB, key=3, now=0.3) is None and core._waiting[conn_id("b", 0)].within_share
     assert open_push(core, "a", 1, MIB, key=9) is None
     assert not core._waiting[conn_id("a", 1)].within_share, "a, past its share, waits as a job over it"
+
+
+def step_of(core: ReducerCore, job: str, world: int, nbytes: int, key: int, now: float) -> float:
+    """Every rank of ``job`` pushes ``nbytes`` for ``key``; each result is sent (its memory
+    freed). Returns the sum's value (rank r pushes r + 1)."""
+    actions: list = []  # type: ignore[type-arg]
+    for rank in range(world):
+        got = push(core, rank, np.full(nbytes // 4, rank + 1, np.float32), key=key, job=job, now=now)
+        assert isinstance(got, list) and not errors(got), got
+        actions += got
+    results = [a for a in actions if isinstance(a, SendResult)]
+    values = {float(np.frombuffer(bytes(r.data), np.float32)[0]) for r in results}
+    for result in results:
+        for _ in result.conns:
+            result.release()
+    (value,) = values
+    return value
+
+
+def test_slow_pushes_of_a_chunk_larger_than_their_share_leave_the_other_jobs_shares_free() -> None:
+    """The fair-share smoke's attack (``redsrv bench sessions --only fair_share --attack-announce
+    4MiB --memory-budget 8MiB``): eight slow pushes, each a job of its own, announce a whole
+    4 MiB chunk, funded whole at its header, against a 1 MiB share of an 8 MiB budget. A push
+    below its share opening a chunk is owed it, but the part past the share leaves the other
+    jobs room for theirs: one slow push holds 4 MiB, the others wait (declaring pressure), and
+    job j's next step is served at once. Before, such a push took memory whatever the other
+    shares, two of them held the whole budget and each of j's steps waited for one to be judged
+    slow (10 s in the smoke, which failed CI when a step waited longer still)."""
+    core = shared_core(8, {"j": 2, **{f"x{i}": 1 for i in range(8)}}, piece_bytes=0)
+    assert step_of(core, "j", 2, 64 * 1024, key=1, now=0.0) == 3.0
+    funded = [x for x in range(8) if isinstance(open_push(core, f"x{x}", 0, 4 * MIB, key=1, now=0.1), PushTicket)]
+    assert funded == [0] and core.fair_share() == MIB and core.bytes_held_total == 4 * MIB
+    assert core.memory().pressure and all(w.within_share for w in core._waiting.values())
+    assert "kept for the other jobs' shares" in core._waiting[conn_id("x1", 0)].why
+    assert step_of(core, "j", 2, 64 * 1024, key=2, now=0.2) == 3.0, "j's share was kept for it"
+
+
+def test_jobs_whose_chunks_exceed_their_shares_do_not_keep_the_memory_for_one_another() -> None:
+    """Three jobs each open 4 MiB chunks against 1.7 MiB shares of a 5 MiB budget: each claim
+    is past its share and each job lacks its share. Were every job kept its share against the
+    others, each claim would wait for the others' shares and the free budget would sit idle until
+    the waits were refused; the job that waited first is served, and the others wait for it."""
+    core = shared_core(5, {"a": 2, "b": 2, "c": 2}, piece_bytes=0)
+    for key, job in enumerate("abc"):
+        assert step_of(core, job, 2, 64 * 1024, key=key, now=0.0) == 3.0
+    for when, job in enumerate("abc"):
+        assert open_push(core, job, 0, 4 * MIB, key=10, now=0.1 + when / 10) is None, f"{job}: the others' shares are kept"
+    assert core.memory().pressure
+    for job in "cba":  # asked again, in any order: a waited first
+        got = open_push(core, job, 0, 4 * MIB, key=10, now=0.5)
+        assert isinstance(got, PushTicket) == (job == "a"), job
+    assert core.bytes_held("a") == 4 * MIB and core.memory().waiting == 2
 
 
 def test_a_paused_push_does_not_take_a_step_past_its_share_and_gives_way_to_a_job_within_it() -> None:
