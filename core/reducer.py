@@ -184,10 +184,11 @@ class ReducerCore(_MembershipRules):
         refuses it once it waited its operation timeout).
 
         Memory (docs/reliability.md, "Fair shares"): a push that opens a chunk needs room in its
-        job's budget and in the reducer-wide one (:meth:`_room_evicting`: within its fair share,
-        which such a push is while its job holds less than the share, a job needs only the memory
-        to be there; beyond it, only what leaves every other active job room to reach its own
-        share; results kept for the job's own reconnect give way first). Pushes to an open chunk
+        job's budget and in the reducer-wide one (:meth:`_room_evicting`: a claim ending within
+        its job's fair share needs only the memory to be there; its part beyond the share, only
+        what leaves every other active job room to reach its own share; such a push is owed while
+        its job holds less than the share; results kept for the job's own reconnect give way
+        first). Pushes to an open chunk
         join it whatever the budgets. A push announcing more than
         ``constants.WHOLE_FUNDING_MAX_BYTES`` is funded one step (``constants.ARRIVAL_STEP_BYTES``)
         at a time as its bytes arrive (:meth:`extend`) where its bytes join the chunk as they come

@@ -107,21 +107,27 @@ class _MemoryRules:
                           f"({len(self._active)} active jobs)")
         if held + nbytes <= share:
             return None
-        kept = self._kept_for_others(job, share, conn)
+        kept = self._kept_for_others(job, share, conn, owed)
         if total + nbytes + kept <= budget:
             return None
         return owed, (f"job {job.name!r} holds {held} bytes, and {nbytes} more would take it past its fair share of "
                       f"{share} of the memory budget of {budget} (--memory-budget, {len(self._active)} active jobs); "
                       f"{kept} bytes are kept for the other jobs' shares")
 
-    def _kept_for_others(self, job: _Job, share: int, conn: int) -> int:
+    def _kept_for_others(self, job: _Job, share: int, conn: int, owed: bool) -> int:
         """What the other active jobs lack of their fair shares: memory a claim past ``job``'s
-        share, on connection ``conn``, must leave free. A job whose waiting claims would each take
-        it past its own share keeps nothing against a claim that goes before it: among claims
-        past a share the job holding less goes first, and of jobs holding alike the one that
-        waited longer (the connection breaks a tie). Were such jobs kept their shares regardless,
-        jobs whose chunks are larger than their shares would keep the memory for one another and
-        all wait, with it idle, until refused."""
+        share, on connection ``conn``, must leave free. Owed claims (pushes opening a chunk below
+        their job's share) are the exception among themselves: a job whose waiting claims are
+        all owed and would each take it past its share keeps nothing against an owed claim that
+        goes before it: the job holding less goes first, and of jobs holding alike the one that
+        waited longer (the connection breaks a tie). Were such jobs kept their shares
+        regardless, jobs whose chunks are larger than their shares would keep the memory for one
+        another and all wait, with it idle, until refused. A paused step past its job's share is
+        owed nothing and leaves every other share whole, as before: were the slow pushes of the
+        fair-share attack, each paused a fraction of a step below its share, let past it by one
+        another, they would hold past their shares the memory a new job waits for."""
+        if not owed:
+            return sum(max(0, share - other.bytes_held) for other in self._active.values() if other is not job)
         own = self._waiting.get(conn)
         place = (job.bytes_held, math.inf if own is None else own.since, conn)
         waits: dict[str, tuple[bool, tuple[int, float, int]]] = {}  # job -> (every claim past its share, its place)
@@ -129,7 +135,7 @@ class _MemoryRules:
             other = self._jobs.get(wait.job)
             if other is None:
                 continue
-            past = other.bytes_held + wait.claim > share
+            past = wait.within_share and other.bytes_held + wait.claim > share
             entry = (other.bytes_held, wait.since, other_conn)
             was_past, first = waits.get(wait.job, (True, entry))
             waits[wait.job] = (was_past and past, min(first, entry))
