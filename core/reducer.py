@@ -188,8 +188,7 @@ class ReducerCore(_MembershipRules):
         its job's fair share needs only the memory to be there; its part beyond the share, only
         what leaves every other active job room to reach its own share; such a push is owed while
         its job holds less than the share; results kept for the job's own reconnect give way
-        first). Pushes to an open chunk
-        join it whatever the budgets. A push announcing more than
+        first). Pushes to an open chunk join it whatever the budgets. A push announcing more than
         ``constants.WHOLE_FUNDING_MAX_BYTES`` is funded one step (``constants.ARRIVAL_STEP_BYTES``)
         at a time as its bytes arrive (:meth:`extend`) where its bytes join the chunk as they come
         (every rank contributes, a sum-like op: cut-through). Every other push is funded whole at

@@ -130,7 +130,7 @@ class _MemoryRules:
             return sum(max(0, share - other.bytes_held) for other in self._active.values() if other is not job)
         own = self._waiting.get(conn)
         place = (job.bytes_held, math.inf if own is None else own.since, conn)
-        waits: dict[str, tuple[bool, tuple[int, float, int]]] = {}  # job -> (every claim past its share, its place)
+        waits: dict[str, tuple[bool, tuple[int, float, int]]] = {}  # job -> (every claim owed and past its share, its place)
         for other_conn, wait in self._waiting.items():
             other = self._jobs.get(wait.job)
             if other is None:
